@@ -1,0 +1,203 @@
+"""JSONL -> Megatron `.bin/.idx`, the library half of `launch/preprocess_data.py`.
+
+Lines are read in chunks and tokenized by a pool of worker processes; results come back in input
+order and one writer appends them, so the output does not depend on the number of workers.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jax3d.data.indexed import DataError, IndexedDatasetBuilder, best_dtype
+from jax3d.data.tokenizers import build_tokenizer
+
+# Split after . ! ? when whitespace and then an upper-case letter, digit or opening quote follow,
+# and on blank lines. Good enough for English prose without needing punkt (a network download).
+_SENTENCE_RE = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[A-Z0-9])|\n\s*\n")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split `text` into sentences with a small regex; empty pieces are dropped."""
+    return [s.strip() for s in _SENTENCE_RE.split(text) if s and s.strip()]
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a worker process needs to rebuild the tokenizer (tokenizers do not pickle cheaply)."""
+    tokenizer_type: str
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_file: str | None = None
+
+    def build(self):
+        return build_tokenizer(self.tokenizer_type, self.vocab_file, self.merge_file,
+                               self.tokenizer_file)
+
+
+@dataclass
+class PreprocessSummary:
+    """Counts from one preprocessing run."""
+    documents: int = 0
+    skipped_lines: int = 0
+    empty_documents: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: list = field(default_factory=list)
+
+    @property
+    def docs_per_second(self) -> float:
+        return self.documents / max(self.seconds, 1e-9)
+
+
+_WORKER = {}
+
+
+def _init_worker(spec, json_keys, append_eod, sentences):
+    tok = spec.build()
+    _WORKER.update(tok=tok, keys=json_keys, eod=append_eod, sentences=sentences)
+
+
+def _encode_chunk(job):
+    """Tokenize a chunk `(lines, nbytes)` of (line_no, line). Returns (per line either
+    ('bad', no, why) or ('ok', {key: [sentence token arrays]}), nbytes)."""
+    chunk, nbytes = job
+    tok, keys = _WORKER["tok"], _WORKER["keys"]
+    dtype = best_dtype(tok.vocab_size)
+    out = []
+    for line_no, line in chunk:
+        if not line.strip():
+            out.append(("bad", line_no, "blank line"))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            out.append(("bad", line_no, f"invalid JSON ({e.msg} at column {e.colno})"))
+            continue
+        if not isinstance(obj, dict):
+            out.append(("bad", line_no, f"expected a JSON object, got {type(obj).__name__}"))
+            continue
+        missing = [k for k in keys if not isinstance(obj.get(k), str)]
+        if missing:
+            out.append(("bad", line_no, f"no string field {missing[0]!r}"))
+            continue
+        doc = {}
+        for k in keys:
+            pieces = split_sentences(obj[k]) if _WORKER["sentences"] else [obj[k]]
+            ids = [tok.tokenize(p) for p in pieces]
+            ids = [s for s in ids if s]
+            if ids and _WORKER["eod"]:
+                ids[-1].append(tok.eod)
+            doc[k] = [np.asarray(s, dtype=dtype) for s in ids]
+        out.append(("ok", doc))
+    return out, nbytes
+
+
+def _chunks(path, chunk_lines):
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        chunk, nbytes = [], 0
+        for no, line in enumerate(f, start=1):
+            chunk.append((no, line))
+            nbytes += len(line)
+            if len(chunk) == chunk_lines:
+                yield chunk, nbytes
+                chunk, nbytes = [], 0
+        if chunk:
+            yield chunk, nbytes
+
+
+def output_prefix_for(output_prefix: str, key: str, split_sentences_: bool) -> str:
+    """Megatron's output naming: `<prefix>_<key>_document` or `<prefix>_<key>_sentence`."""
+    return f"{output_prefix}_{key}_{'sentence' if split_sentences_ else 'document'}"
+
+
+def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSpec,
+                     json_keys=("text",), append_eod: bool = False, split_sentences_: bool = False,
+                     workers: int = 1, on_bad_line: str = "fail", chunk_lines: int = 256,
+                     progress: bool = True, log=sys.stderr) -> PreprocessSummary:
+    """Tokenize a JSONL file into one indexed dataset per JSON key.
+
+    A bad line (not JSON, not an object, key missing) is reported to `log` with its line number and
+    then skipped (`on_bad_line="skip"`) or raises `DataError` (`"fail"`). Documents that tokenize to
+    nothing are left out and counted. Returns a `PreprocessSummary`.
+    """
+    if on_bad_line not in ("skip", "fail"):
+        raise DataError(f"--on-bad-line {on_bad_line} is not valid; choose skip or fail.")
+    if workers < 1:
+        raise DataError(f"--workers {workers} must be at least 1.")
+    if not os.path.isfile(input_path):
+        raise DataError(f"--input {input_path} does not exist or is not a file.")
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    if not os.path.isdir(out_dir):
+        raise DataError(f"--output-prefix {output_prefix}: directory {out_dir} does not exist.")
+    json_keys = list(json_keys)
+    tok = tokenizer.build()  # fail here, once, on bad vocab files; also fixes the dtype
+    if append_eod and tok.eod is None:
+        raise DataError(f"--append-eod needs an end-of-document token but {tokenizer.tokenizer_type} "
+                        "has none.")
+    dtype = best_dtype(tok.vocab_size)
+    summary = PreprocessSummary()
+    prefixes = {k: output_prefix_for(output_prefix, k, split_sentences_) for k in json_keys}
+    builders = {k: IndexedDatasetBuilder(p, dtype) for k, p in prefixes.items()}
+    init_args = (tokenizer, json_keys, append_eod, split_sentences_)
+    start = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True,
+                   desc="preprocess", file=sys.stderr)
+    pool = None
+    try:
+        chunks = _chunks(input_path, chunk_lines)
+        if workers == 1:
+            _init_worker(*init_args)
+            results = map(_encode_chunk, chunks)
+        else:
+            # spawn, not fork: the caller may hold JAX or tokenizer threads that fork would copy.
+            pool = mp.get_context("spawn").Pool(workers, _init_worker, init_args)
+            results = pool.imap(_encode_chunk, chunks, chunksize=1)
+        for encoded, nbytes in results:
+            for item in encoded:
+                if item[0] == "bad":
+                    _, no, why = item
+                    summary.skipped_lines += 1
+                    if on_bad_line == "fail":
+                        raise DataError(f"{input_path} line {no}: {why}; fix the line or pass "
+                                        "--on-bad-line skip.")
+                    print(f"{input_path} line {no}: {why}; skipped.", file=log)
+                    continue
+                doc = item[1]
+                if not any(doc[k] for k in json_keys):
+                    summary.empty_documents += 1
+                    continue
+                for k in json_keys:
+                    for sent in doc[k]:
+                        builders[k].add_item(sent)
+                        summary.tokens += sent.size
+                    builders[k].end_document()
+                summary.documents += 1
+            if bar is not None:
+                bar.update(nbytes)
+    except BaseException:
+        # A failed run must not leave a .bin that looks like a finished dataset.
+        for k, b in builders.items():
+            b.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if bar is not None:
+            bar.close()
+    for b in builders.values():
+        b.finalize()
+    summary.seconds = time.perf_counter() - start
+    summary.outputs = list(prefixes.values())
+    return summary
+

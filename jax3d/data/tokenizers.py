@@ -1,0 +1,159 @@
+"""Tokenizers by Megatron's names, all backed by HF `tokenizers`, plus training small vocabularies.
+
+Every tokenizer exposes `vocab_size`, `tokenize(text) -> list[int]`, `detokenize(ids)`, `eod`;
+the BERT ones also `cls`, `sep`, `mask`, `pad`.
+"""
+from __future__ import annotations
+
+import os
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from jax3d.data.indexed import DataError
+
+GPT2_EOD = "<|endoftext|>"
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "HFTokenizer")
+
+
+def _need_file(path, flag):
+    if path is None:
+        raise DataError(f"{flag} is required for this tokenizer type; pass the vocabulary file.")
+    if not os.path.exists(path):
+        raise DataError(f"{flag} {path} does not exist; pass an existing file or train one with "
+                        "launch/train_tokenizer.py.")
+    return path
+
+
+class _HFBacked:
+    """Shared interface over a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`, without any special tokens added."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def detokenize(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def _id(self, token):
+        return self.tok.token_to_id(token)
+
+
+class GPT2BPETokenizer(_HFBacked):
+    """Byte-level BPE from GPT-2's `vocab.json` + `merges.txt`; `eod` is `<|endoftext|>`."""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        model = models.BPE.from_file(vocab_file, merge_file)
+        tok = Tokenizer(model)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        super().__init__(tok)
+        if self._id(GPT2_EOD) is None:
+            raise DataError(f"{vocab_file} has no {GPT2_EOD} token; GPT-2 vocabularies need it as "
+                            "end-of-document, retrain with launch/train_tokenizer.py.")
+        tok.add_special_tokens([GPT2_EOD])
+        self.eod = self._id(GPT2_EOD)
+
+
+class _BertWordPiece(_HFBacked):
+    lower_case = True
+
+    def __init__(self, vocab_file: str):
+        tok = Tokenizer(models.WordPiece.from_file(vocab_file, unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=self.lower_case, strip_accents=None,
+                                                    clean_text=True, handle_chinese_chars=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        super().__init__(tok)
+        missing = [t for t in BERT_SPECIALS if self._id(t) is None]
+        if missing:
+            raise DataError(f"{vocab_file} lacks BERT special tokens {missing}; use a BERT vocab.txt "
+                            "or train one with launch/train_tokenizer.py --type wordpiece.")
+        tok.add_special_tokens(BERT_SPECIALS)
+        self.cls, self.sep, self.mask, self.pad, self.unk = (
+            self._id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]"))
+        # Megatron's BERT tokenizers have no end-of-document token; documents are separated by index.
+        self.eod = self.sep
+
+
+class BertWordPieceLowerCase(_BertWordPiece):
+    """BERT WordPiece from `vocab.txt`, lower-casing input."""
+    lower_case = True
+
+
+class BertWordPieceCase(_BertWordPiece):
+    """BERT WordPiece from `vocab.txt`, case preserved."""
+    lower_case = False
+
+
+class HFTokenizer(_HFBacked):
+    """Any HF `tokenizer.json`; `eod` is the first of the usual end-of-text tokens it has."""
+
+    def __init__(self, tokenizer_file: str):
+        super().__init__(Tokenizer.from_file(tokenizer_file))
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        self.eod = next((vocab[t] for t in (GPT2_EOD, "</s>", "<eos>", "[SEP]") if t in vocab), None)
+        for name, t in (("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"), ("pad", "[PAD]")):
+            setattr(self, name, vocab.get(t))
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None,
+                    merge_file: str | None = None, tokenizer_file: str | None = None):
+    """Build a tokenizer by Megatron's `--tokenizer-type` name from its vocabulary files."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(_need_file(vocab_file, "--vocab-file"),
+                                _need_file(merge_file, "--merge-file"))
+    if tokenizer_type == "BertWordPieceLowerCase":
+        return BertWordPieceLowerCase(_need_file(vocab_file, "--vocab-file"))
+    if tokenizer_type == "BertWordPieceCase":
+        return BertWordPieceCase(_need_file(vocab_file, "--vocab-file"))
+    if tokenizer_type == "HFTokenizer":
+        return HFTokenizer(_need_file(tokenizer_file, "--tokenizer-file"))
+    raise DataError(f"--tokenizer-type {tokenizer_type} is not supported; choose one of "
+                    f"{', '.join(TOKENIZER_TYPES)}.")
+
+
+def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_size: int = 4096,
+                    lower_case: bool = True, min_frequency: int = 2, texts=None) -> dict:
+    """Train a byte-level BPE (`vocab.json` + `merges.txt`) or WordPiece (`vocab.txt`) on local text.
+
+    `texts`, if given, is an iterator of strings used instead of `files`. Returns the written paths,
+    keyed by the matching `build_tokenizer` argument names.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                      special_tokens=[GPT2_EOD], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    elif kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=None)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                            special_tokens=BERT_SPECIALS, show_progress=False)
+    else:
+        raise DataError(f"--type {kind} is not a tokenizer kind; choose bpe or wordpiece.")
+    if texts is not None:
+        tok.train_from_iterator(texts, trainer)
+    else:
+        for f in files:
+            _need_file(f, "--input")
+        tok.train(files, trainer)
+    if kind == "bpe":
+        vocab, merges = tok.model.save(out_dir)
+        return {"vocab_file": vocab, "merge_file": merges}
+    (vocab,) = tok.model.save(out_dir)
+    return {"vocab_file": vocab}
