@@ -85,6 +85,14 @@ class IndexedDatasetBuilder:
         self._bin.write(arr.tobytes(order="C"))
         self._sizes.append(int(arr.size))
 
+    def add_chunk(self, tokens, sizes, seqs_per_doc) -> None:
+        """Append many whole documents at once: flat `tokens`, each sequence's size, and how many
+        sequences each document has (equivalent to add_item/end_document calls, but one write)."""
+        self._bin.write(np.asarray(tokens, dtype=self.dtype).tobytes(order="C"))
+        base = len(self._sizes)
+        self._sizes.extend(np.asarray(sizes).tolist())
+        self._doc_idx.extend((base + np.cumsum(seqs_per_doc)).tolist())
+
     def end_document(self) -> None:
         """Mark the sequences added since the last call as one document."""
         self._doc_idx.append(len(self._sizes))

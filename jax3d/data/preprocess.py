@@ -65,38 +65,56 @@ def _init_worker(spec, json_keys, append_eod, sentences):
 
 
 def _encode_chunk(job):
-    """Tokenize a chunk `(lines, nbytes)` of (line_no, line). Returns (per line either
-    ('bad', no, why) or ('ok', {key: [sentence token arrays]}), nbytes)."""
+    """Tokenize a chunk `(lines, nbytes)` of (line_no, line) into one flat array per key.
+
+    Returns `(bad, empty, docs, nbytes)`: `bad` lists (line_no, reason); `docs[key]` is
+    (tokens, sequence sizes, sequences per document) for the chunk's good, non-empty documents,
+    so the parent writes a chunk with one call and pickling moves a few arrays, not many lists.
+    """
     chunk, nbytes = job
     tok, keys = _WORKER["tok"], _WORKER["keys"]
-    dtype = best_dtype(tok.vocab_size)
-    out = []
+    bad, empty = [], 0
+    toks = {k: [] for k in keys}
+    sizes = {k: [] for k in keys}
+    per_doc = {k: [] for k in keys}
     for line_no, line in chunk:
+        why = None
         if not line.strip():
-            out.append(("bad", line_no, "blank line"))
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            out.append(("bad", line_no, f"invalid JSON ({e.msg} at column {e.colno})"))
-            continue
-        if not isinstance(obj, dict):
-            out.append(("bad", line_no, f"expected a JSON object, got {type(obj).__name__}"))
-            continue
-        missing = [k for k in keys if not isinstance(obj.get(k), str)]
-        if missing:
-            out.append(("bad", line_no, f"no string field {missing[0]!r}"))
+            why = "blank line"
+        else:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                why = f"invalid JSON ({e.msg} at column {e.colno})"
+            else:
+                if not isinstance(obj, dict):
+                    why = f"expected a JSON object, got {type(obj).__name__}"
+                else:
+                    missing = [k for k in keys if not isinstance(obj.get(k), str)]
+                    if missing:
+                        why = f"no string field {missing[0]!r}"
+        if why is not None:
+            bad.append((line_no, why))
             continue
         doc = {}
         for k in keys:
             pieces = split_sentences(obj[k]) if _WORKER["sentences"] else [obj[k]]
-            ids = [tok.tokenize(p) for p in pieces]
-            ids = [s for s in ids if s]
+            ids = [s for s in (tok.tokenize(p) for p in pieces) if s]
             if ids and _WORKER["eod"]:
                 ids[-1].append(tok.eod)
-            doc[k] = [np.asarray(s, dtype=dtype) for s in ids]
-        out.append(("ok", doc))
-    return out, nbytes
+            doc[k] = ids
+        if not any(doc.values()):
+            empty += 1
+            continue
+        for k, ids in doc.items():
+            for s in ids:
+                toks[k].extend(s)
+                sizes[k].append(len(s))
+            per_doc[k].append(len(ids))
+    dtype = best_dtype(tok.vocab_size)
+    docs = {k: (np.asarray(toks[k], dtype), np.asarray(sizes[k], np.int64),
+                np.asarray(per_doc[k], np.int64)) for k in keys}
+    return bad, empty, docs, nbytes
 
 
 def _chunks(path, chunk_lines):
@@ -120,13 +138,14 @@ def output_prefix_for(output_prefix: str, key: str, split_sentences_: bool) -> s
 def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSpec,
                      json_keys=("text",), append_eod: bool = False, split_sentences_: bool = False,
                      workers: int = 1, on_bad_line: str = "fail", chunk_lines: int = 256,
-                     progress: bool = True, log=sys.stderr) -> PreprocessSummary:
+                     progress: bool = True, log=None) -> PreprocessSummary:
     """Tokenize a JSONL file into one indexed dataset per JSON key.
 
     A bad line (not JSON, not an object, key missing) is reported to `log` with its line number and
     then skipped (`on_bad_line="skip"`) or raises `DataError` (`"fail"`). Documents that tokenize to
     nothing are left out and counted. Returns a `PreprocessSummary`.
     """
+    log = sys.stderr if log is None else log
     if on_bad_line not in ("skip", "fail"):
         raise DataError(f"--on-bad-line {on_bad_line} is not valid; choose skip or fail.")
     if workers < 1:
@@ -162,26 +181,18 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
             # spawn, not fork: the caller may hold JAX or tokenizer threads that fork would copy.
             pool = mp.get_context("spawn").Pool(workers, _init_worker, init_args)
             results = pool.imap(_encode_chunk, chunks, chunksize=1)
-        for encoded, nbytes in results:
-            for item in encoded:
-                if item[0] == "bad":
-                    _, no, why = item
-                    summary.skipped_lines += 1
-                    if on_bad_line == "fail":
-                        raise DataError(f"{input_path} line {no}: {why}; fix the line or pass "
-                                        "--on-bad-line skip.")
-                    print(f"{input_path} line {no}: {why}; skipped.", file=log)
-                    continue
-                doc = item[1]
-                if not any(doc[k] for k in json_keys):
-                    summary.empty_documents += 1
-                    continue
-                for k in json_keys:
-                    for sent in doc[k]:
-                        builders[k].add_item(sent)
-                        summary.tokens += sent.size
-                    builders[k].end_document()
-                summary.documents += 1
+        for bad, empty, docs, nbytes in results:
+            for no, why in bad:
+                summary.skipped_lines += 1
+                if on_bad_line == "fail":
+                    raise DataError(f"{input_path} line {no}: {why}; fix the line or pass "
+                                    "--on-bad-line skip.")
+                print(f"{input_path} line {no}: {why}; skipped.", file=log)
+            summary.empty_documents += empty
+            for k in json_keys:
+                builders[k].add_chunk(*docs[k])
+            summary.documents += len(docs[json_keys[0]][2])
+            summary.tokens += sum(docs[k][0].size for k in json_keys)
             if bar is not None:
                 bar.update(nbytes)
     except BaseException:

@@ -1,0 +1,19 @@
+"""GPT and BERT on shared, logically-annotated Flax layers."""
+from jax3d.config import ConfigError, ModelConfig
+from jax3d.models.gpt import GPT
+from jax3d.models.layers import MLP, Attention, Block, Embedding, LayerNorm
+from jax3d.models.presets import get_preset, preset_names
+from jax3d.models.transformer import TransformerLM
+
+
+def build_model(cfg: ModelConfig, rules=None) -> TransformerLM:
+    if cfg.model_type == "gpt":
+        return GPT(cfg, rules)
+    if cfg.model_type == "bert":
+        from jax3d.models.bert import BERT
+        return BERT(cfg, rules)
+    raise ConfigError(f"--model {cfg.model_type!r} must be gpt or bert")
+
+
+__all__ = ["GPT", "Block", "Attention", "MLP", "Embedding", "LayerNorm", "TransformerLM", "build_model",
+           "get_preset", "preset_names"]

@@ -1,0 +1,147 @@
+"""Run configuration: nested frozen dataclasses, grouped by concern.
+
+Command-line flags map onto these in one place (`jax3d.cli`). Library users build them directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration that can't run; the message is one sentence naming the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape and regularisation. `ffn_hidden_size` defaults to 4 x hidden."""
+
+    model_type: str = "gpt"  # gpt | bert
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 0
+    vocab_size: int = 4096
+    seq_length: int = 128
+    max_position_embeddings: int = 0
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    num_tokentypes: int = 2  # BERT only
+    recompute: str = "none"  # none | selective | full
+    scan_layers: bool = False
+    attention_impl: str = "auto"  # auto | xla | cudnn
+
+    def __post_init__(self):
+        if not self.ffn_hidden_size:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if not self.max_position_embeddings:
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_params(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
+        block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        emb = v * d + self.max_position_embeddings * d + 2 * d
+        if self.model_type == "bert":
+            emb += self.num_tokentypes * d + d * d + d + 2 * d + v + d * d + d + 2 * d + 2
+        return self.num_layers * block + emb
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The (data, stage, model) layout and how the optimizer state is spread over `data`."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 0  # 0: devices / (tp * pp)
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1
+    virtual_stages: int = 1
+    pipeline_layout: tuple[int, ...] = ()  # layers per stage, when they don't divide evenly
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and the learning-rate schedule, with Megatron's names and defaults."""
+
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int = 0  # 0: train_iters
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute dtype; fp32 master weights always. fp16 adds dynamic loss scaling."""
+
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    loss_scale: float = 0.0  # 0: dynamic (fp16 only)
+    initial_loss_scale: float = 2.0**32
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+    hysteresis: int = 2
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from; empty `data_path` means the bundled default corpus."""
+
+    data_path: tuple[str, ...] = ()
+    split: str = "969,30,1"
+    tokenizer_type: str = ""
+    vocab_file: str = ""
+    merge_file: str = ""
+    tokenizer_file: str = ""
+    cache_dir: str = ""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Batch sizes, iteration counts, logging and checkpoints (Megatron semantics)."""
+
+    micro_batch_size: int = 4
+    global_batch_size: int = 32
+    train_iters: int = 200
+    exit_interval: int = 0
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 4
+    log_dir: str = "runs/latest"
+    save: str = ""
+    save_interval: int = 0
+    load: str = ""
+    ckpt_step: int = -1
+    keep_checkpoints: int = 0  # 0: keep all
+    peak_tflops: float = 0.0  # 0: from the device kind
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def replace(self, **groups) -> "Config":
+        """`cfg.replace(model={'hidden_size': 64})` returns a copy with those fields changed."""
+        new = {k: dataclasses.replace(getattr(self, k), **v) for k, v in groups.items()}
+        return dataclasses.replace(self, **new)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,152 @@
+"""The (data, stage, model) device mesh: layout validation, building, CPU emulation, multi-host init."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from jax3d.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+
+AXES = ("data", "stage", "model")
+
+
+def emulate_cpu_devices(n: int) -> None:
+    """Makes JAX see `n` CPU devices. Must run before JAX initialises its backends."""
+    import jax
+
+    if n < 1:
+        raise ConfigError(f"--cpu-devices {n} must be at least 1")
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # backends already up
+        if jax.device_count() != n or jax.default_backend() != "cpu":
+            raise ConfigError(
+                f"--cpu-devices {n} must be set before JAX starts; call "
+                "jax3d.mesh.emulate_cpu_devices first thing in the process") from e
+
+
+def has_accelerator() -> bool:
+    """True when a GPU or TPU is visible, without starting JAX on a platform we don't want."""
+    import jax
+
+    try:
+        return jax.default_backend() != "cpu"
+    except RuntimeError:
+        return False
+
+
+def init_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> None:
+    """Joins a multi-process run through JAX's own runtime.
+
+    Explicit flags win; otherwise `jax.distributed.initialize()` detects SLURM / Open MPI, and a
+    single process with none of those set is left alone.
+    """
+    import jax
+
+    if coordinator_address or num_processes > 1:
+        if not (coordinator_address and num_processes > 1 and process_id >= 0):
+            raise ConfigError("--coordinator-address, --num-processes (>1) and --process-id must be given "
+                              "together for a multi-process run")
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    elif any(k in os.environ for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")):
+        ntasks = int(os.environ.get("SLURM_NTASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+        if ntasks > 1:
+            jax.distributed.initialize()
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the three mesh axes. Their product is the device count."""
+
+    data: int = 1
+    stage: int = 1
+    model: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.data * self.stage * self.model
+
+    @classmethod
+    def from_parallel(cls, parallel: ParallelConfig, num_devices: int) -> "MeshConfig":
+        """data = devices / (tp * pp), as Megatron derives it."""
+        tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+        if tp < 1 or pp < 1:
+            raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+        if num_devices % (tp * pp):
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
+                f"does not divide the {num_devices} devices; choose sizes whose product divides it")
+        dp = parallel.data_parallel or num_devices // (tp * pp)
+        if dp * tp * pp != num_devices:
+            raise ConfigError(
+                f"data {dp} x tensor {tp} x pipeline {pp} = {dp * tp * pp} does not equal the "
+                f"{num_devices} devices; leave --data-parallel-size unset to derive it")
+        return cls(data=dp, stage=pp, model=tp)
+
+    def validate(self, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+        """Checks every divisibility rule up front, one sentence per violated rule."""
+        tp, pp, dp = self.model, self.stage, self.data
+        errors = []
+        for name, flag, value in [
+            ("heads", "--num-attention-heads", model.num_attention_heads),
+            ("hidden size", "--hidden-size", model.hidden_size),
+            ("FFN size", "--ffn-hidden-size", model.ffn_hidden_size),
+            ("vocabulary", "--vocab-size (padded)", model.vocab_size),
+        ]:
+            if value % tp:
+                errors.append(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}")
+        if model.hidden_size % model.num_attention_heads:
+            errors.append(f"--hidden-size {model.hidden_size} is not divisible by "
+                          f"--num-attention-heads {model.num_attention_heads}")
+        if parallel.pipeline_layout:
+            if len(parallel.pipeline_layout) != pp or sum(parallel.pipeline_layout) != model.num_layers:
+                errors.append(f"--pipeline-model-parallel-layout {','.join(map(str, parallel.pipeline_layout))} "
+                              f"must list {pp} stage sizes that sum to --num-layers {model.num_layers}")
+        elif model.num_layers % (pp * parallel.virtual_stages):
+            errors.append(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
+                          f"{pp} x virtual stages {parallel.virtual_stages}; change them or give "
+                          "--pipeline-model-parallel-layout")
+        if parallel.sequence_parallel and model.seq_length % tp:
+            errors.append(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
+                          f"{tp}, which --sequence-parallel needs")
+        mb, gb = train.micro_batch_size, train.global_batch_size
+        if gb % (mb * dp):
+            errors.append(f"--global-batch-size {gb} is not divisible by --micro-batch-size {mb} x data-parallel "
+                          f"size {dp} = {mb * dp}")
+        elif pp > 1 and gb // (mb * dp) < pp:
+            errors.append(f"{gb // (mb * dp)} micro-batches per step is fewer than --pipeline-model-parallel-size "
+                          f"{pp}; raise --global-batch-size to at least {mb * dp * pp}")
+        if parallel.zero_stage not in (0, 1, 2, 3):
+            errors.append(f"--zero-stage {parallel.zero_stage} must be 0, 1, 2 or 3")
+        if errors:
+            raise ConfigError("; ".join(errors))
+
+    def build(self, devices=None):
+        """The jax Mesh with Auto axes, so sharding annotations drive GSPMD."""
+        import jax
+
+        devices = jax.devices() if devices is None else devices
+        if len(devices) != self.size:
+            raise ConfigError(f"mesh {self.data}x{self.stage}x{self.model} needs {self.size} devices, "
+                              f"found {len(devices)}")
+        return jax.make_mesh((self.data, self.stage, self.model), AXES, devices=devices,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def most_parallel_layout(model: ModelConfig, num_devices: int, micro_batch: int, global_batch: int) -> tuple[int, int]:
+    """(tp, pp) for the main job when no layout is given: on 8 devices (data, stage, model) = (2, 2, 2)."""
+    best = (1, 1)
+    for tp in (2, 1):
+        for pp in (2, 1):
+            if num_devices % (tp * pp) or num_devices // (tp * pp) < 1:
+                continue
+            dp = num_devices // (tp * pp)
+            cfg = MeshConfig(dp, pp, tp)
+            try:
+                cfg.validate(model, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
+                             TrainConfig(micro_batch_size=micro_batch, global_batch_size=global_batch))
+            except ConfigError:
+                continue
+            if tp * pp > best[0] * best[1]:
+                best = (tp, pp)
+    return best

@@ -1,0 +1,44 @@
+"""GPT-2-style decoder: learned positions, pre-LN blocks, tied embeddings, vocab-parallel loss."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax3d.models.layers import Embedding, LayerNorm, cross_entropy_sum, vocab_parallel_logits
+from jax3d.models.transformer import TransformerLM, unbox
+
+
+class GPT(TransformerLM):
+    """A micro-batch is `{'text': int (batch, seq+1)}`, optionally with `loss_mask` (batch, seq)."""
+
+    causal = True
+
+    def _modules(self):
+        return (Embedding(self.cfg, self.rules, name="embed"),
+                LayerNorm(self.cfg.layernorm_epsilon, name="final_norm"))
+
+    def _init_ends(self, rng):
+        emb, norm = self._modules()
+        tokens = jnp.zeros((1, min(8, self.cfg.seq_length)), jnp.int32)
+        return {"embed": emb.init(rng, tokens)["params"], "final_norm": norm.init(rng, self._dummy_x())["params"]}
+
+    def embed(self, params, mb, rng=None, deterministic=True):
+        tokens_bt = mb["text"][:, :-1]
+        return self._modules()[0].apply({"params": params["embed"]}, tokens_bt, None, rng, deterministic)
+
+    def logits(self, params, tokens_bt):
+        """Full logits (batch, seq, vocab) in fp32, for evaluation and generation."""
+        x = self.embed(params, {"text": jnp.pad(tokens_bt, ((0, 0), (0, 1)))})
+        x = self.run_blocks(params["blocks"], x)
+        x = self._modules()[1].apply({"params": params["final_norm"]}, x)
+        return vocab_parallel_logits(x, params["embed"]["word"], self.rules)
+
+    def head_loss(self, params, x_btd, mb):
+        x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
+        logits = vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules)
+        targets = mb["text"][:, 1:]
+        mask = mb.get("loss_mask", jnp.ones(targets.shape, jnp.float32))
+        loss_sum, tokens = cross_entropy_sum(logits, targets, mask)
+        return loss_sum, {"tokens": tokens}
+
+
+__all__ = ["GPT", "unbox"]

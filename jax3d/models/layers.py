@@ -1,0 +1,189 @@
+"""Transformer layers shared by GPT and BERT, as Flax (Linen) modules that name logical axes.
+
+Linen rather than NNX because its `init` / `apply` are pure functions over parameter pytrees: the
+pipeline, ZeRO and checkpoint code all work on those trees, and a stage applies a block with
+`Block(...).apply({'params': p}, x)` without owning module state.
+
+Parameters are created fp32 (the master copy). The train step casts them to the compute dtype before the
+forward pass, so every layer computes in whatever dtype its parameters arrive in; layer norm and softmax
+upcast to fp32 internally.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jax3d.config import ModelConfig
+from jax3d.sharding.rules import ShardingRules
+
+
+def _param(module: nn.Module, name: str, axes: tuple, shape: tuple, init):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+def _dropout(x, rate: float, rng, deterministic: bool):
+    if deterministic or rate == 0.0 or rng is None:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Layer norm computed in fp32, returned in the input dtype."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
+        bias = _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def attention_impl(cfg: ModelConfig, dtype) -> str | None:
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention; QKV column-parallel over heads, output row-parallel."""
+
+    cfg: ModelConfig
+    rules: ShardingRules
+    causal: bool = True
+
+    @nn.compact
+    def __call__(self, x_btd, mask=None, rng=None, deterministic=True):
+        cfg = self.cfg
+        d, n, h = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        init = nn.initializers.normal(cfg.init_method_std)
+        out_init = nn.initializers.normal(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        w_qkv = _param(self, "qkv_kernel", ("embed", "qkv", "heads", "kv"), (d, 3, n, h), init)
+        b_qkv = _param(self, "qkv_bias", ("qkv", "heads", "kv"), (3, n, h), nn.initializers.zeros)
+        w_out = _param(self, "out_kernel", ("heads", "kv", "embed"), (n, h, d), out_init)
+        b_out = _param(self, "out_bias", ("embed",), (d,), nn.initializers.zeros)
+
+        x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
+        qkv = jnp.einsum("btd,dcnh->cbtnh", x_btd, w_qkv) + b_qkv[:, None, None]
+        qkv = self.rules.constrain(qkv, ("qkv", "batch", "seq", "heads", "kv"))
+        q, k, v = qkv[0], qkv[1], qkv[2]  # each (batch, seq, heads, head_dim)
+        if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
+            ctx = self._core_with_dropout(q, k, v, mask, rng)
+        else:
+            impl = attention_impl(cfg, q.dtype)
+            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=impl)
+        ctx = self.rules.constrain(ctx, ("batch", "seq", "heads", "kv"))
+        return jnp.einsum("btnh,nhd->btd", ctx, w_out) + b_out
+
+    def _core_with_dropout(self, q, k, v, mask, rng):
+        # Fused attention kernels take no dropout, so with attention dropout we spell softmax out.
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        logits = jnp.einsum("btnh,bsnh->bnts", q, k).astype(jnp.float32) * scale
+        t = q.shape[1]
+        if self.causal:
+            logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e30)
+        if mask is not None:
+            logits = jnp.where(mask, logits, -1e30)
+        probs = jax.nn.softmax(logits, axis=-1)
+        probs = _dropout(probs, self.cfg.attention_dropout, rng, False).astype(q.dtype)
+        return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+class MLP(nn.Module):
+    """GELU MLP; up-projection column-parallel over `mlp`, down-projection row-parallel."""
+
+    cfg: ModelConfig
+    rules: ShardingRules
+
+    @nn.compact
+    def __call__(self, x_btd):
+        cfg = self.cfg
+        d, f = cfg.hidden_size, cfg.ffn_hidden_size
+        init = nn.initializers.normal(cfg.init_method_std)
+        out_init = nn.initializers.normal(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        w_up = _param(self, "up_kernel", ("embed", "mlp"), (d, f), init)
+        b_up = _param(self, "up_bias", ("mlp",), (f,), nn.initializers.zeros)
+        w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
+        b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
+        h_btf = jnp.einsum("btd,df->btf", x_btd, w_up) + b_up
+        h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
+        h_btf = jax.nn.gelu(h_btf, approximate=True)
+        return jnp.einsum("btf,fd->btd", h_btf, w_down) + b_down
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block. `rng` drives dropout; None or deterministic=True turns it off."""
+
+    cfg: ModelConfig
+    rules: ShardingRules
+    causal: bool = True
+
+    @nn.compact
+    def __call__(self, x_btd, mask=None, rng=None, deterministic=True):
+        cfg = self.cfg
+        r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
+        stream = ("batch", "act_seq", "embed")
+        x_btd = self.rules.constrain(x_btd, stream)
+        with jax.named_scope("attention"):
+            h = LayerNorm(cfg.layernorm_epsilon, name="ln_attn")(x_btd)
+            h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic)
+            h = self.rules.constrain(h, stream)
+            x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic)
+        with jax.named_scope("mlp"):
+            h = LayerNorm(cfg.layernorm_epsilon, name="ln_mlp")(x_btd)
+            h = MLP(cfg, self.rules, name="mlp")(h)
+            h = self.rules.constrain(h, stream)
+            x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic)
+        return x_btd
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel word embedding plus learned positions (and token types for BERT)."""
+
+    cfg: ModelConfig
+    rules: ShardingRules
+    num_tokentypes: int = 0
+
+    @nn.compact
+    def __call__(self, tokens_bt, types_bt=None, rng=None, deterministic=True):
+        cfg = self.cfg
+        init = nn.initializers.normal(cfg.init_method_std)
+        wte = _param(self, "word", ("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size), init)
+        wpe = _param(self, "position", ("pos", "embed"), (cfg.max_position_embeddings, cfg.hidden_size), init)
+        # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
+        # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
+        x_btd = jnp.take(wte, tokens_bt, axis=0) + wpe[None, : tokens_bt.shape[1]]
+        if self.num_tokentypes:
+            wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)
+            x_btd = x_btd + jnp.take(wtt, types_bt, axis=0)
+        x_btd = self.rules.constrain(x_btd, ("batch", "act_seq", "embed"))
+        return _dropout(x_btd, cfg.hidden_dropout, rng, deterministic)
+
+
+def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules):
+    """Tied LM-head logits in fp32, sharded over the vocabulary."""
+    logits = jnp.einsum("btd,vd->btv", x_btd, wte_vd, preferred_element_type=jnp.float32)
+    return rules.constrain(logits, ("batch", "seq", "vocab"))
+
+
+def cross_entropy_sum(logits_btv, targets_bt, mask_bt):
+    """Summed token cross-entropy over vocab-sharded logits, never gathering them on one device.
+
+    logsumexp and the target pick are reductions over the sharded vocab dim, so XLA emits partial
+    reductions plus an all-reduce of (batch, seq) scalars; the one-hot compare fuses into the reduce.
+    """
+    lse = jax.nn.logsumexp(logits_btv, axis=-1)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits_btv.shape, 2)
+    target_logit = jnp.sum(jnp.where(vocab == targets_bt[..., None], logits_btv, 0.0), axis=-1)
+    mask = mask_bt.astype(jnp.float32)
+    return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)

@@ -1,0 +1,110 @@
+"""The shared transformer LM: embedding, stacked blocks, head. GPT and BERT differ only in their ends.
+
+Parameters form one pytree:
+    {'embed': {...}, 'blocks': {... each leaf (layers, ...)}, 'final_norm': {...}, 'head': {...}}
+Blocks are stacked on a leading `layers` dim, so pipeline stages slice them without a model change, and
+the step runs them in an unrolled loop (or `lax.scan` with `scan_layers`, which compiles faster for deep
+models but ran slower on GPU).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jax3d.config import ModelConfig
+from jax3d.models.layers import Block
+from jax3d.sharding.rules import ShardingRules
+
+_POLICIES = {
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def unbox(tree):
+    return nn.meta.unbox(tree)
+
+
+def logical_axes_of(boxed_tree):
+    """Logical axis names of every leaf of a boxed (with_logical_partitioning) parameter tree."""
+    return jax.tree.map(lambda b: tuple(b.names) if isinstance(b, nn.LogicallyPartitioned) else (None,) * b.ndim,
+                        boxed_tree, is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
+
+
+def layer_rng(rng, layer: int | jax.Array):
+    """Dropout key of one layer: the same derivation whether layers run in one loop or across stages."""
+    return None if rng is None else jax.random.fold_in(rng, layer)
+
+
+class TransformerLM:
+    """Base of GPT and BERT. Subclasses define the ends: `_embed_module`, `embed`, `head_loss`."""
+
+    causal = True
+
+    def __init__(self, cfg: ModelConfig, rules: ShardingRules | None = None):
+        self.cfg = cfg
+        self.rules = rules if rules is not None else ShardingRules.inactive()
+        self.block = Block(cfg, self.rules, causal=self.causal)
+
+    # ---- parameters -------------------------------------------------------------------------
+    def _dummy_x(self):
+        return jnp.zeros((1, min(8, self.cfg.seq_length), self.cfg.hidden_size), jnp.float32)
+
+    def _init_ends(self, rng) -> dict:
+        raise NotImplementedError
+
+    def _boxed_init(self, rng):
+        r_ends, r_blocks = jax.random.split(rng)
+        ends = self._init_ends(r_ends)
+        keys = jax.random.split(r_blocks, self.cfg.num_layers)
+        blocks = jax.vmap(lambda k: self.block.init(k, self._dummy_x())["params"])(keys)
+        return {**ends, "blocks": blocks}
+
+    def logical_axes(self):
+        """Pytree of logical-axis tuples matching `init`'s output."""
+        boxed = jax.eval_shape(self._boxed_init, jax.random.key(0))
+        axes = logical_axes_of(boxed)
+        axes["blocks"] = jax.tree.map(lambda a: ("layers",) + a, axes["blocks"],
+                                      is_leaf=lambda a: isinstance(a, tuple))
+        return axes
+
+    def init(self, rng):
+        """fp32 parameters. Jit it with `out_shardings` to create them already sharded."""
+        return unbox(self._boxed_init(rng))
+
+    # ---- forward ------------------------------------------------------------------------------
+    def run_blocks(self, blocks, x, rng=None, deterministic=True, mask=None, layer_offset=0):
+        """Applies stacked blocks in order; `layer_offset` is the global index of the first one."""
+        num = jax.tree.leaves(blocks)[0].shape[0]
+
+        def one(p, x, i):
+            return self.block.apply({"params": p}, x, mask, layer_rng(rng, i), deterministic)
+
+        if self.cfg.recompute in _POLICIES:
+            one = jax.checkpoint(one, policy=_POLICIES[self.cfg.recompute])
+        if self.cfg.scan_layers:
+            def body(x, pi):
+                p, i = pi
+                return one(p, x, i), None
+            x, _ = jax.lax.scan(body, x, (blocks, layer_offset + jnp.arange(num)))
+            return x
+        for i in range(num):
+            x = one(jax.tree.map(lambda a: a[i], blocks), x, layer_offset + i)
+        return x
+
+    def embed(self, params, mb, rng=None, deterministic=True):
+        raise NotImplementedError
+
+    def head_loss(self, params, x, mb):
+        raise NotImplementedError
+
+    def block_mask(self, mb):
+        """Attention mask passed to every block (None for causal LM)."""
+        return None
+
+    def loss(self, params, mb, rng=None, deterministic=True):
+        """(summed loss, aux sums) of one micro-batch, sequentially through all blocks."""
+        x = self.embed(params, mb, layer_rng(rng, self.cfg.num_layers), deterministic)
+        x = self.run_blocks(params["blocks"], x, rng, deterministic, self.block_mask(mb))
+        return self.head_loss(params, x, mb)

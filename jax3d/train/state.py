@@ -1,0 +1,50 @@
+"""The train state: one pytree of step, fp32 master parameters, optimizer state, RNG and loss scale."""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class LossScale:
+    """Dynamic loss scaling state (fp16). With bf16/fp32 the scale stays 1."""
+
+    scale: jax.Array
+    good_steps: jax.Array
+    hysteresis: jax.Array
+    skipped: jax.Array  # total skipped steps
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: object
+    rng: jax.Array  # raw uint32 key data, so it checkpoints like any array
+    loss_scale: LossScale
+
+
+def initial_loss_scale(precision) -> LossScale:
+    if precision.dtype != "float16":
+        scale = 1.0
+    else:
+        scale = precision.loss_scale or precision.initial_loss_scale
+    return LossScale(scale=jnp.float32(scale), good_steps=jnp.int32(0),
+                     hysteresis=jnp.int32(precision.hysteresis), skipped=jnp.int32(0))
+
+
+def update_loss_scale(ls: LossScale, finite, precision) -> LossScale:
+    """Megatron's dynamic rule: halve after `hysteresis` overflows, double after a window of good steps."""
+    if precision.dtype != "float16" or precision.loss_scale:
+        return ls.replace(skipped=ls.skipped + (~finite).astype(jnp.int32))
+    good = jnp.where(finite, ls.good_steps + 1, 0)
+    hyst = jnp.where(finite, ls.hysteresis, ls.hysteresis - 1)
+    shrink = (~finite) & (hyst <= 0)
+    scale = jnp.where(shrink, jnp.maximum(ls.scale / 2, precision.min_loss_scale), ls.scale)
+    hyst = jnp.where(shrink, precision.hysteresis, hyst)
+    grow = good >= precision.loss_scale_window
+    scale = jnp.where(grow, scale * 2, scale)
+    good = jnp.where(grow, 0, good)
+    return LossScale(scale=scale, good_steps=good, hysteresis=hyst,
+                     skipped=ls.skipped + (~finite).astype(jnp.int32))

@@ -1,0 +1,208 @@
+"""Sharded train state, the pure train / eval steps, and their jit with explicit shardings.
+
+`train_step(state, batch) -> (state, metrics)` runs a whole global batch: the micro-batches (leading
+`accum` dim of every batch leaf) go through a `lax.scan` with fp32 gradient accumulation, or through
+the pipeline when the mesh has more than one stage.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax3d.config import Config
+from jax3d.mesh import MeshConfig
+from jax3d.models import build_model
+from jax3d.sharding import ShardingRules, state_specs, tree_specs
+from jax3d.train.optimizer import lr_schedule, make_optimizer
+from jax3d.train.state import TrainState, initial_loss_scale, update_loss_scale
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _where_tree(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _constrain_tree(tree, specs):
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs)
+
+
+def _is_spec(x):
+    return isinstance(x, P)
+
+
+@dataclass
+class Steps:
+    """Everything built for one (config, mesh): the model, specs, shardings and jitted functions."""
+
+    cfg: Config
+    mesh_cfg: MeshConfig
+    mesh: jax.sharding.Mesh
+    model: object
+    optimizer: optax.GradientTransformation
+    specs: dict  # compute / params / grads / opt PartitionSpec trees
+    state_shardings: TrainState
+    batch_spec: P
+    init_state: Callable  # (seed) -> TrainState, created sharded
+    train_step: Callable  # (state, batch) -> (state, metrics)
+    eval_step: Callable  # (params, batch) -> (loss_sum, tokens)
+    abstract_state: TrainState
+    accum_steps: int
+
+    def batch_sharding(self):
+        return NamedSharding(self.mesh, self.batch_spec)
+
+
+def accumulate_grads(model, params, batch, rng, scale, *, dtype, specs, capacity):
+    """Summed loss and (scaled) gradients over the micro-batches of `batch`, in a scan.
+
+    The objective of each micro-batch is loss_sum * scale / capacity, where capacity is the token count
+    of a full global batch, so fp16 gradients sit in range; the caller rescales by the real token count.
+    """
+    deterministic = model.cfg.hidden_dropout == 0 and model.cfg.attention_dropout == 0
+
+    def objective(p32, mb, r):
+        p = _constrain_tree(jax.tree.map(lambda a: a.astype(dtype), p32), specs["compute"])
+        loss_sum, aux = model.loss(p, mb, r, deterministic)
+        return loss_sum * scale / capacity, (loss_sum, aux)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    accum = jax.tree.leaves(batch)[0].shape[0]
+    zeros = _constrain_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params), specs["grads"])
+
+    def body(carry, xs):
+        g_acc, l_acc, aux_acc = carry
+        i, mb = xs
+        (_, (loss_sum, aux)), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        g_acc = _constrain_tree(jax.tree.map(jnp.add, g_acc, g), specs["grads"])
+        aux_acc = jax.tree.map(jnp.add, aux_acc, aux)
+        return (g_acc, l_acc + loss_sum, aux_acc), None
+
+    aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                        jax.eval_shape(lambda: model.loss(params, jax.tree.map(lambda a: a[0], batch))[1]))
+    (grads, loss_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.float32(0), aux0), (jnp.arange(accum), batch))
+    return grads, loss_sum, aux
+
+
+def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
+    """Builds the model, the state shardings (ZeRO applied) and the jitted steps for `mesh`."""
+    rules = ShardingRules.create(cfg.parallel.sequence_parallel)
+    model = build_model(cfg.model, rules)
+    optimizer = make_optimizer(cfg.optim, cfg.train.train_iters)
+    schedule = lr_schedule(cfg.optim, cfg.train.train_iters)
+    dtype = DTYPES[cfg.precision.dtype]
+    tr = cfg.train
+    accum = tr.global_batch_size // (tr.micro_batch_size * mesh_cfg.data)
+    capacity = float(tr.global_batch_size * cfg.model.seq_length)
+
+    abstract_params = jax.eval_shape(model.init, jax.random.key(0))
+    param_specs = tree_specs(rules, model.logical_axes())
+    specs = state_specs(param_specs, abstract_params, mesh_cfg.data, cfg.parallel.zero_stage)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    opt_specs = optax.tree_utils.tree_map_params(
+        optimizer, lambda _, spec: spec, abstract_opt, specs["opt"],
+        transform_non_params=lambda _: P(), is_leaf=_is_spec)
+    ls_specs = jax.tree.map(lambda _: P(), initial_loss_scale(cfg.precision))
+    state_spec = TrainState(step=P(), params=specs["params"], opt_state=opt_specs, rng=P(), loss_scale=ls_specs)
+    state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_spec, is_leaf=_is_spec)
+    batch_spec = P(None, "data")
+    batch_sharding = NamedSharding(mesh, batch_spec)
+    repl = NamedSharding(mesh, P())
+
+    def init_fn(seed):
+        key = jax.random.key(seed)
+        k_params, k_run = jax.random.split(key)
+        params = model.init(k_params)
+        return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
+                          rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision))
+
+    grads_fn = _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype, capacity)
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        scale = state.loss_scale.scale
+        grads, loss_sum, aux = grads_fn(state.params, batch, rng, scale)
+        tokens = aux["tokens"]
+        grads = jax.tree.map(lambda g: g * (capacity / (scale * jnp.maximum(tokens, 1.0))), grads)
+        grads = _constrain_tree(grads, specs["grads"])
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        if cfg.precision.dtype == "float16":  # Megatron skips the update of an overflowed fp16 step
+            new_params = _where_tree(finite, new_params, state.params)
+            new_opt = _where_tree(finite, new_opt, state.opt_state)
+        new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt,
+                                  loss_scale=update_loss_scale(state.loss_scale, finite, cfg.precision))
+        metrics = {"loss": loss_sum / jnp.maximum(tokens, 1.0), "grad_norm": grad_norm,
+                   "lr": schedule(state.step), "loss_scale": scale, "skipped": new_state.loss_scale.skipped,
+                   **{k: v / jnp.maximum(aux.get("count", tokens), 1.0) for k, v in aux.items()
+                      if k not in ("tokens", "count")}}
+        return new_state, metrics
+
+    def eval_step(params, batch):
+        def one(carry, mb):
+            p = _constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params), specs["compute"])
+            loss_sum, aux = model.loss(p, mb, None, True)
+            return (carry[0] + loss_sum, carry[1] + aux["tokens"]), None
+        (loss_sum, tokens), _ = jax.lax.scan(one, (jnp.float32(0), jnp.float32(0)), batch)
+        return loss_sum, tokens
+
+    with jax.set_mesh(mesh):
+        init_jit = jax.jit(init_fn, static_argnums=0, out_shardings=state_shardings)
+        abstract_state = jax.eval_shape(init_fn, 0)
+    train_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                        out_shardings=(state_shardings, repl), donate_argnums=0)
+    eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
+    return Steps(cfg, mesh_cfg, mesh, model, optimizer, specs, state_shardings, batch_spec,
+                 _with_mesh(mesh, init_jit), _with_mesh(mesh, train_jit), _with_mesh(mesh, eval_jit),
+                 abstract_state, accum)
+
+
+def _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype, capacity):
+    if mesh_cfg.stage > 1:
+        from jax3d.train.pipelined import pipeline_grads_fn
+        return pipeline_grads_fn(cfg, mesh, model, specs, dtype, capacity)
+
+    def grads_fn(params, batch, rng, scale):
+        return accumulate_grads(model, params, batch, rng, scale, dtype=dtype, specs=specs, capacity=capacity)
+    return grads_fn
+
+
+class _with_mesh:
+    """Calls a jitted function under `jax.set_mesh`, so bare PartitionSpec constraints resolve."""
+
+    def __init__(self, mesh, fn):
+        self.mesh, self.fn = mesh, fn
+
+    def __call__(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args)
+
+    def lower(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args)
+
+
+def abstract_batch(steps: Steps, batch_keys: dict) -> dict:
+    """ShapeDtypeStructs of one global batch, given {key: (per-sample shape, dtype)}."""
+    rows = steps.cfg.train.global_batch_size // steps.accum_steps
+    sharding = steps.batch_sharding()
+    return {k: jax.ShapeDtypeStruct((steps.accum_steps, rows, *shape), dt, sharding=sharding)
+            for k, (shape, dt) in batch_keys.items()}
+
+
+def per_device_bytes(abstract_tree, shardings) -> int:
+    """Bytes one device holds of a sharded tree (the largest shard of each leaf)."""
+    total = 0
+    for a, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))):
+        total += math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+    return total
