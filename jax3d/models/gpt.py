@@ -21,6 +21,10 @@ class GPT(TransformerLM):
         tokens = jnp.zeros((1, min(8, self.cfg.seq_length)), jnp.int32)
         return {"embed": emb.init(rng, tokens)["params"], "final_norm": norm.init(rng, self._dummy_x())["params"]}
 
+    def sample_shapes(self) -> dict:
+        """Per-sample shape and dtype of each batch key."""
+        return {"text": ((self.cfg.seq_length + 1,), jnp.int32)}
+
     def embed(self, params, mb, rng=None, deterministic=True):
         tokens_bt = mb["text"][:, :-1]
         return self._modules()[0].apply({"params": params["embed"]}, tokens_bt, None, rng, deterministic)

@@ -1,0 +1,103 @@
+"""`python launch/train.py`: flags -> config -> devices and mesh -> data -> train (or --dry-run)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import sys
+
+from jax3d.cli import build_parser, config_from_args
+from jax3d.config import Config, ConfigError
+from jax3d.mesh import MeshConfig, emulate_cpu_devices, init_distributed, most_parallel_layout
+
+
+def _accelerator_installed() -> bool:
+    """Whether a GPU/TPU JAX plugin is installed, decided without starting any JAX backend."""
+    plat = os.environ.get("JAX_PLATFORMS", "")
+    if plat:
+        return any(p.strip() not in ("cpu", "") for p in plat.split(","))
+    names = {d.metadata["Name"].lower().replace("_", "-") for d in importlib.metadata.distributions()
+             if d.metadata and d.metadata["Name"]}
+    return any(n.startswith(("jax-cuda", "jax-rocm", "libtpu")) or n in ("jaxlib-cuda",) for n in names)
+
+
+def setup_devices(args) -> None:
+    if args.cpu_devices is not None:
+        emulate_cpu_devices(args.cpu_devices)
+    elif not _accelerator_installed():
+        emulate_cpu_devices(8)
+    init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+
+
+def choose_layout(cfg: Config, launcher: dict, num_devices: int) -> Config:
+    """Fills in tp / pp / ZeRO that the user left unset: the most parallel layout that fits."""
+    par = cfg.parallel
+    if launcher["auto_tp"] and launcher["auto_pp"] and num_devices > 1:
+        tp, pp = most_parallel_layout(cfg.model, num_devices, cfg.train.micro_batch_size, cfg.train.global_batch_size)
+        par = dataclasses.replace(par, tensor_parallel=tp, pipeline_parallel=pp)
+    if launcher["auto_zero"] and num_devices // (par.tensor_parallel * par.pipeline_parallel) > 1:
+        par = dataclasses.replace(par, zero_stage=1)
+    return dataclasses.replace(cfg, parallel=par)
+
+
+def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # data errors and other bad input raise ValueError subclasses with one sentence
+        from jax3d.data import DataError
+        if isinstance(e, DataError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    cfg, launcher = config_from_args(args)
+    setup_devices(args)
+    import jax
+
+    from jax3d.train.inputs import build_inputs, with_vocab
+
+    num_devices = jax.device_count()
+    cfg = choose_layout(cfg, launcher, num_devices)
+    mesh_cfg = MeshConfig.from_parallel(cfg.parallel, num_devices)
+    if args.dry_run:
+        if launcher["forced_vocab"]:
+            cfg = with_vocab(cfg, cfg.model.vocab_size, 1)
+        mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+        from jax3d.train.dry_run import dry_run
+        report = dry_run(cfg, mesh_cfg, mesh_cfg.build())
+        print(json.dumps(report))
+        return 0
+    # Check the layout before any data work, with the vocabulary the run will pad to.
+    mesh_cfg.validate(dataclasses.replace(cfg.model, vocab_size=cfg.parallel.tensor_parallel), cfg.parallel, cfg.train)
+    tr = cfg.train
+    n_train = tr.train_iters * tr.global_batch_size
+    n_valid = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * tr.global_batch_size if tr.eval_interval else 0
+    inputs = build_inputs(cfg, n_train, n_valid)
+    cfg = with_vocab(cfg, inputs.vocab_size, launcher["divisible_by"], launcher["forced_vocab"])
+    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    mesh = mesh_cfg.build()
+    if jax.process_index() == 0:
+        m = cfg.model
+        print(f"jax3d: {m.model_type} {m.num_layers}L d{m.hidden_size} ({m.num_params() / 1e6:.1f}M params) on "
+              f"(data, stage, model) = ({mesh_cfg.data}, {mesh_cfg.stage}, {mesh_cfg.model}), "
+              f"ZeRO-{cfg.parallel.zero_stage}, {cfg.precision.dtype}, "
+              f"global batch {tr.global_batch_size} x {m.seq_length} tokens", file=sys.stderr)
+    checkpointer = None
+    if tr.save or tr.load:
+        from jax3d.train.checkpoint import Checkpointer
+        checkpointer = Checkpointer(cfg, tokenizer=inputs.tokenizer)
+    from jax3d.train.loop import train
+    last = train(cfg, mesh_cfg, mesh, inputs, progress=not args.no_progress, checkpointer=checkpointer)
+    if jax.process_index() == 0 and last:
+        print(json.dumps({k: last[k] for k in ("step", "loss", "val_loss", "tokens_per_s", "mfu") if k in last}))
+    return 0

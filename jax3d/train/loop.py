@@ -1,0 +1,108 @@
+"""The training loop: the only place with side effects (data, logging, evaluation, checkpoints)."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jax3d.config import Config
+from jax3d.mesh import MeshConfig
+from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, peak_tflops
+from jax3d.train.step import Steps, build_steps
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, file=sys.stderr,
+                unit="step", leave=True)
+
+
+def evaluate(steps: Steps, params, valid, eval_iters: int) -> dict:
+    """Validation loss and perplexity over `eval_iters` global batches from the start of `valid`."""
+    from jax3d.data import BatchLoader
+
+    tr = steps.cfg.train
+    loader = BatchLoader(valid, tr.global_batch_size, steps.accum_steps, steps.mesh, start_sample=0, prefetch=1)
+    loss_sum = tokens = 0.0
+    try:
+        for _ in range(eval_iters):
+            ls, tk = steps.eval_step(params, next(loader))
+            loss_sum += float(ls)
+            tokens += float(tk)
+    finally:
+        loader.close()
+    loss = loss_sum / max(tokens, 1.0)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None) -> dict:
+    """Runs `cfg.train.train_iters` steps (or until `--exit-interval`); returns the last logged record."""
+    from jax3d.data import BatchLoader
+
+    tr = cfg.train
+    steps = build_steps(cfg, mesh_cfg, mesh)
+    state, consumed = None, 0
+    if checkpointer is not None:
+        state, consumed = checkpointer.restore(steps)
+    if state is None:
+        state = steps.init_state(tr.seed)
+    start = int(state.step)
+    loader = BatchLoader(inputs.train, tr.global_batch_size, steps.accum_steps, mesh,
+                         start_sample=consumed, prefetch=2)
+    writer = MetricsWriter(tr.log_dir, enabled=jax.process_index() == 0)
+    flops_tok = model_flops_per_token(cfg.model)
+    peak = peak_tflops(tr.peak_tflops)
+    n_dev = jax.device_count()
+    tokens_per_step = tr.global_batch_size * cfg.model.seq_length
+    end = tr.train_iters
+    if tr.exit_interval:
+        end = min(end, (start // tr.exit_interval + 1) * tr.exit_interval)
+    first_batch = next(loader)
+    t0 = time.perf_counter()
+    train_step = steps.train_step.lower(state, first_batch).compile()  # compile outside the timed steps
+    if jax.process_index() == 0 and progress:
+        print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    bar = _progress(end, start, progress and jax.process_index() == 0)
+    last, pending = {}, []
+    t_last, steps_since = time.perf_counter(), 0
+    try:
+        for it in range(start, end):
+            batch = first_batch if it == start else next(loader)
+            state, metrics = train_step(state, batch)
+            pending.append(metrics)
+            steps_since += 1
+            step = it + 1
+            if step % tr.log_interval == 0 or step == end:
+                host = jax.device_get(pending)  # waits for the device: the interval's time is real
+                now = time.perf_counter()
+                dt = (now - t_last) / steps_since
+                tps = tokens_per_step / dt
+                tflops = tps * flops_tok / n_dev / 1e12
+                rec = {"step": step, **{k: float(v) for k, v in host[-1].items()},
+                       "tokens_per_s": tps, "tflops_per_device": tflops,
+                       "mfu": (tflops / peak) if peak else None, "mem_gb": memory_gb(), "step_time_s": dt,
+                       "consumed_samples": loader.state_dict()["consumed_samples"]}
+                rec["skipped"] = int(rec["skipped"])
+                writer.write(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
+                last, pending = rec, []
+                t_last, steps_since = time.perf_counter(), 0
+            if inputs.valid is not None and tr.eval_interval and step % tr.eval_interval == 0:
+                ev = evaluate(steps, state.params, inputs.valid, tr.eval_iters)
+                writer.write({"step": step, **ev}, prefix="valid")
+                bar.write(f"step {step}: validation loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f}")
+                last.update(ev)
+                t_last = time.perf_counter()
+            if checkpointer is not None:
+                checkpointer.maybe_save(step, state, loader.state_dict(), force=step == end)
+            bar.update(1)
+    finally:
+        bar.close()
+        loader.close()
+        writer.close()
+        if checkpointer is not None:
+            checkpointer.wait()
+    return last

@@ -1,0 +1,77 @@
+"""Throughput accounting and the metrics sinks: JSON lines, TensorBoard events, the terminal."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+import jax
+
+from jax3d.config import ModelConfig
+
+# Dense bf16 peak per device in TFLOP/s, by device kind.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "V100": 125.0}
+
+
+def model_flops_per_token(cfg: ModelConfig) -> float:
+    """Model FLOPs per token, forward and backward, without recompute.
+
+    Matmuls 6 x (weights), attention 12 x L x seq x d with the causal mask not halved: the PaLM /
+    Megatron convention, which the PyTorch peer benchmark also uses.
+    """
+    d, f, v, L, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers, cfg.seq_length
+    matmul = L * (4 * d * d + 2 * d * f) + v * d
+    return 6.0 * matmul + 12.0 * L * s * d
+
+
+def peak_tflops(override: float = 0.0) -> float | None:
+    if override:
+        return override
+    kind = jax.devices()[0].device_kind
+    for name, tf in PEAK_TFLOPS.items():
+        if name in kind:
+            return tf
+    return None
+
+
+def memory_gb() -> float:
+    """Peak device memory in use (GPU), or the peak resident set of the process (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"] / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsWriter:
+    """Writes each logged step to `<log_dir>/metrics.jsonl` and TensorBoard (process 0 only)."""
+
+    def __init__(self, log_dir: str, enabled: bool = True):
+        self.enabled = enabled and bool(log_dir)
+        self._jsonl = self._tb = None
+        if not self.enabled:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
+        try:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(log_dir)
+        except Exception as e:  # TensorBoard is a convenience; never fail a run over it
+            print(f"jax3d: TensorBoard events disabled ({e})", file=sys.stderr)
+
+    def write(self, record: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
+            self._tb.flush()
+
+    def close(self):
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()

@@ -1,0 +1,10 @@
+"""Train GPT or BERT with 3D parallelism. `python launch/train.py --help` lists the flags."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jax3d.run import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
