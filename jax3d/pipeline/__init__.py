@@ -1,12 +1,23 @@
-"""Pipeline parallelism: schedules as tables, and the shard_map loop that runs any of them."""
-from jax3d.pipeline.layout import (LayerLayout, PipelineError, dropout_key, from_pipeline_order,
-                                   layer_keys, make_layout, to_pipeline_order)
-from jax3d.pipeline.loop import pipeline_value_and_grad
-from jax3d.pipeline.schedules import (SCHEDULES, Schedule, ScheduleError, bubble_fraction,
-                                      live_activations, make_schedule, simulate, validate)
+"""Pipeline parallelism: schedules as tables, and the shard_map loop that runs any of them.
 
-__all__ = [
-    "LayerLayout", "PipelineError", "SCHEDULES", "Schedule", "ScheduleError", "bubble_fraction",
-    "dropout_key", "from_pipeline_order", "layer_keys", "live_activations", "make_layout",
-    "make_schedule", "pipeline_value_and_grad", "simulate", "to_pipeline_order", "validate",
-]
+Exports resolve lazily so that `python -m jax3d.pipeline.schedules` neither imports JAX nor
+imports its own module twice.
+"""
+import importlib
+
+_EXPORTS = {
+    "pipeline_value_and_grad": "loop",
+    "LayerLayout": "layout", "PipelineError": "layout", "dropout_key": "layout",
+    "layer_keys": "layout", "make_layout": "layout", "to_pipeline_order": "layout",
+    "from_pipeline_order": "layout",
+    "SCHEDULES": "schedules", "Schedule": "schedules", "ScheduleError": "schedules",
+    "bubble_fraction": "schedules", "live_activations": "schedules", "make_schedule": "schedules",
+    "simulate": "schedules", "validate": "schedules",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"jax3d.pipeline.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'jax3d.pipeline' has no attribute {name!r}")

@@ -90,7 +90,7 @@ def pipelined(mesh, schedule, **kw):
     return jax.jit(fn, in_shardings=(st_sh, sh_sh, {"tokens": mb_sh, "targets": mb_sh}))
 
 
-def compile_memory(mesh, schedule, *, m, batch=8, seq=64, d=256, hidden=1024, layers=8, vocab=512):
+def compile_memory(mesh, schedule, *, m, batch=16, seq=256, d=128, hidden=256, layers=8, vocab=256):
     """Compile the toy pipeline ahead of time from abstract shapes; returns memory_analysis()."""
     st, sh = jax.eval_shape(lambda: init(jax.random.key(0), vocab=vocab, d=d, hidden=hidden,
                                          layers=layers))
