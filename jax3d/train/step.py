@@ -133,7 +133,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         tokens = aux["tokens"]
         grads = jax.tree.map(lambda g: g * (capacity / (scale * jnp.maximum(tokens, 1.0))), grads)
         grads = _constrain_tree(grads, specs["grads"])
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)

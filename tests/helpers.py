@@ -1,0 +1,33 @@
+"""Shared test fixtures: tiny configs and meshes."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from jax3d.mesh import MeshConfig
+
+
+def tiny_model(**kw) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=256, seq_length=16,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_config(data=1, stage=1, model=1, zero=0, micro=2, global_batch=16, model_kw=None, **parallel) -> tuple:
+    cfg = Config(model=tiny_model(**(model_kw or {})),
+                 parallel=ParallelConfig(tensor_parallel=model, pipeline_parallel=stage, zero_stage=zero, **parallel),
+                 train=TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, train_iters=10))
+    mesh_cfg = MeshConfig(data, stage, model)
+    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    return cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size])
+
+
+def random_text(n, seq, vocab, seed=0):
+    return np.random.RandomState(seed).randint(0, vocab, (n, seq + 1)).astype(np.int32)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
