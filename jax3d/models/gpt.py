@@ -40,9 +40,16 @@ class GPT(TransformerLM):
         x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
         logits = vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules)
         targets = mb["text"][:, 1:]
-        mask = mb.get("loss_mask", jnp.ones(targets.shape, jnp.float32))
-        loss_sum, tokens = cross_entropy_sum(logits, targets, mask)
-        return loss_sum, {"tokens": tokens}
+        loss_sum, _ = cross_entropy_sum(logits, targets, self._loss_mask(mb))
+        return {"lm": loss_sum}, {}
+
+    @staticmethod
+    def _loss_mask(mb):
+        text = mb["text"]
+        return mb.get("loss_mask", jnp.ones(text[..., 1:].shape, jnp.float32))
+
+    def normalizers(self, batch):
+        return {"lm": jnp.maximum(jnp.sum(self._loss_mask(batch).astype(jnp.float32)), 1.0)}
 
 
 __all__ = ["GPT", "unbox"]

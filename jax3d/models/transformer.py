@@ -96,15 +96,33 @@ class TransformerLM:
     def embed(self, params, mb, rng=None, deterministic=True):
         raise NotImplementedError
 
-    def head_loss(self, params, x, mb):
+    def head_loss(self, params, x, mb) -> tuple[dict, dict]:
+        """(loss sums per term, other sums such as correct predictions) of one micro-batch."""
+        raise NotImplementedError
+
+    def normalizers(self, batch) -> dict:
+        """What each loss term's sum is divided by, counted over a whole batch (any leading dims).
+
+        They depend on the batch only, never on the parameters, so the step counts them up front and
+        every micro-batch's objective is already its exact share of the global-batch loss.
+        """
         raise NotImplementedError
 
     def block_mask(self, mb):
         """Attention mask passed to every block (None for causal LM)."""
         return None
 
-    def loss(self, params, mb, rng=None, deterministic=True):
-        """(summed loss, aux sums) of one micro-batch, sequentially through all blocks."""
+    def objective(self, params, x, mb, norms):
+        """Head, loss terms and their normalised sum: the scalar that is differentiated."""
+        sums, aux = self.head_loss(params, x, mb)
+        return sum(sums[k] / norms[k] for k in sums), {**{f"{k}_sum": v for k, v in sums.items()}, **aux}
+
+    def loss(self, params, mb, rng=None, deterministic=True, norms=None):
+        """(objective, aux sums) of one micro-batch, sequentially through all blocks.
+
+        Without `norms` the micro-batch is its own batch, and the objective is its mean loss.
+        """
+        norms = self.normalizers(mb) if norms is None else norms
         x = self.embed(params, mb, layer_rng(rng, self.cfg.num_layers), deterministic)
         x = self.run_blocks(params["blocks"], x, rng, deterministic, self.block_mask(mb))
-        return self.head_loss(params, x, mb)
+        return self.objective(params, x, mb, norms)

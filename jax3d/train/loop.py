@@ -26,16 +26,16 @@ def evaluate(steps: Steps, params, valid, eval_iters: int) -> dict:
 
     tr = steps.cfg.train
     loader = BatchLoader(valid, tr.global_batch_size, steps.accum_steps, steps.mesh, start_sample=0, prefetch=1)
-    loss_sum = tokens = 0.0
+    totals = {}
     try:
         for _ in range(eval_iters):
-            ls, tk = steps.eval_step(params, next(loader))
-            loss_sum += float(ls)
-            tokens += float(tk)
+            for k, v in jax.device_get(steps.eval_step(params, next(loader))).items():
+                totals[k] = totals.get(k, 0.0) + float(v) / eval_iters
     finally:
         loader.close()
-    loss = loss_sum / max(tokens, 1.0)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+    out = {f"val_{k}": v for k, v in totals.items()}
+    out["val_ppl"] = math.exp(min(out.get("val_lm_loss", out["val_loss"]), 50.0))
+    return out
 
 
 def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None) -> dict:

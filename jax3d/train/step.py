@@ -53,7 +53,7 @@ class Steps:
     batch_spec: P
     init_state: Callable  # (seed) -> TrainState, created sharded
     train_step: Callable  # (state, batch) -> (state, metrics)
-    eval_step: Callable  # (params, batch) -> (loss_sum, tokens)
+    eval_step: Callable  # (params, batch) -> metrics of the batch's loss
     abstract_state: TrainState
     accum_steps: int
 
@@ -61,35 +61,52 @@ class Steps:
         return NamedSharding(self.mesh, self.batch_spec)
 
 
-def accumulate_grads(model, params, batch, rng, scale, *, dtype, specs, capacity):
-    """Summed loss and (scaled) gradients over the micro-batches of `batch`, in a scan.
+def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
+    """Objective and (scaled) gradients summed over the micro-batches of `batch`, in a scan.
 
-    The objective of each micro-batch is loss_sum * scale / capacity, where capacity is the token count
-    of a full global batch, so fp16 gradients sit in range; the caller rescales by the real token count.
+    Each micro-batch's objective is its exact share of the global-batch loss (`norms` were counted
+    over the whole batch), times the fp16 loss scale, so the sums need no rescaling but 1 / scale.
     """
     deterministic = model.cfg.hidden_dropout == 0 and model.cfg.attention_dropout == 0
 
     def objective(p32, mb, r):
-        p = _constrain_tree(jax.tree.map(lambda a: a.astype(dtype), p32), specs["compute"])
-        loss_sum, aux = model.loss(p, mb, r, deterministic)
-        return loss_sum * scale / capacity, (loss_sum, aux)
+        p = cast_for_compute(p32, dtype, specs)
+        obj, aux = model.loss(p, mb, r, deterministic, norms)
+        return obj * scale, (obj, aux)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     accum = jax.tree.leaves(batch)[0].shape[0]
     zeros = _constrain_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params), specs["grads"])
 
     def body(carry, xs):
-        g_acc, l_acc, aux_acc = carry
+        g_acc, obj_acc, aux_acc = carry
         i, mb = xs
-        (_, (loss_sum, aux)), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        (_, (obj, aux)), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
         g_acc = _constrain_tree(jax.tree.map(jnp.add, g_acc, g), specs["grads"])
-        aux_acc = jax.tree.map(jnp.add, aux_acc, aux)
-        return (g_acc, l_acc + loss_sum, aux_acc), None
+        return (g_acc, obj_acc + obj, jax.tree.map(jnp.add, aux_acc, aux)), None
 
+    mb0 = jax.tree.map(lambda a: a[0], batch)
     aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                        jax.eval_shape(lambda: model.loss(params, jax.tree.map(lambda a: a[0], batch))[1]))
-    (grads, loss_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.float32(0), aux0), (jnp.arange(accum), batch))
-    return grads, loss_sum, aux
+                        jax.eval_shape(lambda: model.loss(params, mb0, None, True, norms)[1]))
+    (grads, obj, aux), _ = jax.lax.scan(body, (zeros, jnp.float32(0), aux0), (jnp.arange(accum), batch))
+    return grads, obj, aux
+
+
+def cast_for_compute(params32, dtype, specs):
+    """Compute-dtype copy of the parameters, gathered to their compute specs (the ZeRO-3 all-gather)."""
+    return _constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params32), specs["compute"])
+
+
+def loss_metrics(obj, aux, norms) -> dict:
+    """Step metrics from the summed objective and aux sums: the loss and, with several terms, each."""
+    out = {"loss": obj}
+    terms = [k[:-4] for k in aux if k.endswith("_sum")]
+    if len(terms) > 1:
+        out.update({f"{k}_loss": aux[f"{k}_sum"] / norms[k] for k in terms})
+    for k, v in aux.items():
+        if k.endswith("_correct"):
+            out[k[:-8] + "_acc"] = v / norms[k[:-8]]
+    return out
 
 
 def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
@@ -101,7 +118,6 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     dtype = DTYPES[cfg.precision.dtype]
     tr = cfg.train
     accum = tr.global_batch_size // (tr.micro_batch_size * mesh_cfg.data)
-    capacity = float(tr.global_batch_size * cfg.model.seq_length)
 
     abstract_params = jax.eval_shape(model.init, jax.random.key(0))
     param_specs = tree_specs(rules, model.logical_axes())
@@ -124,15 +140,14 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
                           rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision))
 
-    grads_fn = _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype, capacity)
+    grads_fn = _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype)
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         scale = state.loss_scale.scale
-        grads, loss_sum, aux = grads_fn(state.params, batch, rng, scale)
-        tokens = aux["tokens"]
-        grads = jax.tree.map(lambda g: g * (capacity / (scale * jnp.maximum(tokens, 1.0))), grads)
-        grads = _constrain_tree(grads, specs["grads"])
+        norms = model.normalizers(batch)
+        grads, obj, aux = grads_fn(state.params, batch, rng, scale, norms)
+        grads = _constrain_tree(jax.tree.map(lambda g: g / scale, grads), specs["grads"])
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
@@ -142,19 +157,21 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
             new_opt = _where_tree(finite, new_opt, state.opt_state)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt,
                                   loss_scale=update_loss_scale(state.loss_scale, finite, cfg.precision))
-        metrics = {"loss": loss_sum / jnp.maximum(tokens, 1.0), "grad_norm": grad_norm,
-                   "lr": schedule(state.step), "loss_scale": scale, "skipped": new_state.loss_scale.skipped,
-                   **{k: v / jnp.maximum(aux.get("count", tokens), 1.0) for k, v in aux.items()
-                      if k not in ("tokens", "count")}}
+        metrics = {**loss_metrics(obj, aux, norms), "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "loss_scale": scale, "skipped": new_state.loss_scale.skipped}
         return new_state, metrics
 
     def eval_step(params, batch):
+        norms = model.normalizers(batch)
+        p = cast_for_compute(params, dtype, specs)
+
         def one(carry, mb):
-            p = _constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params), specs["compute"])
-            loss_sum, aux = model.loss(p, mb, None, True)
-            return (carry[0] + loss_sum, carry[1] + aux["tokens"]), None
-        (loss_sum, tokens), _ = jax.lax.scan(one, (jnp.float32(0), jnp.float32(0)), batch)
-        return loss_sum, tokens
+            obj, aux = model.loss(p, mb, None, True, norms)
+            return (carry[0] + obj, jax.tree.map(jnp.add, carry[1], aux)), None
+        aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                            jax.eval_shape(lambda: model.loss(p, jax.tree.map(lambda a: a[0], batch), None, True, norms)[1]))
+        (obj, aux), _ = jax.lax.scan(one, (jnp.float32(0), aux0), batch)
+        return loss_metrics(obj, aux, norms)
 
     with jax.set_mesh(mesh):
         init_jit = jax.jit(init_fn, static_argnums=0, out_shardings=state_shardings)
@@ -167,13 +184,13 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                  abstract_state, accum)
 
 
-def _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype, capacity):
+def _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype):
     if mesh_cfg.stage > 1:
         from jax3d.train.pipelined import pipeline_grads_fn
-        return pipeline_grads_fn(cfg, mesh, model, specs, dtype, capacity)
+        return pipeline_grads_fn(cfg, mesh, model, specs, dtype)
 
-    def grads_fn(params, batch, rng, scale):
-        return accumulate_grads(model, params, batch, rng, scale, dtype=dtype, specs=specs, capacity=capacity)
+    def grads_fn(params, batch, rng, scale, norms):
+        return accumulate_grads(model, params, batch, rng, scale, norms, dtype=dtype, specs=specs)
     return grads_fn
 
 
