@@ -27,10 +27,12 @@ def init(key, *, vocab=32, d=16, hidden=32, layers=8):
     return stacked, shared
 
 
-def param_shardings(mesh):
-    """Stacked layers on `stage`, MLP hidden dim on `model`, shared params replicated."""
-    stacked = {"w1": NamedSharding(mesh, P("stage", None, "model")),
-               "w2": NamedSharding(mesh, P("stage", "model", None))}
+def param_shardings(mesh, stage=True):
+    """Stacked layers on `stage` (unless `stage` is False: a logical stack of uneven layers does not
+    divide), MLP hidden dim on `model`, shared params replicated."""
+    st = "stage" if stage else None
+    stacked = {"w1": NamedSharding(mesh, P(st, None, "model")),
+               "w2": NamedSharding(mesh, P(st, "model", None))}
     shared = {"embed": NamedSharding(mesh, P()), "scale": NamedSharding(mesh, P())}
     return stacked, shared
 
@@ -80,14 +82,16 @@ def sequential_loss(stacked, shared, mbs, rng=None):
 
 
 def pipelined(mesh, schedule, **kw):
-    """jit of pipeline_value_and_grad for the toy model on `mesh`."""
-    st_sh, sh_sh = param_shardings(mesh)
+    """jit of pipeline_value_and_grad for the toy model on `mesh`: f(stacked, shared, mbs, rng)."""
+    uneven_logical = kw.get("layers_per_virtual_stage") and not kw.get("params_in_pipeline_order")
+    st_sh, sh_sh = param_shardings(mesh, stage=not uneven_logical)
     mb_sh = NamedSharding(mesh, P(None, "data"))
 
     def fn(stacked, shared, mbs, rng=None):
         return pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked, shared, mbs,
                                        mesh=mesh, schedule=schedule, rng=rng, **kw)
-    return jax.jit(fn, in_shardings=(st_sh, sh_sh, {"tokens": mb_sh, "targets": mb_sh}))
+    rep = NamedSharding(mesh, P())
+    return jax.jit(fn, in_shardings=(st_sh, sh_sh, {"tokens": mb_sh, "targets": mb_sh}, rep))
 
 
 def compile_memory(mesh, schedule, *, m, batch=16, seq=256, d=128, hidden=256, layers=8, vocab=256):

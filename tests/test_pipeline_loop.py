@@ -1,0 +1,115 @@
+"""Pipelined value-and-grad against jax.value_and_grad of the sequential model."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax3d.pipeline import (PipelineError, from_pipeline_order, make_layout, make_schedule,
+                            pipeline_value_and_grad, to_pipeline_order, toy)
+
+RTOL = 1e-5
+
+
+def _mesh(shape):
+    return jax.make_mesh(shape, ("data", "stage", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def _rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+
+
+def _check(shape, name, v=1, layers=8, layout=None, rng=None, m=None):
+    mesh = _mesh(shape)
+    p = shape[1]
+    m = m or 2 * p
+    stacked, shared = toy.init(jax.random.key(1), layers=layers)
+    mbs = toy.microbatches(jax.random.key(2), m=m, batch=4, seq=8)
+    sched = make_schedule(name, p, m, v)
+    with jax.set_mesh(mesh):
+        kw = {} if layout is None else {"layers_per_virtual_stage": layout}
+        loss, aux, g_st, g_sh = toy.pipelined(mesh, sched, **kw)(stacked, shared, mbs, rng)
+        ref = jax.value_and_grad(lambda a, b: toy.sequential_loss(a, b, mbs, rng),
+                                 argnums=(0, 1), has_aux=True)
+        (r_loss, r_aux), (r_st, r_sh) = ref(stacked, shared)
+    assert _rel(loss, r_loss) < RTOL
+    for key in r_aux:
+        assert _rel(aux[key], r_aux[key]) < RTOL
+    for got, want in ((g_st, r_st), (g_sh, r_sh)):
+        for key in want:
+            assert got[key].shape == want[key].shape
+            assert _rel(got[key], want[key]) < RTOL, (key, _rel(got[key], want[key]))
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1), (2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_pipelined_equals_sequential(shape, name, v):
+    _check(shape, name, v)
+
+
+@pytest.mark.parametrize("shape,name,v,layout", [
+    ((1, 4, 1), "1f1b", 1, [1, 3, 2, 1]),
+    ((2, 2, 2), "zb-h1", 1, [5, 2]),
+    ((1, 2, 4), "interleaved", 2, [2, 1, 3, 1]),
+])
+def test_uneven_layers_with_layout(shape, name, v, layout):
+    _check(shape, name, v, layers=7, layout=layout)
+
+
+@pytest.mark.parametrize("shape,name,v", [((1, 4, 1), "zb-h1", 1), ((1, 2, 4), "interleaved", 2)])
+def test_dropout_keys_match_sequential(shape, name, v):
+    _check(shape, name, v, rng=jax.random.key(7))
+
+
+def test_more_microbatches_than_twice_stages():
+    _check((2, 2, 2), "1f1b", m=6)
+
+
+def test_pipeline_order_round_trip():
+    for p, v, counts in ((4, 2, None), (2, 2, [2, 1, 3, 1]), (4, 1, [1, 3, 2, 1])):
+        n = 8 if counts is None else sum(counts)
+        layout = make_layout(n, p, v, counts)
+        x = {"w": jnp.arange(n * 3.0).reshape(n, 3)}
+        piped = to_pipeline_order(x, layout)
+        assert piped["w"].shape[0] == p * v * layout.layers_per_chunk
+        np.testing.assert_array_equal(from_pipeline_order(piped, layout)["w"], x["w"])
+    # chunk c of stage s runs virtual stage c*p+s: with p=4, v=2, one layer each, stage 0 holds 0 and 4
+    assert make_layout(8, 4, 2).rows[0].reshape(-1).tolist() == [0, 4]
+
+
+def test_params_stored_in_pipeline_order():
+    mesh = _mesh((1, 4, 1))
+    stacked, shared = toy.init(jax.random.key(1), layers=8)
+    mbs = toy.microbatches(jax.random.key(2), m=8, batch=2, seq=4)
+    sched = make_schedule("interleaved", 4, 8, 2)
+    layout = make_layout(8, 4, 2)
+    with jax.set_mesh(mesh):
+        logical = toy.pipelined(mesh, sched)(stacked, shared, mbs, None)
+        piped = toy.pipelined(mesh, sched, params_in_pipeline_order=True)(
+            jax.tree.map(np.asarray, to_pipeline_order(stacked, layout)), shared, mbs, None)
+    np.testing.assert_allclose(piped[0], logical[0], rtol=1e-6)
+    for key in stacked:
+        np.testing.assert_allclose(from_pipeline_order(piped[2], layout)[key], logical[2][key],
+                                   rtol=1e-5, atol=1e-7)
+
+
+def test_refusals_are_clear():
+    mesh = _mesh((1, 4, 1))
+    stacked, shared = toy.init(jax.random.key(1), layers=6)
+    fns = (toy.first_fn, toy.stage_fn, toy.last_fn)
+    few = toy.microbatches(jax.random.key(2), m=2, batch=2, seq=4)
+    with jax.set_mesh(mesh):
+        with pytest.raises(PipelineError, match="fewer than the 4 pipeline stages"):
+            pipeline_value_and_grad(*fns, stacked, shared, few, mesh=mesh,
+                                    schedule=make_schedule("gpipe", 2, 2))
+        mbs = toy.microbatches(jax.random.key(2), m=4, batch=2, seq=4)
+        with pytest.raises(PipelineError, match="do not split evenly"):
+            pipeline_value_and_grad(*fns, stacked, shared, mbs, mesh=mesh,
+                                    schedule=make_schedule("1f1b", 4, 4))
+        with pytest.raises(PipelineError, match="must have 4 non-negative counts"):
+            pipeline_value_and_grad(*fns, stacked, shared, mbs, mesh=mesh,
+                                    schedule=make_schedule("1f1b", 4, 4),
+                                    layers_per_virtual_stage=[3, 3])
+        with pytest.raises(PipelineError, match="schedule is for 2 stages"):
+            pipeline_value_and_grad(*fns, stacked, shared, mbs, mesh=mesh,
+                                    schedule=make_schedule("1f1b", 2, 4))
