@@ -1,0 +1,100 @@
+"""GPT sampling against the plain token stream, determinism, splits and blending proportions."""
+import numpy as np
+import pytest
+
+from jax3d.data import DataError, IndexedDataset, IndexedDatasetBuilder
+from jax3d.data.gpt_dataset import build_gpt_datasets
+from jax3d.data.sampling import blending_indices, parse_data_paths, split_ranges
+
+EOD = 0
+
+
+def _make(prefix, n_docs, seed, vocab=1000):
+    rng = np.random.default_rng(seed)
+    b = IndexedDatasetBuilder(str(prefix), np.uint16)
+    for _ in range(n_docs):
+        b.add_item(list(rng.integers(1, vocab, rng.integers(0, 40))) + [EOD])
+        b.end_document()
+    b.finalize()
+    return str(prefix)
+
+
+def test_epoch_of_samples_is_the_shuffled_document_stream(tmp_path):
+    prefix = _make(tmp_path / "a", 300, 0)
+    seq = 16
+    train, valid, test = build_gpt_datasets([prefix], "90,10,0", seq, (500, 20, 0), seed=3)
+    assert test is None and len(train) >= 500 and len(valid) >= 20
+    ds = IndexedDataset(prefix)
+    lo, hi = split_ranges("90,10,0", 300)[0]
+    assert (lo, hi) == (0, 270)
+    # Reference: the documents in doc_idx order, back to back.
+    stream = np.concatenate([ds[int(d)] for d in train.doc_idx]).astype(np.int32)
+    assert sorted(set(train.doc_idx[:hi - lo].tolist())) == list(range(lo, hi))  # one epoch = the split
+    inverse = np.argsort(train.shuffle_idx)
+    samples = [train[int(inverse[j])]["text"] for j in range(len(train))]
+    assert all(s.shape == (seq + 1,) and s.dtype == np.int32 for s in samples)
+    got = np.concatenate([s[:-1] for s in samples] + [samples[-1][-1:]])
+    np.testing.assert_array_equal(got, stream[:len(got)])
+    assert len(stream) - len(got) < seq + 1  # every full window was used
+    # Valid draws only from its own documents.
+    assert set(valid.doc_idx.tolist()) <= set(range(270, 300))
+
+
+def test_indices_deterministic_and_seed_dependent(tmp_path):
+    prefix = _make(tmp_path / "a", 200, 1)
+    a = build_gpt_datasets([prefix], "1", 8, (400, 0, 0), seed=5, cache_dir=str(tmp_path / "c1"))[0]
+    b = build_gpt_datasets([prefix], "1", 8, (400, 0, 0), seed=5, cache_dir=str(tmp_path / "c2"))[0]
+    c = build_gpt_datasets([prefix], "1", 8, (400, 0, 0), seed=6, cache_dir=str(tmp_path / "c3"))[0]
+    for name in ("doc_idx", "sample_idx", "shuffle_idx"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert not np.array_equal(a.shuffle_idx, c.shuffle_idx)
+    assert not np.array_equal(a.doc_idx, c.doc_idx)
+    # A second build with the same settings is served from the .npy cache.
+    again = build_gpt_datasets([prefix], "1", 8, (400, 0, 0), seed=5, cache_dir=str(tmp_path / "c1"))[0]
+    assert isinstance(again.shuffle_idx, np.memmap)
+    np.testing.assert_array_equal(again[7]["text"], a[7]["text"])
+
+
+def test_multi_epoch(tmp_path):
+    prefix = _make(tmp_path / "a", 20, 2)
+    tr = build_gpt_datasets([prefix], "1", 8, (1000, 0, 0), seed=0, cache_dir=str(tmp_path))[0]
+    assert len(tr.doc_idx) % 20 == 0 and len(tr.doc_idx) > 20
+    for e in range(len(tr.doc_idx) // 20):
+        assert sorted(tr.doc_idx[20 * e:20 * e + 20].tolist()) == list(range(20))
+    assert all(tr[i]["text"].shape == (9,) for i in range(0, len(tr), 50))
+
+
+def test_blending_proportions(tmp_path):
+    a = _make(tmp_path / "a", 300, 3)
+    b = _make(tmp_path / "b", 300, 4)
+    train = build_gpt_datasets(["0.3", a, "0.7", b], "1", 8, (10_000, 0, 0), seed=0)[0]
+    assert len(train) == 10_000
+    frac = np.mean(train.dataset_index == 0)
+    assert abs(frac - 0.3) < 0.01
+    # Every prefix of the assignment tracks the weights (Megatron's greedy), not just the total.
+    for n in (10, 100, 1000):
+        assert abs(np.mean(train.dataset_index[:n] == 0) - 0.3) <= 1.0 / n + 1e-9
+    # Samples come from the right source, each source's samples in its own order.
+    i = int(np.argmax(train.dataset_index == 1))
+    np.testing.assert_array_equal(train[i]["text"],
+                                  train.datasets[1][int(train.dataset_sample_index[i])]["text"])
+
+
+def test_blending_reference_small():
+    # Greedy by hand, weights 0.25/0.75, error_j = w_j * max(i, 1) - count_j, ties to the first:
+    # i=0 (.25,.75)->1  i=1 (.25,-.25)->0  i=2 (-.5,.5)->1  i=3 (-.25,.75)->1  i=4 (0,0)->0 ...
+    idx, sample = blending_indices([0.25, 0.75], 8)
+    assert idx.tolist() == [1, 0, 1, 1, 0, 1, 1, 1]
+    assert sample.tolist() == [0, 0, 1, 2, 1, 3, 4, 5]
+
+
+def test_parse_and_split_errors():
+    assert parse_data_paths(["x"]) == ([1.0], ["x"])
+    assert parse_data_paths("1 a 3 b") == ([0.25, 0.75], ["a", "b"])
+    with pytest.raises(DataError, match="pairs of weight and prefix"):
+        parse_data_paths(["a", "b", "c"])
+    with pytest.raises(DataError, match="alternate weight and prefix"):
+        parse_data_paths(["a", "b"])
+    assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
+    with pytest.raises(DataError, match="--split"):
+        split_ranges("a,b", 10)
