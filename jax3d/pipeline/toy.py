@@ -101,4 +101,4 @@ def compile_memory(mesh, schedule, *, m, batch=16, seq=256, d=128, hidden=256, l
     mbs = jax.eval_shape(lambda: microbatches(jax.random.key(0), m=m, batch=batch, seq=seq,
                                               vocab=vocab))
     with jax.set_mesh(mesh):
-        return pipelined(mesh, schedule).lower(st, sh, mbs).compile().memory_analysis()
+        return pipelined(mesh, schedule).lower(st, sh, mbs, None).compile().memory_analysis()
