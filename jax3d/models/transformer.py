@@ -74,12 +74,17 @@ class TransformerLM:
         return unbox(self._boxed_init(rng))
 
     # ---- forward ------------------------------------------------------------------------------
-    def run_blocks(self, blocks, x, rng=None, deterministic=True, mask=None, layer_offset=0):
-        """Applies stacked blocks in order; `layer_offset` is the global index of the first one."""
+    def run_blocks(self, blocks, x, rng=None, deterministic=True, mask=None, layer_offset=0, keys=None):
+        """Applies stacked blocks in order; `layer_offset` is the global index of the first one.
+
+        Layer i's dropout key is `layer_rng(rng, i)`, or `keys[i]` when a stack of keys is given
+        (the pipeline derives them the same way).
+        """
         num = jax.tree.leaves(blocks)[0].shape[0]
 
         def one(p, x, i):
-            return self.block.apply({"params": p}, x, mask, layer_rng(rng, i), deterministic)
+            key = layer_rng(rng, i) if keys is None else keys[i - layer_offset]
+            return self.block.apply({"params": p}, x, mask, key, deterministic)
 
         if self.cfg.recompute in _POLICIES:
             one = jax.checkpoint(one, policy=_POLICIES[self.cfg.recompute])

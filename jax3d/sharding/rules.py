@@ -68,9 +68,15 @@ class ShardingRules:
         return P(*out)
 
     def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-        if not self.active or jax.sharding.get_abstract_mesh().empty:
+        mesh = jax.sharding.get_abstract_mesh()
+        if not self.active or mesh.empty:
             return x  # no mesh in context: plain single-device code
-        return jax.lax.with_sharding_constraint(x, self.spec(logical))
+        spec = self.spec(logical)
+        # Inside a shard_map (the pipeline is manual over `stage` and `data`) only Auto axes may be named.
+        manual = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
+        if manual:
+            spec = P(*(None if a in manual else a for a in spec))
+        return jax.lax.with_sharding_constraint(x, spec)
 
 
 def tree_specs(rules: ShardingRules, logical_tree) -> object:

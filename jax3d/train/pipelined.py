@@ -1,0 +1,63 @@
+"""The train step's gradients through the pipeline, for meshes with more than one stage.
+
+The model's three pieces become the pipeline's functions: `embed` at the first stage, a slice of
+`run_blocks` per stage, and the head with its normalised loss at the last. The loss normalisers and the
+fp16 loss scale ride along in the shared (stage-replicated) tree so that no value is closed over.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax3d.config import Config
+from jax3d.pipeline import make_schedule
+from jax3d.pipeline.loop import pipeline_value_and_grad
+from jax3d.pipeline.schedules import summary
+
+
+def layer_counts(cfg: Config):
+    """Layers per virtual stage (in virtual-stage order) when the user gave an explicit layout."""
+    return list(cfg.parallel.pipeline_layout) or None
+
+
+def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
+    from jax3d.train.step import cast_for_compute
+
+    par = cfg.parallel
+    deterministic = cfg.model.hidden_dropout == 0 and cfg.model.attention_dropout == 0
+    stages = mesh.shape["stage"]
+
+    def first_fn(shared, mb):
+        return model.embed(shared, mb, None, deterministic)
+
+    def stage_fn(layer_params, x, keys):
+        return model.run_blocks(layer_params, x, None, deterministic, None, keys=keys)
+
+    def last_fn(shared, x, mb):
+        obj, aux = model.objective(shared, x, mb, shared["_norms"])
+        return obj * shared["_scale"], aux
+
+    def grads_fn(params, batch, rng, scale, norms):
+        accum = jax.tree.leaves(batch)[0].shape[0]
+        schedule = make_schedule(par.pipeline_schedule, stages, accum, par.virtual_stages)
+        p = cast_for_compute(params, dtype, specs)
+        stacked = p["blocks"]
+        shared = {k: v for k, v in p.items() if k != "blocks"}
+        shared["_norms"], shared["_scale"] = norms, jnp.asarray(scale, jnp.float32)
+        loss, aux, g_stacked, g_shared = pipeline_value_and_grad(
+            first_fn, stage_fn, last_fn, stacked, shared, batch, mesh=mesh, schedule=schedule,
+            layers_per_virtual_stage=layer_counts(cfg), rng=None if deterministic else rng)
+        g_shared.pop("_norms"), g_shared.pop("_scale")
+        grads = {**g_shared, "blocks": g_stacked}
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return grads, loss / scale, aux
+
+    return grads_fn
+
+
+def schedule_report(cfg: Config, microbatches: int) -> dict:
+    """Schedule figures for --dry-run: ticks, bubble fraction (T_F = T_B = T_W), peak live activations."""
+    par = cfg.parallel
+    s = summary(make_schedule(par.pipeline_schedule, par.pipeline_parallel, microbatches, par.virtual_stages))
+    return {"schedule": s["schedule"], "ticks": s["ticks"], "bubble_fraction": s["bubble_fraction"],
+            "peak_live_activations": s["peak_live_activations"], "virtual_stages": s["virtual_stages"]}
