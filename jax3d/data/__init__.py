@@ -12,6 +12,7 @@ _LAZY = {
     "build_gpt_datasets": "jax3d.data.gpt_dataset",
     "parse_data_paths": "jax3d.data.gpt_dataset",
     "build_bert_datasets": "jax3d.data.bert_dataset",
+    "BertTokenIds": "jax3d.data.bert_dataset",
     "default_corpus": "jax3d.data.default_corpus",
 }
 

@@ -161,8 +161,11 @@ def build_bert_datasets(data_paths, split: str, seq_length: int, num_samples, se
                         token_ids: BertTokenIds, cache_dir: str | None = None,
                         masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1):
     """(train, valid, test) BERT datasets from sentence-split data, Megatron's `--data-path` and
-    `--split` spelling; `token_ids` from `BertTokenIds.from_tokenizer(tok)`. Empty splits are None."""
+    `--split` spelling; `token_ids` is a `BertTokenIds` or a BERT tokenizer (anything with
+    `cls`, `sep`, `mask`, `pad`, `vocab_size`). Empty splits are None."""
     parse_data_paths(data_paths)
+    if not isinstance(token_ids, BertTokenIds):
+        token_ids = BertTokenIds.from_tokenizer(token_ids)
 
     def build_one(prefix, name, doc_range, n, cdir):
         return BertDataset(IndexedDataset(prefix), name, doc_range, seq_length, n, seed, token_ids,

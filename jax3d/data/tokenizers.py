@@ -16,12 +16,11 @@ BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "HFTokenizer")
 
 
-def _need_file(path, flag):
+def _need_file(path, flag, hint="pass an existing file or train one with launch/train_tokenizer.py"):
     if path is None:
         raise DataError(f"{flag} is required for this tokenizer type; pass the vocabulary file.")
     if not os.path.exists(path):
-        raise DataError(f"{flag} {path} does not exist; pass an existing file or train one with "
-                        "launch/train_tokenizer.py.")
+        raise DataError(f"{flag} {path} does not exist; {hint}.")
     return path
 
 
@@ -150,7 +149,7 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
         tok.train_from_iterator(texts, trainer)
     else:
         for f in files:
-            _need_file(f, "--input")
+            _need_file(f, "input", "pass existing plain-text files")
         tok.train(files, trainer)
     if kind == "bpe":
         vocab, merges = tok.model.save(out_dir)

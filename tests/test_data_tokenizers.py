@@ -1,0 +1,77 @@
+"""Our Megatron-named tokenizers against HF's reference tokenizer classes on the same files."""
+import os
+import subprocess
+import sys
+
+import pytest
+from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer, Tokenizer
+
+from jax3d.data import DataError, build_tokenizer, train_tokenizer
+from jax3d.data.synthetic import synthetic_documents
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = synthetic_documents(800, seed=7) + ["Ünïcödé façade, naïve café. Tabs\tand  spaces!"]
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tok") / "corpus.txt"
+    p.write_text("\n".join(TEXTS), encoding="utf-8")
+    return p
+
+
+def test_gpt2_bpe_matches_hf_reference(corpus_file, tmp_path):
+    files = train_tokenizer([str(corpus_file)], str(tmp_path), "bpe", vocab_size=500)
+    ours = build_tokenizer("GPT2BPETokenizer", **files)
+    ref = ByteLevelBPETokenizer(files["vocab_file"], files["merge_file"])
+    assert ours.vocab_size == ref.get_vocab_size()
+    for t in TEXTS[:50] + TEXTS[-1:]:
+        assert ours.tokenize(t) == ref.encode(t).ids
+        assert ours.detokenize(ours.tokenize(t)) == t  # byte-level BPE is lossless
+    assert ours.eod == ref.token_to_id("<|endoftext|>")
+    assert ours.tokenize("a<|endoftext|>b").count(ours.eod) == 1
+
+
+@pytest.mark.parametrize("name,lower", [("BertWordPieceLowerCase", True), ("BertWordPieceCase", False)])
+def test_bert_wordpiece_matches_hf_reference(corpus_file, tmp_path, name, lower):
+    files = train_tokenizer([str(corpus_file)], str(tmp_path), "wordpiece", vocab_size=400,
+                            lower_case=lower)
+    ours = build_tokenizer(name, **files)
+    ref = BertWordPieceTokenizer(files["vocab_file"], lowercase=lower, strip_accents=None)
+    for t in TEXTS[:50] + TEXTS[-1:]:
+        assert ours.tokenize(t) == ref.encode(t, add_special_tokens=False).ids
+    for attr, tok in (("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"), ("pad", "[PAD]")):
+        assert getattr(ours, attr) == ref.token_to_id(tok)
+    assert ours.tokenize("[MASK]") == [ours.mask]
+
+
+def test_hf_tokenizer_json(corpus_file, tmp_path):
+    files = train_tokenizer([str(corpus_file)], str(tmp_path), "bpe", vocab_size=500)
+    ref = ByteLevelBPETokenizer(files["vocab_file"], files["merge_file"])
+    ref.save(str(tmp_path / "tokenizer.json"))
+    ours = build_tokenizer("HFTokenizer", tokenizer_file=str(tmp_path / "tokenizer.json"))
+    loaded = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert ours.tokenize(TEXTS[3]) == loaded.encode(TEXTS[3]).ids
+    assert ours.eod == loaded.token_to_id("<|endoftext|>")
+
+
+def test_errors_name_the_flag(tmp_path):
+    with pytest.raises(DataError, match="--tokenizer-type Nope is not supported"):
+        build_tokenizer("Nope")
+    with pytest.raises(DataError, match="--merge-file is required"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path))
+    with pytest.raises(DataError, match="--vocab-file .*missing.txt does not exist"):
+        build_tokenizer("BertWordPieceCase", vocab_file=str(tmp_path / "missing.txt"))
+
+
+def test_train_tokenizer_cli(corpus_file, tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    cli = [sys.executable, os.path.join(REPO, "launch/train_tokenizer.py")]
+    r = subprocess.run(cli + ["--type", "wordpiece", "--vocab-size", "300", "--output-dir",
+                              str(tmp_path), str(corpus_file)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(tmp_path / "vocab.txt"))
+    assert tok.vocab_size <= 300 and tok.cls is not None
+    r = subprocess.run(cli + ["--output-dir", str(tmp_path), str(tmp_path / "nope.txt")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "nope.txt does not exist" in r.stderr
