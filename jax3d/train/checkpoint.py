@@ -1,0 +1,382 @@
+"""Checkpoints on orbax: asynchronous saves, restore onto any layout, clear errors, clean stops on signals.
+
+One checkpoint is a step directory `DIR/<step>/` with three orbax items:
+
+- `params`: the fp32 master parameters, one array per logical parameter (global shapes);
+- `train`: the rest of the train state (step, optimizer state, RNG key data, loss scale);
+- `meta`: JSON with the full run config, the tokenizer, the data-loader position and the jax3d version.
+
+The state pytree and its global shapes don't depend on the (data, stage, model) layout or the ZeRO stage;
+only the shardings do. Restoring onto another layout is therefore an ordinary orbax restore with the new
+run's shardings as targets: every process reads just the slices its devices hold.
+
+Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it when complete, so a save killed
+half-way never shows up as a step and the previous one stays the latest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jax3d.config import (Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
+                          PrecisionConfig, TrainConfig)
+
+FORMAT_VERSION = 1
+# Model fields that don't change the parameters and may differ between the saved run and this one.
+FREE_MODEL_FIELDS = frozenset({"hidden_dropout", "attention_dropout", "recompute", "scan_layers",
+                               "attention_impl", "init_method_std"})
+
+
+class TrainingInterrupted(Exception):
+    """Raised by `Checkpointer.maybe_save` after SIGTERM / SIGINT, once the final checkpoint is written.
+
+    `exit_code` is the shell convention for death by that signal: 143 for SIGTERM, 130 for SIGINT.
+    """
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        self.signum, self.step, self.saved = signum, step, saved
+        self.exit_code = 128 + signum
+        what = f"saved a checkpoint at step {step}" if saved else f"stopped at step {step} without saving (no --save)"
+        super().__init__(f"{signal.Signals(signum).name} received; {what}")
+
+
+def _ocp():
+    import orbax.checkpoint as ocp
+    return ocp
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
+    """What a checkpoint records about the tokenizer: type, vocabulary size and its files."""
+    d = cfg.data
+    info = {"type": d.tokenizer_type or (type(tokenizer).__name__ if tokenizer is not None else ""),
+            "vocab_size": int(tokenizer.vocab_size) if tokenizer is not None else None,
+            "padded_vocab_size": cfg.model.vocab_size,
+            "vocab_file": d.vocab_file, "merge_file": d.merge_file, "tokenizer_file": d.tokenizer_file}
+    if not d.tokenizer_type and tokenizer is not None:
+        info["note"] = "bundled default corpus tokenizer"
+    return info
+
+
+def config_from_dict(d: dict) -> Config:
+    """Inverse of `Config.to_dict()` (JSON turns tuples into lists; unknown keys are dropped)."""
+    def build(cls, sub):
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        kw = {}
+        for k, v in (sub or {}).items():
+            if k in names:
+                kw[k] = tuple(v) if isinstance(v, list) else v
+        return cls(**kw)
+    return Config(model=build(ModelConfig, d.get("model")), parallel=build(ParallelConfig, d.get("parallel")),
+                  optim=build(OptimConfig, d.get("optim")), precision=build(PrecisionConfig, d.get("precision")),
+                  data=build(DataConfig, d.get("data")), train=build(TrainConfig, d.get("train")))
+
+
+def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> None:
+    """Raises ConfigError naming the first shape-defining model field that differs from the checkpoint."""
+    cur = dataclasses.asdict(current)
+    for field, value in cur.items():
+        if field in FREE_MODEL_FIELDS or field not in saved or saved[field] == value:
+            continue
+        hint = ""
+        if field == "vocab_size":
+            hint = (" (the padded vocabulary depends on --tensor-model-parallel-size and "
+                    "--make-vocab-size-divisible-by; pass --vocab-size "
+                    f"{saved[field]} to match the checkpoint)")
+        raise ConfigError(f"checkpoint {where} was saved with {_flag(field)} {saved[field]} but this run has "
+                          f"{_flag(field)} {value}{hint}; use the checkpoint's model shape or another --load")
+
+
+def restore_targets(abstract_tree, shardings):
+    """ShapeDtypeStructs carrying the new run's shardings: orbax reads each slice straight onto its device."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings)
+
+
+def list_steps(directory: str) -> list[int]:
+    """Complete (finalized) checkpoint steps in `directory`, ascending; [] when there are none."""
+    if not directory or not os.path.isdir(directory):
+        return []
+    with _manager(directory, read_only=True) as mgr:
+        return sorted(mgr.all_steps())
+
+
+def _manager(directory: str, *, read_only: bool, keep: int = 0, async_save: bool = True):
+    ocp = _ocp()
+    _quiet_orbax()
+    kw = {}
+    if keep > 0:
+        kw["preservation_policy"] = ocp.checkpoint_managers.LatestN(keep)
+    options = ocp.CheckpointManagerOptions(
+        read_only=read_only, create=not read_only, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=not read_only,  # left by a killed save; never taken as a step
+        **kw)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+def _resolve_step(directory: str, steps: list[int], want: int, flag: str) -> int:
+    if want >= 0:
+        if want not in steps:
+            raise ConfigError(f"--ckpt-step {want} is not a complete checkpoint in {flag} {directory}; "
+                              f"it has steps {steps or 'none'}")
+        return want
+    return steps[-1]
+
+
+def read_meta(directory: str, step: int) -> dict:
+    """The JSON metadata of one checkpoint step; ConfigError when it can't be read."""
+    ocp = _ocp()
+    try:
+        with _manager(directory, read_only=True) as mgr:
+            meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # orbax raises several types for missing / corrupt files
+        raise ConfigError(f"checkpoint {directory} step {step} is unreadable ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another --ckpt-step "
+                          "or --load") from e
+    if not isinstance(meta, dict) or meta.get("format") != "jax3d":
+        raise ConfigError(f"checkpoint {directory} step {step} has no jax3d metadata; it was not written by "
+                          "jax3d's Checkpointer")
+    return meta
+
+
+def _check_tree(directory: str, step: int, item: str, target) -> None:
+    """Compares the saved tree (paths and shapes) with the target, to fail with a sentence, not a traceback."""
+    ocp = _ocp()
+    try:
+        with _manager(directory, read_only=True) as mgr:
+            saved = mgr.item_metadata(step)[item]
+    except Exception:
+        return  # metadata is optional; the restore itself reports what is wrong
+    if saved is None:
+        return
+    flat_saved = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    for path, t in jax.tree_util.tree_flatten_with_path(target)[0]:
+        key = jax.tree_util.keystr(path)
+        s = flat_saved.get(key)
+        if s is None:
+            # Orbax may key sequences and dataclasses differently; only compare what lines up.
+            continue
+        shape = getattr(s, "shape", None)
+        if shape is not None and tuple(shape) != tuple(t.shape):
+            raise ConfigError(f"checkpoint {directory} step {step} holds {item}{key} with shape {tuple(shape)} "
+                              f"but this run expects {tuple(t.shape)}; the model or optimizer differs")
+    del ocp
+
+
+def restore_arrays(directory: str, step: int, items: dict):
+    """Restores orbax items {name: target tree of sharded ShapeDtypeStructs}; ConfigError when unreadable."""
+    ocp = _ocp()
+    for name, target in items.items():
+        _check_tree(directory, step, name, target)
+    args = ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in items.items()})
+    try:
+        with _manager(directory, read_only=True) as mgr:
+            return mgr.restore(step, args=args)
+    except ConfigError:
+        raise
+    except Exception as e:
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise ConfigError(f"checkpoint {directory} step {step} could not be restored ({type(e).__name__}: "
+                          f"{first}); it may be damaged or from another model, pass another --ckpt-step or "
+                          "--load") from e
+
+
+class Checkpointer:
+    """Saves and restores the train state for `jax3d.train.loop.train`.
+
+    `restore(steps)` -> (TrainState on `steps.state_shardings`, consumed_samples), or (None, 0) to start
+    fresh. `maybe_save(step, state, loader_state, force)` saves every `--save-interval` steps (and when
+    forced), asynchronously: orbax copies the arrays to host memory before returning, so the next
+    (donating) train step may run while the files are written. `wait()` blocks until writes finish.
+    """
+
+    def __init__(self, cfg: Config, tokenizer=None, *, async_save: bool = True):
+        tr = cfg.train
+        self.cfg = cfg
+        self.save_dir = tr.save
+        self.load_dir = tr.load
+        self.tokenizer = tokenizer_info(cfg, tokenizer)
+        self.async_save = async_save
+        self._mgr = None
+        self._last_saved = -1
+        self._signal = 0
+        self._old_handlers = {}
+        self._sync_every = max(1, tr.log_interval)
+        self.last_save_blocked_s = 0.0  # how long the last save call held the training loop
+
+    # ---- restore -------------------------------------------------------------------------------------
+    def restore(self, steps):
+        """The train state and loader position from `--load` (latest or `--ckpt-step`), or (None, 0)."""
+        tr = self.cfg.train
+        if not self.load_dir:
+            return None, 0
+        found = list_steps(self.load_dir)
+        if not found:
+            same = self.save_dir and os.path.abspath(self.save_dir) == os.path.abspath(self.load_dir)
+            if same and tr.ckpt_step < 0:
+                _log(f"jax3d: no checkpoint in {self.load_dir} yet; starting from scratch")
+                return None, 0
+            what = "does not exist" if not os.path.exists(self.load_dir) else "holds no complete checkpoint"
+            raise ConfigError(f"--load {self.load_dir} {what}; pass a checkpoint directory, or the same "
+                              "directory as --save to start fresh there")
+        step = _resolve_step(self.load_dir, found, tr.ckpt_step, "--load")
+        state, meta = restore_state(self.load_dir, step, steps)
+        _log(f"jax3d: restored step {step} from {self.load_dir} (saved on (data, stage, model) = "
+             f"{tuple(meta['mesh'].values())}, ZeRO-{meta['config']['parallel']['zero_stage']}, "
+             f"jax3d {meta['jax3d_version']})")
+        return state, int(meta["loader"]["consumed_samples"])
+
+    # ---- save ----------------------------------------------------------------------------------------
+    def _manager(self):
+        if self._mgr is None:
+            self._mgr = _manager(self.save_dir, read_only=False, keep=self.cfg.train.keep_checkpoints,
+                                 async_save=self.async_save)
+        return self._mgr
+
+    def _meta(self, step: int, loader_state: dict, mesh) -> dict:
+        import jax3d
+        return {"format": "jax3d", "format_version": FORMAT_VERSION, "jax3d_version": jax3d.__version__,
+                "step": int(step), "loader": {k: int(v) for k, v in loader_state.items()},
+                "config": self.cfg.to_dict(), "tokenizer": self.tokenizer,
+                "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))) if mesh is not None else {},
+                "process_count": jax.process_count(), "time": time.time()}
+
+    def save(self, step: int, state, loader_state: dict, *, wait: bool = False) -> None:
+        """Writes checkpoint `step` (asynchronously unless `wait`); the previous write is finished first."""
+        ocp = _ocp()
+        mgr = self._manager()
+        t0 = time.perf_counter()
+        mgr.wait_until_finished()
+        stale = [s for s in mgr.all_steps() if s >= step]
+        if stale:  # a rolled-back run overwrites the abandoned future, so "latest" stays this run's
+            _log(f"jax3d: replacing checkpoints {stale} in {self.save_dir} from an earlier run")
+            for s in stale:
+                mgr.delete(s)
+        mesh = _mesh_of(state)
+        train_part = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng,
+                      "loss_scale": state.loss_scale}
+        args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
+                                  train=ocp.args.StandardSave(train_part),
+                                  meta=ocp.args.JsonSave(self._meta(step, loader_state, mesh)))
+        mgr.save(step, args=args, force=True)
+        if wait:
+            mgr.wait_until_finished()
+        self.last_save_blocked_s = time.perf_counter() - t0
+        self._last_saved = step
+
+    def maybe_save(self, step: int, state, loader_state: dict, force: bool = False) -> bool:
+        """Saves at `--save-interval` multiples, when forced, and on a caught signal (then raises)."""
+        stop = self._stop_requested(step, force)
+        if stop:
+            saved = False
+            if self.save_dir and step != self._last_saved:
+                self.save(step, state, loader_state, wait=True)
+                saved = True
+            elif self.save_dir:
+                self.wait()
+                saved = True
+            raise TrainingInterrupted(stop, step, saved)
+        if not self.save_dir or step == self._last_saved:
+            return False
+        every = self.cfg.train.save_interval
+        if force or (every and step % every == 0):
+            self.save(step, state, loader_state)
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Blocks until every pending write is on disk."""
+        if self._mgr is not None:
+            self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        if self._mgr is not None:
+            self._mgr.wait_until_finished()
+            self._mgr.close()
+            self._mgr = None
+        self.uninstall_signal_handlers()
+
+    # ---- signals -------------------------------------------------------------------------------------
+    def install_signal_handlers(self, signums=(signal.SIGTERM, signal.SIGINT)) -> None:
+        """SIGTERM / SIGINT set a flag; the next `maybe_save` writes a final checkpoint and raises
+        TrainingInterrupted. A second signal of the same kind acts as if no handler were installed."""
+        for s in signums:
+            self._old_handlers[s] = signal.signal(s, self._on_signal)
+
+    def uninstall_signal_handlers(self) -> None:
+        for s, h in self._old_handlers.items():
+            signal.signal(s, h)
+        self._old_handlers = {}
+
+    def _on_signal(self, signum, frame):
+        if self._signal:
+            old = self._old_handlers.get(signum, signal.SIG_DFL)
+            self.uninstall_signal_handlers()
+            if callable(old):
+                return old(signum, frame)
+            signal.raise_signal(signum)
+            return None
+        self._signal = signum
+        _log(f"jax3d: {signal.Signals(signum).name} received; saving and stopping after this step "
+             "(send it again to stop at once)")
+        return None
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """What a caught signal does; for tests and for callers with their own signal handling."""
+        self._signal = signum
+
+    def _stop_requested(self, step: int, force: bool) -> int:
+        if jax.process_count() == 1:
+            return self._signal
+        # All processes must stop at the same step for the collective save. Agree where the loop already
+        # syncs (log steps) and at forced saves, so the check costs no extra device round trip.
+        if not (force or step % self._sync_every == 0):
+            return 0
+        from jax.experimental import multihost_utils
+        flags = multihost_utils.process_allgather(np.int32(self._signal))
+        hit = [int(f) for f in np.ravel(flags) if f]
+        return hit[0] if hit else 0
+
+
+def restore_state(directory: str, step: int, steps):
+    """Restores checkpoint `step` onto `steps` (its model checked first); returns (TrainState, meta)."""
+    from jax3d.train.state import TrainState
+
+    meta = read_meta(directory, step)
+    check_model_compatible(meta["config"]["model"], steps.cfg.model, f"{directory} step {step}")
+    targets = restore_targets(steps.abstract_state, steps.state_shardings)
+    train_t = {"step": targets.step, "opt_state": targets.opt_state, "rng": targets.rng,
+               "loss_scale": targets.loss_scale}
+    r = restore_arrays(directory, step, {"params": targets.params, "train": train_t})
+    t = r.train
+    state = TrainState(step=t["step"], params=r.params, opt_state=t["opt_state"], rng=t["rng"],
+                       loss_scale=t["loss_scale"])
+    return state, meta
+
+
+def _mesh_of(state):
+    for leaf in jax.tree.leaves(state.params):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None:
+            return mesh
+    return None
+
+
+def _quiet_orbax() -> None:
+    """Orbax warns at WARNING level about routine things (read-only managers, items not asked for)."""
+    import logging
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def _log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, file=sys.stderr, flush=True)
