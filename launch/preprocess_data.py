@@ -25,6 +25,8 @@ def parse_args(argv=None):
     p.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (BERT)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail")
+    p.add_argument("--dataset-impl", choices=("mmap",), default="mmap",
+                   help="accepted for Megatron scripts; mmap is the only format written")
     p.add_argument("--chunk-lines", type=int, default=256, help="lines per worker task")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jax3d.data import DataError, IndexedDataset, IndexedDatasetBuilder
-from jax3d.data.gpt_dataset import build_gpt_datasets
+from jax3d.data.gpt_dataset import build_gpt_datasets, build_gpt_indices
 from jax3d.data.sampling import blending_indices, parse_data_paths, split_ranges
 
 EOD = 0
@@ -62,6 +62,17 @@ def test_multi_epoch(tmp_path):
     for e in range(len(tr.doc_idx) // 20):
         assert sorted(tr.doc_idx[20 * e:20 * e + 20].tolist()) == list(range(20))
     assert all(tr[i]["text"].shape == (9,) for i in range(0, len(tr), 50))
+
+
+def test_separate_last_epoch():
+    # 20 docs x 50 tokens, seq 8: 124 samples per epoch. 130 samples use 6 of the second epoch's
+    # 124 (< 80%), so those are shuffled apart and served last; 240 samples shuffle all together.
+    sizes = np.full(20, 50)
+    idx = build_gpt_indices(sizes, (0, 20), 8, 130, seed=0)
+    assert len(idx["shuffle_idx"]) == 249
+    assert sorted(idx["shuffle_idx"][:124].tolist()) == list(range(124))
+    idx = build_gpt_indices(sizes, (0, 20), 8, 240, seed=0)
+    assert sorted(idx["shuffle_idx"][:124].tolist()) != list(range(124))
 
 
 def test_blending_proportions(tmp_path):

@@ -27,6 +27,9 @@ def build_gpt_indices(sizes: np.ndarray, doc_range: tuple[int, int], seq_length:
     - sample_idx [n + 1, 2]: (position in doc_idx, token offset) where sample i starts; sample i
       runs up to and including sample i+1's start token;
     - shuffle_idx [n]: the order samples are served in.
+
+    Unlike Megatron, which shuffles all epochs' documents as one list, each epoch here is its own
+    permutation, so every document is seen once per epoch.
     """
     rng = np.random.RandomState(seed)
     docs = np.arange(*doc_range, dtype=np.int64)
@@ -40,7 +43,17 @@ def build_gpt_indices(sizes: np.ndarray, doc_range: tuple[int, int], seq_length:
     pos = np.searchsorted(ends, starts, side="right")
     offset = starts - (ends[pos] - sizes[doc_idx[pos]])
     sample_idx = np.stack([pos, offset], axis=1).astype(np.int64)
-    shuffle_idx = rng.permutation(n).astype(np.int64)
+    # As Megatron: if the last epoch is mostly unused (< 80% of its samples needed), shuffle its
+    # samples separately and serve them last, so the first `num_samples` are drawn from whole
+    # epochs rather than favouring the documents the last epoch happens to put first.
+    tokens_per_epoch = int(ends[-1]) // epochs
+    first = max(0, ((epochs - 1) * tokens_per_epoch - 1) // seq_length)
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    if epochs > 1 and num_samples - first < int(0.8 * per_epoch):
+        shuffle_idx = np.concatenate([rng.permutation(first), first + rng.permutation(n - first)])
+    else:
+        shuffle_idx = rng.permutation(n)
+    shuffle_idx = shuffle_idx.astype(np.int64)
     return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
 

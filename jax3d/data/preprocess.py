@@ -144,6 +144,9 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
     A bad line (not JSON, not an object, key missing) is reported to `log` with its line number and
     then skipped (`on_bad_line="skip"`) or raises `DataError` (`"fail"`). Documents that tokenize to
     nothing are left out and counted. Returns a `PreprocessSummary`.
+
+    With `workers > 1` the pool uses the spawn start method, so a calling script must keep its
+    top-level code under `if __name__ == "__main__":`.
     """
     log = sys.stderr if log is None else log
     if on_bad_line not in ("skip", "fail"):
