@@ -59,9 +59,29 @@ class PreprocessSummary:
 _WORKER = {}
 
 
-def _init_worker(spec, json_keys, append_eod, sentences):
+def _init_worker(spec, json_keys, append_eod, sentences, in_pool):
+    if in_pool:
+        # Worker processes already fill the cores; the tokenizers library's own thread pool would
+        # only oversubscribe them. A single in-process "worker" keeps it.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = spec.build()
     _WORKER.update(tok=tok, keys=json_keys, eod=append_eod, sentences=sentences)
+
+
+def _parse_line(line: str, keys) -> tuple[dict | None, str | None]:
+    """(JSON object, None) for a usable line, else (None, why it is bad)."""
+    if not line.strip():
+        return None, "blank line"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    missing = [k for k in keys if not isinstance(obj.get(k), str)]
+    if missing:
+        return None, f"no string field {missing[0]!r}"
+    return obj, None
 
 
 def _encode_chunk(job):
@@ -72,34 +92,28 @@ def _encode_chunk(job):
     so the parent writes a chunk with one call and pickling moves a few arrays, not many lists.
     """
     chunk, nbytes = job
-    tok, keys = _WORKER["tok"], _WORKER["keys"]
-    bad, empty = [], 0
-    toks = {k: [] for k in keys}
-    sizes = {k: [] for k in keys}
-    per_doc = {k: [] for k in keys}
+    tok, keys, sentences = _WORKER["tok"], _WORKER["keys"], _WORKER["sentences"]
+    bad, pieces, counts = [], [], []  # counts[d][k]: how many pieces doc d has for key k
     for line_no, line in chunk:
-        why = None
-        if not line.strip():
-            why = "blank line"
-        else:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                why = f"invalid JSON ({e.msg} at column {e.colno})"
-            else:
-                if not isinstance(obj, dict):
-                    why = f"expected a JSON object, got {type(obj).__name__}"
-                else:
-                    missing = [k for k in keys if not isinstance(obj.get(k), str)]
-                    if missing:
-                        why = f"no string field {missing[0]!r}"
+        obj, why = _parse_line(line, keys)
         if why is not None:
             bad.append((line_no, why))
             continue
-        doc = {}
+        counts.append([])
         for k in keys:
-            pieces = split_sentences(obj[k]) if _WORKER["sentences"] else [obj[k]]
-            ids = [s for s in (tok.tokenize(p) for p in pieces) if s]
+            p = split_sentences(obj[k]) if sentences else [obj[k]]
+            pieces += p
+            counts[-1].append(len(p))
+    # One batch call per chunk: the tokenizers library can spread it over threads.
+    encoded = iter(tok.tokenize_batch(pieces))
+    empty = 0
+    toks = {k: [] for k in keys}
+    sizes = {k: [] for k in keys}
+    per_doc = {k: [] for k in keys}
+    for doc_counts in counts:
+        doc = {}
+        for k, n in zip(keys, doc_counts):
+            ids = [s for s in (next(encoded) for _ in range(n)) if s]
             if ids and _WORKER["eod"]:
                 ids[-1].append(tok.eod)
             doc[k] = ids
@@ -167,7 +181,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
     summary = PreprocessSummary()
     prefixes = {k: output_prefix_for(output_prefix, k, split_sentences_) for k in json_keys}
     builders = {k: IndexedDatasetBuilder(p, dtype) for k, p in prefixes.items()}
-    init_args = (tokenizer, json_keys, append_eod, split_sentences_)
+    init_args = (tokenizer, json_keys, append_eod, split_sentences_, workers > 1)
     start = time.perf_counter()
     bar = None
     if progress:
