@@ -56,6 +56,8 @@ class PreprocessSummary:
         return self.documents / max(self.seconds, 1e-9)
 
 
+# Per-process tokenizer state, set once by the pool initializer (Pool's way of giving each worker
+# an object that does not pickle cheaply); never read outside `_encode_chunk`.
 _WORKER = {}
 
 
