@@ -50,3 +50,11 @@ def test_bert_corpus_sentences_are_lines(tmp_path, monkeypatch):
     expect = [ids for ids in (tok.tokenize(l) for l in lines) if ids]
     got = [ds[j].tolist() for j in range(ds.doc_idx[0], ds.doc_idx[1])]
     assert got == expect
+
+
+def test_package_name_is_the_function():
+    import jax3d.data
+    import jax3d.data.default_corpus  # noqa: F401  (importing the submodule must not shadow it)
+    assert callable(jax3d.data.default_corpus)
+    from jax3d.data import default_corpus as fn
+    assert fn is default_corpus

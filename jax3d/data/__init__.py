@@ -2,6 +2,9 @@
 
 The loader imports JAX; it is loaded lazily so that preprocessing workers stay light.
 """
+# Imported eagerly (it is light): a lazy name would be shadowed by the submodule of the same name
+# once anything imports `jax3d.data.default_corpus`.
+from jax3d.data.default_corpus import default_corpus
 from jax3d.data.indexed import (DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype,
                                 merge_datasets)
 from jax3d.data.preprocess import PreprocessSummary, TokenizerSpec, preprocess_jsonl, split_sentences
@@ -13,7 +16,6 @@ _LAZY = {
     "parse_data_paths": "jax3d.data.gpt_dataset",
     "build_bert_datasets": "jax3d.data.bert_dataset",
     "BertTokenIds": "jax3d.data.bert_dataset",
-    "default_corpus": "jax3d.data.default_corpus",
 }
 
 
