@@ -87,6 +87,12 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
         raise PipelineError(
             f"the schedule is for {schedule.stages} stages x {schedule.microbatches} micro-batches, "
             f"but the mesh has {p} stages and {m} micro-batches were given")
+    dp = mesh.shape["data"]
+    for a in jax.tree.leaves(microbatches):
+        if a.ndim < 2 or a.shape[1] % dp:
+            raise PipelineError(
+                f"micro-batch leaves need a batch dim divisible by the {dp} data shards, got shape "
+                f"{tuple(a.shape)}")
     rows = _leading(stacked_params, "stacked_params")
     if params_in_pipeline_order:
         n_layers = sum(layers_per_virtual_stage) if layers_per_virtual_stage is not None else rows
@@ -104,7 +110,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
         rng = jax.random.key(0)
 
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
-                             use_rng, mesh.shape["data"] > 1, p)
+                             use_rng, dp > 1, p)
     run = jax.shard_map(
         body, mesh=mesh, axis_names=set(_MANUAL),
         in_specs=(P("stage"), P(), P(None, "data"), P(None, "stage"), P("stage"), P()),
