@@ -144,3 +144,30 @@ def test_batch_must_divide_over_data():
         with pytest.raises(PipelineError, match="divisible by the 2 data shards"):
             pipeline_value_and_grad(toy.first_fn, toy.stage_fn, toy.last_fn, stacked, shared, mbs,
                                     mesh=mesh, schedule=make_schedule("1f1b", 2, 2))
+
+
+def test_invalid_table_refused():
+    from jax3d.pipeline.schedules import IDLE, Schedule
+    mesh = _mesh((1, 2, 1))
+    stacked, shared = toy.init(jax.random.key(1), layers=4)
+    mbs = toy.microbatches(jax.random.key(2), m=2, batch=2, seq=4)
+    good = make_schedule("1f1b", 2, 2)
+    kind = good.kind.copy()
+    kind[-1, 0] = IDLE  # drop stage 0's last backward
+    broken = Schedule("1f1b", 2, 2, 1, False, kind, good.microbatch, good.chunk)
+    with jax.set_mesh(mesh), pytest.raises(PipelineError, match="table is invalid"):
+        pipeline_value_and_grad(toy.first_fn, toy.stage_fn, toy.last_fn, stacked, shared, mbs,
+                                mesh=mesh, schedule=broken)
+
+
+def test_bf16_params_accumulate_float32_grads():
+    mesh = _mesh((1, 2, 1))
+    stacked, shared = toy.init(jax.random.key(1), layers=4)
+    mbs = toy.microbatches(jax.random.key(2), m=4, batch=2, seq=8)
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (stacked, shared))
+    with jax.set_mesh(mesh):
+        _, _, g_st, g_sh = toy.pipelined(mesh, make_schedule("zb-h1", 2, 4))(*bf16, mbs, None)
+        _, (r_st, _) = jax.jit(jax.value_and_grad(
+            lambda a, b: toy.sequential_loss(a, b, mbs)[0], argnums=(0, 1)))(stacked, shared)
+    assert g_st["w1"].dtype == jnp.float32 and g_sh["embed"].dtype == jnp.float32
+    assert _rel(g_st["w1"], r_st["w1"]) < 5e-2  # bf16 forward, fp32 sums

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jax3d.pipeline import program as prog_mod
 from jax3d.pipeline.layout import (PipelineError, from_pipeline_order, layer_keys, make_layout,
                                    to_pipeline_order)
-from jax3d.pipeline.schedules import B, F, IDLE, W, Schedule
+from jax3d.pipeline.schedules import B, F, IDLE, W, Schedule, ScheduleError, validate
 
 _MANUAL = ("stage", "data")
 
@@ -50,7 +50,8 @@ def _leading(tree, what):
 
 def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_params, microbatches,
                             *, mesh, schedule: Schedule, layers_per_virtual_stage=None,
-                            params_in_pipeline_order=False, rng=None):
+                            params_in_pipeline_order=False, rng=None,
+                            grad_dtype=jnp.float32):
     """Loss, aux and gradients of a layer-stacked model, run as a pipeline over mesh axis `stage`.
 
     Contract of the user functions (all pure; they never see the pipeline):
@@ -72,6 +73,9 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     schedule: a Schedule with schedule.stages == mesh.shape['stage'] and m micro-batches.
     layers_per_virtual_stage: optional p*v layer counts for uneven splits (padded to the max with
       skipped layers).
+    grad_dtype: dtype of the gradient accumulators and of the returned grads (float32 by default,
+      like Megatron's fp32 main grads, so bf16 params do not lose small micro-batch grads); None
+      keeps each param's dtype.
     rng: optional key; layer l of micro-batch i gets dropout_key(rng, i, l), folded further with the
       `data` index when data > 1 so data shards draw different masks.
 
@@ -104,13 +108,17 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
         raise PipelineError(f"pipeline-ordered params need {p * v * k} stacked rows, got {rows}")
     if not params_in_pipeline_order:
         stacked_params = to_pipeline_order(stacked_params, layout)
+    try:
+        validate(schedule)
+    except ScheduleError as e:
+        raise PipelineError(f"the schedule table is invalid: {e}") from None
     program = prog_mod.lower(schedule)
     use_rng = rng is not None
     if rng is None:
         rng = jax.random.key(0)
 
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
-                             use_rng, dp > 1, p)
+                             use_rng, dp > 1, p, grad_dtype)
     run = jax.shard_map(
         body, mesh=mesh, axis_names=set(_MANUAL),
         in_specs=(P("stage"), P(), P(None, "data"), P(None, "stage"), P("stage"), P()),
@@ -122,7 +130,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     return loss, aux, g_stacked, g_shared
 
 
-def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_data, p,
+def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_data, p, grad_dtype,
                 stacked, shared, mbs, table, layer_rows, rng):
     """Body of the shard_map: the view of one (data, stage) shard."""
     stacked, shared = _vary_tree(stacked), _vary_tree(shared)
@@ -161,8 +169,11 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
     _, aux_aval = jax.eval_shape(lambda: last_fn(shared, zero_x, mb0))
     act_buf = _vary(jnp.zeros((program.act_slots,) + x_aval.shape, x_aval.dtype))
     grad_buf = _vary(jnp.zeros((program.grad_slots,) + x_aval.shape, x_aval.dtype))
-    acc0 = (_vary_tree(jax.tree.map(jnp.zeros_like, stacked)),
-            _vary_tree(jax.tree.map(jnp.zeros_like, shared)),
+    def zeros_grad(a):
+        return jnp.zeros(a.shape, grad_dtype or a.dtype)
+
+    acc0 = (_vary_tree(jax.tree.map(zeros_grad, stacked)),
+            _vary_tree(jax.tree.map(zeros_grad, shared)),
             _vary(jnp.zeros((), jnp.float32)),
             _vary_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_aval)))
 
