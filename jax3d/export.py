@@ -1,0 +1,149 @@
+"""Export a training checkpoint's parameters as one unsharded fp32 tree that a single device can load.
+
+The parameters are restored onto one CPU device (never the optimizer state), whatever layout the run
+was trained on, and written as
+
+- `safetensors`: one file; tensor names are the parameter paths joined by dots
+  (`blocks.attn.qkv_kernel`), with the transformer blocks stacked on a leading layers dim as jax3d keeps
+  them, or split per layer (`blocks.0.attn.qkv_kernel`) with `split_layers`. The file's metadata holds
+  the model config, tokenizer and provenance as JSON strings;
+- `orbax`: a directory with `params/` (an orbax StandardCheckpointer tree) and `jax3d.json`.
+
+`docs/checkpoints.md` describes both.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from jax3d.config import ConfigError
+from jax3d.train.checkpoint import config_from_dict, list_steps, read_meta, restore_arrays
+
+FORMATS = ("safetensors", "orbax")
+
+
+def abstract_params(model_cfg):
+    """Global shapes of the parameter tree of `model_cfg` (no arrays are created)."""
+    from jax3d.models import build_model
+    from jax3d.sharding import ShardingRules
+
+    model = build_model(model_cfg, ShardingRules.create(False))
+    return jax.eval_shape(model.init, jax.random.key(0))
+
+
+def load_params(load_dir: str, step: int = -1, device=None):
+    """(params as numpy fp32 arrays, checkpoint metadata) of `step` (default: latest) in `load_dir`."""
+    found = list_steps(load_dir)
+    if not found:
+        raise ConfigError(f"--load {load_dir} holds no complete checkpoint; pass a directory written by --save")
+    if step < 0:
+        step = found[-1]
+    elif step not in found:
+        raise ConfigError(f"--ckpt-step {step} is not a complete checkpoint in --load {load_dir}; "
+                          f"it has steps {found}")
+    meta = read_meta(load_dir, step)
+    cfg = config_from_dict(meta["config"])
+    device = device or jax.devices("cpu")[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sharding),
+                          abstract_params(cfg.model))
+    params = restore_arrays(load_dir, step, {"params": target}).params
+    return jax.tree.map(np.asarray, params), meta
+
+
+def flat_names(params, split_layers: bool = False) -> dict[str, np.ndarray]:
+    """{dotted name: array}; with `split_layers` the stacked `blocks` become `blocks.<i>.*`, one per layer."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        if split_layers and keys[0] == "blocks":
+            for i in range(leaf.shape[0]):
+                out[".".join([keys[0], str(i), *keys[1:]])] = np.ascontiguousarray(leaf[i])
+        else:
+            out[".".join(keys)] = np.ascontiguousarray(leaf)
+    return out
+
+
+def unflatten(flat: dict[str, np.ndarray]) -> dict:
+    """Inverse of `flat_names` for either naming: the nested tree jax3d's model takes."""
+    tree, layers = {}, {}
+    for name, arr in flat.items():
+        keys = name.split(".")
+        if keys[0] == "blocks" and keys[1].isdigit():
+            layers.setdefault(".".join(["blocks", *keys[2:]]), {})[int(keys[1])] = arr
+            continue
+        node = tree
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = arr
+    for name, per_layer in layers.items():
+        stacked = np.stack([per_layer[i] for i in range(len(per_layer))])
+        node = tree
+        keys = name.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = stacked
+    return tree
+
+
+def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensors",
+           split_layers: bool = False) -> dict:
+    """Writes the parameters of checkpoint `step` of `load_dir` to `output`; returns a summary."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt} is not supported; choose one of {', '.join(FORMATS)}")
+    params, meta = load_params(load_dir, step)
+    info = {"format": "jax3d-params", "jax3d_version": meta["jax3d_version"], "step": meta["step"],
+            "source": os.path.abspath(load_dir), "layers_stacked": not split_layers,
+            "model": meta["config"]["model"], "tokenizer": meta.get("tokenizer", {})}
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.numpy import save_file
+
+        flat = flat_names(params, split_layers)
+        save_file(flat, output, metadata={k: json.dumps(v) for k, v in info.items()})
+    else:
+        import orbax.checkpoint as ocp
+
+        if os.path.exists(output):
+            raise ConfigError(f"--output {output} exists; orbax exports go to a new directory")
+        os.makedirs(output)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(os.path.abspath(output), "params"), params)
+        with open(os.path.join(output, "jax3d.json"), "w") as f:
+            json.dump(info, f, indent=1)
+    n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    return {"output": output, "format": fmt, "step": meta["step"], "parameters": n, "bytes": 4 * n}
+
+
+def read_safetensors(path: str) -> tuple[dict, dict]:
+    """(nested params tree, metadata with JSON values decoded) of a safetensors export."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    with safe_open(path, framework="numpy") as f:
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+    return unflatten(load_file(path)), meta
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description="Export a jax3d checkpoint's parameters as one unsharded fp32 tree.")
+    p.add_argument("--load", required=True, help="checkpoint directory (the --save of a training run)")
+    p.add_argument("--ckpt-step", type=int, default=-1, help="step to export (default: the latest complete)")
+    p.add_argument("--output", required=True, help="a .safetensors file, or a new directory for --format orbax")
+    p.add_argument("--format", default="safetensors", choices=FORMATS)
+    p.add_argument("--split-layers", action="store_true",
+                   help="safetensors: one tensor per layer (blocks.<i>.*) instead of the stacked blocks")
+    a = p.parse_args(argv)
+    try:
+        summary = export(a.load, a.output, step=a.ckpt_step, fmt=a.format, split_layers=a.split_layers)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
