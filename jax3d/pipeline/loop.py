@@ -41,6 +41,10 @@ def _vary_tree(tree):
     return jax.tree.map(_vary, tree)
 
 
+def _add_grad(acc, g):
+    return acc if g.dtype == jax.dtypes.float0 else acc + g.astype(acc.dtype)
+
+
 def _leading(tree, what):
     sizes = {a.shape[0] for a in jax.tree.leaves(tree)}
     if len(sizes) != 1:
@@ -179,6 +183,8 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
 
     def add_chunk_grad(gw, dwc, c):
         def upd(g, d):
+            if d.dtype == jax.dtypes.float0:  # integer leaf: no gradient
+                return g
             cur = lax.dynamic_slice_in_dim(g, c * k, k, 0)
             return lax.dynamic_update_slice_in_dim(g, cur + d.astype(g.dtype), c * k, 0)
         return jax.tree.map(upd, gw, dwc)
@@ -218,7 +224,7 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
                     out, vjp = jax.vjp(fn, wc, shared, x)
                     dwc, dsh, dx = vjp(_vary(jnp.ones_like(out)) if ct is None else ct)
                     gw = add_chunk_grad(gw, dwc, c)
-                    gs = jax.tree.map(lambda a, b: a + b.astype(a.dtype), gs, dsh)
+                    gs = jax.tree.map(_add_grad, gs, dsh)
                     if wrt_x:
                         dx_send = dx
             return (_vary_tree((gw, gs, loss, aux)), _vary(y_send), _vary(dx_send))
