@@ -60,10 +60,11 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
 
     Contract of the user functions (all pure; they never see the pipeline):
       first_fn(shared_params, mb) -> x            runs at virtual stage 0 (e.g. embedding)
-      stage_fn(layer_params, x, keys) -> x        runs consecutive layers; every leaf of layer_params
+      stage_fn(layer_params, x, keys, mb) -> x    runs consecutive layers; every leaf of layer_params
                                                   has a leading dim = number of layers; keys is None
                                                   or a stack of one dropout key per layer
-                                                  (see dropout_key)
+                                                  (see dropout_key); mb is the micro-batch, for
+                                                  what every layer needs (a padding mask, say)
       last_fn(shared_params, x, mb) -> (loss_sum, aux)   runs at the last virtual stage; aux is a
                                                   dict of scalars summed like the loss
     x must have the same shape and dtype at every stage boundary. Call this inside jit under
@@ -148,21 +149,21 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
     def chunk_params(c):
         return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * k, k, 0), stacked)
 
-    def run_chunk(wc, x, i, c):
+    def run_chunk(wc, x, mb, i, c):
         ids = rows[c]
         keys = layer_keys(rng, i, ids) if use_rng else None
         if not padded:
-            return stage_fn(wc, x, keys)
+            return stage_fn(wc, x, keys, mb)
         for j in range(k):  # padded positions run as identity (skipped by cond)
             wj = jax.tree.map(lambda a: a[j:j + 1], wc)
             kj = None if keys is None else keys[j:j + 1]
-            x = lax.cond(ids[j] >= 0, lambda x, wj=wj, kj=kj: _vary(stage_fn(wj, x, kj)),
+            x = lax.cond(ids[j] >= 0, lambda x, wj=wj, kj=kj: _vary(stage_fn(wj, x, kj, mb)),
                          lambda x: _vary(x), x)
         return x
 
     def chunk_fn(first, last, wc, sh, x, mb, i, c):
         h = first_fn(sh, mb) if first else x
-        h = run_chunk(wc, h, i, c)
+        h = run_chunk(wc, h, mb, i, c)
         if last:
             return last_fn(sh, h, mb)
         return h, {}

@@ -47,7 +47,7 @@ def first_fn(shared, mb):
     return shared["embed"][mb["tokens"]]  # (batch, seq, d)
 
 
-def stage_fn(layers, x, keys):
+def stage_fn(layers, x, keys, mb=None):
     for j in range(layers["w1"].shape[0]):  # unrolled: chunks are short
         h = jnp.tanh(jnp.einsum("bsd,dh->bsh", x, layers["w1"][j]))
         h = jax.lax.with_sharding_constraint(h, P(None, None, "model"))

@@ -30,8 +30,8 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
     def first_fn(shared, mb):
         return model.embed(shared, mb, None, deterministic)
 
-    def stage_fn(layer_params, x, keys):
-        return model.run_blocks(layer_params, x, None, deterministic, None, keys=keys)
+    def stage_fn(layer_params, x, keys, mb):
+        return model.run_blocks(layer_params, x, None, deterministic, model.block_mask(mb), keys=keys)
 
     def last_fn(shared, x, mb):
         obj, aux = model.objective(shared, x, mb, shared["_norms"])
