@@ -98,7 +98,9 @@ class MeshConfig:
         if model.hidden_size % model.num_attention_heads:
             errors.append(f"--hidden-size {model.hidden_size} is not divisible by "
                           f"--num-attention-heads {model.num_attention_heads}")
-        if parallel.pipeline_layout:
+        if parallel.virtual_stages < 1:
+            errors.append(f"virtual pipeline stages {parallel.virtual_stages} must be at least 1")
+        elif parallel.pipeline_layout:
             if len(parallel.pipeline_layout) != pp or sum(parallel.pipeline_layout) != model.num_layers:
                 errors.append(f"--pipeline-model-parallel-layout {','.join(map(str, parallel.pipeline_layout))} "
                               f"must list {pp} stage sizes that sum to --num-layers {model.num_layers}")

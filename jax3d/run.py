@@ -96,8 +96,17 @@ def _main(argv) -> int:
     if tr.save or tr.load:
         from jax3d.train.checkpoint import Checkpointer
         checkpointer = Checkpointer(cfg, tokenizer=inputs.tokenizer)
+        checkpointer.install_signal_handlers()
+    from jax3d.train.checkpoint import TrainingInterrupted
     from jax3d.train.loop import train
-    last = train(cfg, mesh_cfg, mesh, inputs, progress=not args.no_progress, checkpointer=checkpointer)
+    try:
+        last = train(cfg, mesh_cfg, mesh, inputs, progress=not args.no_progress, checkpointer=checkpointer)
+    except TrainingInterrupted as e:
+        print(f"jax3d: {e}", file=sys.stderr)
+        return e.exit_code  # 143 for SIGTERM, 130 for SIGINT
+    finally:
+        if checkpointer is not None:
+            checkpointer.uninstall_signal_handlers()
     if jax.process_index() == 0 and last:
         print(json.dumps({k: last[k] for k in ("step", "loss", "val_loss", "tokens_per_s", "mfu") if k in last}))
     return 0

@@ -9,3 +9,10 @@ if "xla_force_host_platform_device_count" not in flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# Many tests compile the same small programs (the same layout in several tests, a resumed run's step);
+# a persistent cache shared by the session's processes turns the repeats into loads.
+import tempfile  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "jax3d-test-compile-cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

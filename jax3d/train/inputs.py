@@ -16,8 +16,12 @@ class Inputs:
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron pads the vocabulary to a multiple of divisible_by x tp."""
-    m = divisible_by * tp
+    """The vocabulary padded to a multiple of `divisible_by` (and of tp, when tp does not divide that).
+
+    Megatron pads to divisible_by x tp, which makes the padded size depend on the layout; here it does
+    not, so a checkpoint restores onto any tensor-parallel size without a vocabulary change.
+    """
+    m = divisible_by if divisible_by % tp == 0 else divisible_by * tp
     return ((vocab + m - 1) // m) * m
 
 
