@@ -11,6 +11,7 @@ import jax
 
 from jax3d.config import Config
 from jax3d.mesh import MeshConfig
+from jax3d.train.metrics import model_flops_per_token
 from jax3d.train.step import abstract_batch, build_steps, per_device_bytes
 
 
@@ -49,7 +50,11 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
         "zero_stage": cfg.parallel.zero_stage, "dtype": cfg.precision.dtype,
         "micro_batches": steps.accum_steps, "scan_layers": cfg.model.scan_layers,
         "params": params, "opt_state": opt, "grads": grads, "temp": temp, "peak": peak,
-        "arguments": args, "flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "arguments": args,
+        # XLA's count for one device; it counts a scanned loop body once, so with scan_layers it is low.
+        "flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "model_flops_per_device": model_flops_per_token(cfg.model) * cfg.train.global_batch_size
+        * cfg.model.seq_length / mesh_cfg.size,
         "compile_s": round(compile_s, 2),
     }
     if mesh_cfg.stage > 1:

@@ -56,6 +56,8 @@ class Steps:
     eval_step: Callable  # (params, batch) -> metrics of the batch's loss
     abstract_state: TrainState
     accum_steps: int
+    loss_and_grads: Callable  # (params, batch) -> (loss, grads): the step's gradients, no update
+
 
     def batch_sharding(self):
         return NamedSharding(self.mesh, self.batch_spec)
@@ -173,6 +175,11 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         (obj, aux), _ = jax.lax.scan(one, (jnp.float32(0), aux0), batch)
         return loss_metrics(obj, aux, norms)
 
+    def loss_and_grads(params, batch):
+        rng = jax.random.key(0)
+        grads, obj, _ = grads_fn(params, batch, rng, jnp.float32(1.0), model.normalizers(batch))
+        return obj, _constrain_tree(grads, specs["grads"])
+
     with jax.set_mesh(mesh):
         init_jit = jax.jit(init_fn, static_argnums=0, out_shardings=state_shardings)
         abstract_state = jax.eval_shape(init_fn, 0)
@@ -181,7 +188,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
     return Steps(cfg, mesh_cfg, mesh, model, optimizer, specs, state_shardings, batch_spec,
                  _with_mesh(mesh, init_jit), _with_mesh(mesh, train_jit), _with_mesh(mesh, eval_jit),
-                 abstract_state, accum)
+                 abstract_state, accum, _with_mesh(mesh, jax.jit(loss_and_grads)))
 
 
 def _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype):
