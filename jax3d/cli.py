@@ -4,18 +4,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from jax3d.argparse_util import OneLineParser
 from jax3d.config import (Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
                           PrecisionConfig, TrainConfig)
 from jax3d.models.presets import get_preset, preset_names
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence and exit 2, as argparse does, but through ConfigError
-        raise ConfigError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="launch/train.py", description=(
+    p = OneLineParser(prog="launch/train.py", description=(
         "Train a GPT or BERT model with tensor, pipeline and ZeRO data parallelism. Flags follow "
         "Megatron-DeepSpeed; shape flags override the --preset."), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model")

@@ -13,18 +13,14 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jax3d.argparse_util import OneLineParser  # noqa: E402
 from jax3d.data.indexed import DataError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence instead of the usage dump; --help has the usage
-        self.exit(2, f"error: {message} (see --help)\n")
 from jax3d.data.preprocess import TokenizerSpec, preprocess_jsonl
 from jax3d.data.tokenizers import TOKENIZER_TYPES
 
 
 def parse_args(argv=None):
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="JSONL file, one document per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize")
     p.add_argument("--output-prefix", required=True)

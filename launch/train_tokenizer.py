@@ -11,17 +11,13 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jax3d.argparse_util import OneLineParser  # noqa: E402
 from jax3d.data.indexed import DataError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence instead of the usage dump; --help has the usage
-        self.exit(2, f"error: {message} (see --help)\n")
 from jax3d.data.tokenizers import train_tokenizer
 
 
 def main(argv=None) -> int:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help="plain-text files")
     p.add_argument("--type", choices=("bpe", "wordpiece"), default="bpe")
     p.add_argument("--vocab-size", type=int, default=32000)

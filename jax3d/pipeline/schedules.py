@@ -25,6 +25,8 @@ import sys
 
 import numpy as np
 
+from jax3d.argparse_util import OneLineParser
+
 IDLE, F, B, W = 0, 1, 2, 3
 ACTION_LETTERS = {IDLE: ".", F: "F", B: "B", W: "W"}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -350,14 +352,8 @@ def summary(sched: Schedule, costs=(1.0, 1.0, 1.0)) -> dict:
     }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence, exit 2, no usage dump
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None) -> int:
-    parser = _Parser(prog="python -m jax3d.pipeline.schedules",
+    parser = OneLineParser(prog="python -m jax3d.pipeline.schedules",
                      description="Print a pipeline schedule timeline and its bubble figures.")
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)
