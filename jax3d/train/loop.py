@@ -60,6 +60,11 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     end = tr.train_iters
     if tr.exit_interval:
         end = min(end, (start // tr.exit_interval + 1) * tr.exit_interval)
+    if start >= end:
+        loader.close()
+        writer.close()
+        print(f"jax3d: nothing to do: the state is already at step {start} of {end}", file=sys.stderr)
+        return {}
     first_batch = next(loader)
     t0 = time.perf_counter()
     train_step = steps.train_step.lower(state, first_batch).compile()  # compile outside the timed steps
