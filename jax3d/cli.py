@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=200)
-    g.add_argument("--exit-interval", type=int, default=0, help="stop after this many iterations of this run")
+    g.add_argument("--exit-interval", type=int, default=0, help="stop at the next multiple of this many iterations")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=100)
@@ -133,6 +133,9 @@ def config_from_args(a: argparse.Namespace) -> tuple[Config, dict]:
     pp = a.pipeline_model_parallel_size or 1
     virtual = 1
     if a.num_layers_per_virtual_pipeline_stage:
+        if a.pipeline_model_parallel_size is None:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs an explicit "
+                              "--pipeline-model-parallel-size")
         per_stage = model.num_layers // max(pp, 1)
         if per_stage % a.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} "
@@ -160,9 +163,15 @@ def config_from_args(a: argparse.Namespace) -> tuple[Config, dict]:
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
                         ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops)
     for flag, v in [("--train-iters", a.train_iters), ("--log-interval", a.log_interval),
-                    ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size)]:
+                    ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
+                    ("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
+                    ("--num-attention-heads", model.num_attention_heads), ("--seq-length", model.seq_length),
+                    ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)]:
         if v < 1:
             raise ConfigError(f"{flag} {v} must be at least 1")
+    for flag, v in [("--hidden-dropout", a.hidden_dropout), ("--attention-dropout", a.attention_dropout)]:
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"{flag} {v} must be in [0, 1)")
     cfg = Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
     launcher = {"auto_tp": a.tensor_model_parallel_size is None, "auto_pp": a.pipeline_model_parallel_size is None,
                 "auto_zero": a.zero_stage is None, "forced_vocab": a.vocab_size,

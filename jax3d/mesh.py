@@ -80,7 +80,7 @@ class MeshConfig:
         if dp * tp * pp != num_devices:
             raise ConfigError(
                 f"data {dp} x tensor {tp} x pipeline {pp} = {dp * tp * pp} does not equal the "
-                f"{num_devices} devices; leave --data-parallel-size unset to derive it")
+                f"{num_devices} devices; choose sizes whose product is the device count")
         return cls(data=dp, stage=pp, model=tp)
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
@@ -98,16 +98,19 @@ class MeshConfig:
         if model.hidden_size % model.num_attention_heads:
             errors.append(f"--hidden-size {model.hidden_size} is not divisible by "
                           f"--num-attention-heads {model.num_attention_heads}")
-        if parallel.virtual_stages < 1:
-            errors.append(f"virtual pipeline stages {parallel.virtual_stages} must be at least 1")
+        v = parallel.virtual_stages
+        if v < 1:
+            errors.append(f"virtual pipeline stages {v} must be at least 1")
         elif parallel.pipeline_layout:
-            if len(parallel.pipeline_layout) != pp or sum(parallel.pipeline_layout) != model.num_layers:
+            if len(parallel.pipeline_layout) != pp * v or sum(parallel.pipeline_layout) != model.num_layers:
                 errors.append(f"--pipeline-model-parallel-layout {','.join(map(str, parallel.pipeline_layout))} "
-                              f"must list {pp} stage sizes that sum to --num-layers {model.num_layers}")
-        elif model.num_layers % (pp * parallel.virtual_stages):
+                              f"must list {pp * v} (virtual) stage sizes that sum to --num-layers {model.num_layers}")
+        elif model.num_layers % (pp * v):
             errors.append(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
-                          f"{pp} x virtual stages {parallel.virtual_stages}; change them or give "
-                          "--pipeline-model-parallel-layout")
+                          f"{pp} x virtual stages {v}; change them or give --pipeline-model-parallel-layout")
+        if model.seq_length > model.max_position_embeddings:
+            errors.append(f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
+                          f"{model.max_position_embeddings}")
         if parallel.sequence_parallel and model.seq_length % tp:
             errors.append(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
                           f"{tp}, which --sequence-parallel needs")
@@ -118,6 +121,14 @@ class MeshConfig:
         elif pp > 1 and gb // (mb * dp) < pp:
             errors.append(f"{gb // (mb * dp)} micro-batches per step is fewer than --pipeline-model-parallel-size "
                           f"{pp}; raise --global-batch-size to at least {mb * dp * pp}")
+        elif pp > 1 and parallel.pipeline_schedule == "interleaved" and (gb // (mb * dp)) % pp:
+            errors.append(f"{gb // (mb * dp)} micro-batches per step is not divisible by "
+                          f"--pipeline-model-parallel-size {pp}, which the interleaved schedule needs")
+        if parallel.pipeline_schedule == "interleaved" and pp > 1 and v < 2:
+            errors.append("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
+                          "(at least 2 chunks per stage)")
+        elif parallel.pipeline_schedule != "interleaved" and v > 1:
+            errors.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
         if parallel.zero_stage not in (0, 1, 2, 3):
             errors.append(f"--zero-stage {parallel.zero_stage} must be 0, 1, 2 or 3")
         if errors:
@@ -135,18 +146,19 @@ class MeshConfig:
                              axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
-def most_parallel_layout(model: ModelConfig, num_devices: int, micro_batch: int, global_batch: int) -> tuple[int, int]:
+def most_parallel_layout(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                         num_devices: int) -> tuple[int, int]:
     """(tp, pp) for the main job when no layout is given: on 8 devices (data, stage, model) = (2, 2, 2)."""
+    import dataclasses
+
     best = (1, 1)
     for tp in (2, 1):
         for pp in (2, 1):
-            if num_devices % (tp * pp) or num_devices // (tp * pp) < 1:
+            if num_devices % (tp * pp):
                 continue
-            dp = num_devices // (tp * pp)
-            cfg = MeshConfig(dp, pp, tp)
+            cfg = MeshConfig(num_devices // (tp * pp), pp, tp)
             try:
-                cfg.validate(model, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
-                             TrainConfig(micro_batch_size=micro_batch, global_batch_size=global_batch))
+                cfg.validate(model, dataclasses.replace(parallel, tensor_parallel=tp, pipeline_parallel=pp), train)
             except ConfigError:
                 continue
             if tp * pp > best[0] * best[1]:

@@ -34,7 +34,7 @@ def choose_layout(cfg: Config, launcher: dict, num_devices: int) -> Config:
     """Fills in tp / pp / ZeRO that the user left unset: the most parallel layout that fits."""
     par = cfg.parallel
     if launcher["auto_tp"] and launcher["auto_pp"] and num_devices > 1:
-        tp, pp = most_parallel_layout(cfg.model, num_devices, cfg.train.micro_batch_size, cfg.train.global_batch_size)
+        tp, pp = most_parallel_layout(cfg.model, par, cfg.train, num_devices)
         par = dataclasses.replace(par, tensor_parallel=tp, pipeline_parallel=pp)
     if launcher["auto_zero"] and num_devices // (par.tensor_parallel * par.pipeline_parallel) > 1:
         par = dataclasses.replace(par, zero_stage=1)
@@ -52,7 +52,9 @@ def main(argv=None) -> int:
         return 130
     except Exception as e:  # data errors and other bad input raise ValueError subclasses with one sentence
         from jax3d.data import DataError
-        if isinstance(e, DataError):
+        from jax3d.pipeline.layout import PipelineError
+        from jax3d.pipeline.schedules import ScheduleError
+        if isinstance(e, (DataError, PipelineError, ScheduleError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
@@ -71,7 +73,7 @@ def _main(argv) -> int:
     mesh_cfg = MeshConfig.from_parallel(cfg.parallel, num_devices)
     if args.dry_run:
         if launcher["forced_vocab"]:
-            cfg = with_vocab(cfg, cfg.model.vocab_size, 1)
+            cfg = with_vocab(cfg, cfg.model.vocab_size, 1, forced=launcher["forced_vocab"])
         mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
         from jax3d.train.dry_run import dry_run
         report = dry_run(cfg, mesh_cfg, mesh_cfg.build())
@@ -81,7 +83,9 @@ def _main(argv) -> int:
     mesh_cfg.validate(dataclasses.replace(cfg.model, vocab_size=cfg.parallel.tensor_parallel), cfg.parallel, cfg.train)
     tr = cfg.train
     n_train = tr.train_iters * tr.global_batch_size
-    n_valid = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * tr.global_batch_size if tr.eval_interval else 0
+    # Every evaluation reads the same first eval_iters batches of the validation split, so the curve
+    # compares like with like.
+    n_valid = tr.eval_iters * tr.global_batch_size if tr.eval_interval else 0
     inputs = build_inputs(cfg, n_train, n_valid)
     cfg = with_vocab(cfg, inputs.vocab_size, launcher["divisible_by"], launcher["forced_vocab"])
     mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)

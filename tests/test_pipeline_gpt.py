@@ -10,10 +10,10 @@ from tests.helpers import random_text, rel_err, tiny_config
 GB = 8
 
 
-def _loss_and_grads(data, stage, model, schedule="1f1b", zero=0, virtual=1):
+def _loss_and_grads(data, stage, model, schedule="1f1b", zero=0, virtual=1, dropout=0.0):
     cfg, mesh_cfg, mesh = tiny_config(data=data, stage=stage, model=model, zero=zero, micro=1, global_batch=GB,
                                       pipeline_schedule=schedule, virtual_stages=virtual,
-                                      model_kw=dict(num_layers=8))
+                                      model_kw=dict(num_layers=8, hidden_dropout=dropout, attention_dropout=dropout))
     steps = build_steps(cfg, mesh_cfg, mesh)
     state = steps.init_state(3)
     text = random_text(GB, cfg.model.seq_length, cfg.model.vocab_size, seed=5)
@@ -38,6 +38,19 @@ def test_pipeline_matches_sequential(sequential, mesh, schedule, zero):
     ref_loss, ref_grads = sequential
     virtual = 2 if schedule == "interleaved" else 1
     loss, grads = _loss_and_grads(*mesh, schedule, zero, virtual)
+    assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5
+    flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert rel_err(g, flat_ref[path]) < 1e-5, (jax.tree_util.keystr(path), rel_err(g, flat_ref[path]))
+
+
+@pytest.mark.parametrize("mesh, schedule", [((1, 4, 1), "1f1b"), ((1, 2, 4), "zb-h1")])
+def test_pipeline_dropout_matches_sequential(mesh, schedule):
+    """With one data shard the pipeline draws the sequential model's dropout masks, embedding included."""
+    ref_loss, ref_grads = _loss_and_grads(1, 1, 8, dropout=0.1)
+    loss, grads = _loss_and_grads(*mesh, schedule, dropout=0.1)
+    no_dropout, _ = _loss_and_grads(*mesh, schedule)
+    assert abs(loss - no_dropout) > 1e-3  # dropout is really on
     assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5
     flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):

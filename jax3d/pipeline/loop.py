@@ -23,8 +23,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax3d.pipeline import program as prog_mod
-from jax3d.pipeline.layout import (PipelineError, from_pipeline_order, layer_keys, make_layout,
-                                   to_pipeline_order)
+from jax3d.pipeline.layout import (PipelineError, dropout_key, from_pipeline_order, layer_keys,
+                                   make_layout, to_pipeline_order)
 from jax3d.pipeline.schedules import B, F, IDLE, W, Schedule, ScheduleError, validate
 
 _MANUAL = ("stage", "data")
@@ -59,7 +59,9 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     """Loss, aux and gradients of a layer-stacked model, run as a pipeline over mesh axis `stage`.
 
     Contract of the user functions (all pure; they never see the pipeline):
-      first_fn(shared_params, mb) -> x            runs at virtual stage 0 (e.g. embedding)
+      first_fn(shared_params, mb, key) -> x       runs at virtual stage 0 (e.g. embedding); key is
+                                                  None or dropout_key(rng, mb, num_layers), the key a
+                                                  sequential model gives what runs before layer 0
       stage_fn(layer_params, x, keys, mb) -> x    runs consecutive layers; every leaf of layer_params
                                                   has a leading dim = number of layers; keys is None
                                                   or a stack of one dropout key per layer
@@ -123,7 +125,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
         rng = jax.random.key(0)
 
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
-                             use_rng, dp > 1, p, grad_dtype)
+                             use_rng, dp > 1, p, grad_dtype, layout.num_layers)
     run = jax.shard_map(
         body, mesh=mesh, axis_names=set(_MANUAL),
         in_specs=(P("stage"), P(), P(None, "data"), P(None, "stage"), P("stage"), P()),
@@ -136,7 +138,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
 
 
 def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_data, p, grad_dtype,
-                stacked, shared, mbs, table, layer_rows, rng):
+                num_layers, stacked, shared, mbs, table, layer_rows, rng):
     """Body of the shard_map: the view of one (data, stage) shard."""
     stacked, shared = _vary_tree(stacked), _vary_tree(shared)
     rows = layer_rows[0]  # (v, k) logical layer per position of this stage, -1 = padding
@@ -162,14 +164,17 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
         return x
 
     def chunk_fn(first, last, wc, sh, x, mb, i, c):
-        h = first_fn(sh, mb) if first else x
+        if first:
+            h = first_fn(sh, mb, dropout_key(rng, i, num_layers) if use_rng else None)
+        else:
+            h = x
         h = run_chunk(wc, h, mb, i, c)
         if last:
             return last_fn(sh, h, mb)
         return h, {}
 
     mb0 = microbatch(0)
-    x_aval = jax.eval_shape(first_fn, shared, mb0)
+    x_aval = jax.eval_shape(lambda: first_fn(shared, mb0, None))
     zero_x = _vary(jnp.zeros(x_aval.shape, x_aval.dtype))
     _, aux_aval = jax.eval_shape(lambda: last_fn(shared, zero_x, mb0))
     act_buf = _vary(jnp.zeros((program.act_slots,) + x_aval.shape, x_aval.dtype))

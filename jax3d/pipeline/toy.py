@@ -43,7 +43,7 @@ def microbatches(key, *, m, batch, seq, vocab=32):
     return {"tokens": tok[..., :-1], "targets": tok[..., 1:]}
 
 
-def first_fn(shared, mb):
+def first_fn(shared, mb, key=None):
     return shared["embed"][mb["tokens"]]  # (batch, seq, d)
 
 

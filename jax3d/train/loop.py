@@ -50,30 +50,31 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     if state is None:
         state = steps.init_state(tr.seed)
     start = int(state.step)
-    loader = BatchLoader(inputs.train, tr.global_batch_size, steps.accum_steps, mesh,
-                         start_sample=consumed, prefetch=2)
-    writer = MetricsWriter(tr.log_dir, enabled=jax.process_index() == 0)
-    flops_tok = model_flops_per_token(cfg.model)
-    peak = peak_tflops(tr.peak_tflops)
-    n_dev = jax.device_count()
-    tokens_per_step = tr.global_batch_size * cfg.model.seq_length
     end = tr.train_iters
     if tr.exit_interval:
         end = min(end, (start // tr.exit_interval + 1) * tr.exit_interval)
     if start >= end:
-        loader.close()
-        writer.close()
         print(f"jax3d: nothing to do: the state is already at step {start} of {end}", file=sys.stderr)
         return {}
-    first_batch = next(loader)
-    t0 = time.perf_counter()
-    train_step = steps.train_step.lower(state, first_batch).compile()  # compile outside the timed steps
-    if jax.process_index() == 0 and progress:
-        print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    bar = _progress(end, start, progress and jax.process_index() == 0)
-    last, pending = {}, []
-    t_last, steps_since = time.perf_counter(), 0
+    chief = jax.process_index() == 0
+    flops_tok = model_flops_per_token(cfg.model)
+    peak = peak_tflops(tr.peak_tflops)
+    n_dev = jax.device_count()
+    tokens_per_step = tr.global_batch_size * cfg.model.seq_length
+    loader = BatchLoader(inputs.train, tr.global_batch_size, steps.accum_steps, mesh,
+                         start_sample=consumed, prefetch=2)
+    writer = bar = None
     try:
+        # A fresh run starts a fresh log; a resumed one appends to it.
+        writer = MetricsWriter(tr.log_dir, enabled=chief, truncate=start == 0)
+        first_batch = next(loader)
+        t0 = time.perf_counter()
+        train_step = steps.train_step.lower(state, first_batch).compile()  # compile outside the timed steps
+        if chief and progress:
+            print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        bar = _progress(end, start, progress and chief)
+        last, pending = {}, []
+        t_last, steps_since = time.perf_counter(), 0
         for it in range(start, end):
             batch = first_batch if it == start else next(loader)
             state, metrics = train_step(state, batch)
@@ -82,11 +83,12 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
             step = it + 1
             if step % tr.log_interval == 0 or step == end:
                 host = jax.device_get(pending)  # waits for the device: the interval's time is real
-                now = time.perf_counter()
-                dt = (now - t_last) / steps_since
+                dt = (time.perf_counter() - t_last) / steps_since
                 tps = tokens_per_step / dt
                 tflops = tps * flops_tok / n_dev / 1e12
                 rec = {"step": step, **{k: float(v) for k, v in host[-1].items()},
+                       # losses and accuracies are averaged over the interval, as Megatron logs them
+                       **{k: float(np.mean([h[k] for h in host])) for k in host[-1] if k.endswith(("loss", "_acc"))},
                        "tokens_per_s": tps, "tflops_per_device": tflops,
                        "mfu": (tflops / peak) if peak else None, "mem_gb": memory_gb(), "step_time_s": dt,
                        "consumed_samples": loader.state_dict()["consumed_samples"]}
@@ -95,19 +97,24 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
                 last, pending = rec, []
                 t_last, steps_since = time.perf_counter(), 0
+            paused = time.perf_counter()  # evaluation and checkpoint saves stay out of the step time
             if inputs.valid is not None and tr.eval_interval and step % tr.eval_interval == 0:
+                jax.block_until_ready(state)
+                paused = time.perf_counter()
                 ev = evaluate(steps, state.params, inputs.valid, tr.eval_iters)
                 writer.write({"step": step, **ev}, prefix="valid")
                 bar.write(f"step {step}: validation loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f}")
                 last.update(ev)
-                t_last = time.perf_counter()
             if checkpointer is not None:
                 checkpointer.maybe_save(step, state, loader.state_dict(), force=step == end)
+            t_last += time.perf_counter() - paused
             bar.update(1)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         loader.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
         if checkpointer is not None:
             checkpointer.wait()
     return last

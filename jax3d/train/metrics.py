@@ -46,13 +46,13 @@ def memory_gb() -> float:
 class MetricsWriter:
     """Writes each logged step to `<log_dir>/metrics.jsonl` and TensorBoard (process 0 only)."""
 
-    def __init__(self, log_dir: str, enabled: bool = True):
+    def __init__(self, log_dir: str, enabled: bool = True, truncate: bool = False):
         self.enabled = enabled and bool(log_dir)
         self._jsonl = self._tb = None
         if not self.enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
+        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "w" if truncate else "a")
         try:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(log_dir)

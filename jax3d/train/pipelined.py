@@ -27,8 +27,8 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
     deterministic = cfg.model.hidden_dropout == 0 and cfg.model.attention_dropout == 0
     stages = mesh.shape["stage"]
 
-    def first_fn(shared, mb):
-        return model.embed(shared, mb, None, deterministic)
+    def first_fn(shared, mb, key):
+        return model.embed(shared, mb, key, deterministic)
 
     def stage_fn(layer_params, x, keys, mb):
         return model.run_blocks(layer_params, x, None, deterministic, model.block_mask(mb), keys=keys)

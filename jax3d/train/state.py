@@ -35,16 +35,17 @@ def initial_loss_scale(precision) -> LossScale:
 
 
 def update_loss_scale(ls: LossScale, finite, precision) -> LossScale:
-    """Megatron's dynamic rule: halve after `hysteresis` overflows, double after a window of good steps."""
+    """Megatron's dynamic rule: halve once `hysteresis` overflows have been seen (and at every overflow after
+    that), double after a window of good steps, which also restores the hysteresis budget."""
     if precision.dtype != "float16" or precision.loss_scale:
         return ls.replace(skipped=ls.skipped + (~finite).astype(jnp.int32))
     good = jnp.where(finite, ls.good_steps + 1, 0)
     hyst = jnp.where(finite, ls.hysteresis, ls.hysteresis - 1)
     shrink = (~finite) & (hyst <= 0)
     scale = jnp.where(shrink, jnp.maximum(ls.scale / 2, precision.min_loss_scale), ls.scale)
-    hyst = jnp.where(shrink, precision.hysteresis, hyst)
     grow = good >= precision.loss_scale_window
     scale = jnp.where(grow, scale * 2, scale)
+    hyst = jnp.where(grow, precision.hysteresis, jnp.maximum(hyst, 0))
     good = jnp.where(grow, 0, good)
     return LossScale(scale=scale, good_steps=good, hysteresis=hyst,
                      skipped=ls.skipped + (~finite).astype(jnp.int32))

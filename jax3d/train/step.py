@@ -113,7 +113,10 @@ def loss_metrics(obj, aux, norms) -> dict:
 
 def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     """Builds the model, the state shardings (ZeRO applied) and the jitted steps for `mesh`."""
-    rules = ShardingRules.create(cfg.parallel.sequence_parallel)
+    # Layers that don't divide over the stages (an explicit uneven layout) can't be sharded on `stage`
+    # evenly; they are then replicated over it, which costs memory but not correctness.
+    rules = ShardingRules.create(cfg.parallel.sequence_parallel,
+                                 shard_layers=cfg.model.num_layers % mesh_cfg.stage == 0)
     model = build_model(cfg.model, rules)
     optimizer = make_optimizer(cfg.optim, cfg.train.train_iters)
     schedule = lr_schedule(cfg.optim, cfg.train.train_iters)
@@ -154,12 +157,13 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         finite = jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
-        if cfg.precision.dtype == "float16":  # Megatron skips the update of an overflowed fp16 step
-            new_params = _where_tree(finite, new_params, state.params)
-            new_opt = _where_tree(finite, new_opt, state.opt_state)
+        # A non-finite step is never applied: Megatron skips overflowed fp16 steps, and in bf16 / fp32 a
+        # NaN update would poison the master weights for good.
+        new_params = _where_tree(finite, new_params, state.params)
+        new_opt = _where_tree(finite, new_opt, state.opt_state)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt,
                                   loss_scale=update_loss_scale(state.loss_scale, finite, cfg.precision))
-        metrics = {**loss_metrics(obj, aux, norms), "grad_norm": grad_norm, "lr": schedule(state.step),
+        metrics = {**loss_metrics(obj, aux, norms), "grad_norm": grad_norm, "lr": schedule(state.step - state.loss_scale.skipped),  # optax counts applied updates
                    "loss_scale": scale, "skipped": new_state.loss_scale.skipped}
         return new_state, metrics
 
