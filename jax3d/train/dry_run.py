@@ -34,7 +34,10 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     from jax.sharding import NamedSharding
-    grad_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), steps.specs["grads"],
+    # The pipeline accumulates a step's gradients unsharded over `data` and reduces them once at the end,
+    # so with stages the per-device gradient memory is the compute layout's, whatever the ZeRO stage.
+    grad_specs = steps.specs["compute"] if mesh_cfg.stage > 1 else steps.specs["grads"]
+    grad_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), grad_specs,
                                   is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     params = per_device_bytes(state.params, steps.state_shardings.params)
     opt = per_device_bytes(state.opt_state, steps.state_shardings.opt_state)
