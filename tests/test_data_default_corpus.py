@@ -38,7 +38,7 @@ def test_gpt_corpus_round_trip_and_cache(tmp_path, capfd):
     assert os.listdir(tmp_path) == [os.path.basename(os.path.dirname(prefix))]
 
 
-def test_bert_corpus_sentences_are_lines(tmp_path, monkeypatch):
+def test_bert_corpus_sentences_are_indented_lines(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX3D_CACHE", str(tmp_path))
     prefix, tok = default_corpus(vocab_size=2000, kind="bert", max_bytes=300_000)
     assert prefix.startswith(default_corpus_dir(None, "bert", 2000, 300_000))
@@ -47,7 +47,10 @@ def test_bert_corpus_sentences_are_lines(tmp_path, monkeypatch):
     files = _meta_files(prefix)
     assert ds.num_documents == len(files)
     lines = [l for l in open(files[0], encoding="utf-8").read().splitlines() if l.strip()]
-    expect = [ids for ids in (tok.tokenize(l) for l in lines) if ids]
+    # each line carries one leading mark per indentation level of four columns
+    marked = ["§ " * ((len(l.expandtabs(4)) - len(l.lstrip(" \t").expandtabs(4))) // 4) + l.lstrip(" \t")
+              for l in lines]
+    expect = [ids for ids in (tok.tokenize(l) for l in marked) if ids]
     got = [ds[j].tolist() for j in range(ds.doc_idx[0], ds.doc_idx[1])]
     assert got == expect
 

@@ -17,7 +17,7 @@ from jax3d.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from jax3d.data.tokenizers import build_tokenizer, train_tokenizer
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_BUILD_VERSION = 1  # bump when the corpus recipe changes, so old caches are not reused
+_BUILD_VERSION = 2  # bump when the corpus recipe changes, so old caches are not reused
 
 
 def stdlib_files(max_bytes: int = 8_000_000) -> list[str]:
@@ -43,6 +43,13 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _with_indent(line: str) -> str:
+    """`    return x` -> `§ return x`: one mark per indentation level of four columns."""
+    body = line.lstrip(" \t")
+    depth = len(line.expandtabs(4)) - len(body.expandtabs(4))
+    return "§ " * (depth // 4) + body
+
+
 def _log(msg: str) -> None:
     print(f"[default_corpus] {msg}", file=sys.stderr, flush=True)
 
@@ -58,8 +65,10 @@ def _build(work: str, kind: str, vocab_size: int, max_bytes: int) -> None:
         tok = build_tokenizer("GPT2BPETokenizer", **paths)
         docs = [[text] for text in texts]
     else:
-        # Source lines stand in for sentences, files for documents.
-        docs = [[line for line in text.splitlines() if line.strip()] for text in texts]
+        # Source lines stand in for sentences, files for documents. WordPiece drops whitespace, so each
+        # line keeps its indentation depth as leading marks: without it the order of two runs of code
+        # lines (the sentence-order task) has almost nothing to go on.
+        docs = [[_with_indent(line) for line in text.splitlines() if line.strip()] for text in texts]
         paths = train_tokenizer([], work, "wordpiece", vocab_size, lower_case=True,
                                 texts=(line for d in docs for line in d))
         tok = build_tokenizer("BertWordPieceLowerCase", **paths)
@@ -103,7 +112,7 @@ def default_corpus(cache_dir: str | None = None, vocab_size: int = 4096, kind: s
     """Return `(data_prefix, tokenizer)` for the stdlib-source corpus, building it on first use.
 
     kind="gpt": one document per file with EOD appended, byte-level BPE (`GPT2BPETokenizer`).
-    kind="bert": sentence-split (one source line per sentence, one document per file),
+    kind="bert": sentence-split (one source line per sentence, its indentation depth kept as leading `§` marks, one document per file),
     lower-cased WordPiece with [CLS] [SEP] [MASK] [PAD] [UNK].
     Cached under `cache_dir`, else `$JAX3D_CACHE`, else `~/.cache/jax3d/default_corpus`, keyed by
     Python version, kind and vocabulary size. The build happens in a temporary folder that is
