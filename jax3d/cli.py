@@ -5,8 +5,8 @@ import argparse
 import dataclasses
 
 from jax3d.argparse_util import OneLineParser
-from jax3d.config import (Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
-                          PrecisionConfig, TrainConfig)
+from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
+                          TrainConfig)
 from jax3d.models.presets import get_preset, preset_names
 
 

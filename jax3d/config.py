@@ -40,6 +40,11 @@ class ModelConfig:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
 
     @property
+    def deterministic(self) -> bool:
+        """True when no dropout is configured, so no random keys are needed."""
+        return self.hidden_dropout == 0 and self.attention_dropout == 0
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 

@@ -1,6 +1,7 @@
 """The (data, stage, model) device mesh: layout validation, building, CPU emulation, multi-host init."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -149,8 +150,6 @@ class MeshConfig:
 def most_parallel_layout(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                          num_devices: int) -> tuple[int, int]:
     """(tp, pp) for the main job when no layout is given: on 8 devices (data, stage, model) = (2, 2, 2)."""
-    import dataclasses
-
     best = (1, 1)
     for tp in (2, 1):
         for pp in (2, 1):

@@ -1,7 +1,6 @@
 """Pipelined equals sequential for the real GPT: every schedule, on (1, 4, 1), (2, 2, 2) and (1, 2, 4),
 with ZeRO 0 and 1, gives the loss and gradients of the non-pipelined model (fp32, 1e-5 relative)."""
 import jax
-import numpy as np
 import pytest
 
 from jax3d.train.step import build_steps

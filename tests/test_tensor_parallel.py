@@ -6,7 +6,7 @@ from jax.sharding import NamedSharding
 
 from jax3d.mesh import MeshConfig
 from jax3d.models import GPT
-from jax3d.sharding import ShardingRules, tree_specs
+from jax3d.sharding import ShardingRules, named_shardings, tree_specs
 from tests.helpers import random_text, rel_err, tiny_model
 
 
@@ -33,7 +33,7 @@ def test_tensor_parallel_matches_one_device(reference, tp, sequence_parallel):
     rules = ShardingRules.create(sequence_parallel)
     model = GPT(cfg, rules)
     specs = tree_specs(rules, model.logical_axes())
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    shardings = named_shardings(mesh, specs)
     with jax.set_mesh(mesh):
         sharded = jax.device_put(params, shardings)
         assert sharded["blocks"]["mlp"]["up_kernel"].sharding.spec[-1] == "model"
@@ -57,7 +57,7 @@ def test_cross_entropy_does_not_gather_vocab():
     model = GPT(cfg, rules)
     specs = tree_specs(rules, model.logical_axes())
     abstract = jax.eval_shape(model.init, jax.random.key(0))
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    shardings = named_shardings(mesh, specs)
     text = jax.ShapeDtypeStruct((2, cfg.seq_length + 1), jnp.int32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     with jax.set_mesh(mesh):

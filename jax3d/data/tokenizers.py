@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from jax3d.data.indexed import DataError
 

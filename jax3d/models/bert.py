@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax3d.models.layers import (Embedding, LayerNorm, _param, cross_entropy_sum,
                                  vocab_parallel_logits)
-from jax3d.models.transformer import TransformerLM
+from jax3d.models.transformer import TransformerLM, unbox
 
 
 class BertHeads(nn.Module):
@@ -60,7 +60,7 @@ class BERT(TransformerLM):
         tokens = jnp.zeros((1, n), jnp.int32)
         r1, r2, r3 = jax.random.split(rng, 3)
         emb_p = emb.init(r1, tokens, tokens)["params"]
-        wte = nn.meta.unbox(emb_p)["word"]
+        wte = unbox(emb_p)["word"]
         return {"embed": emb_p, "final_norm": norm.init(r2, self._dummy_x())["params"],
                 "head": head.init(r3, self._dummy_x(), wte)["params"]}
 

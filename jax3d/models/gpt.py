@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax3d.models.layers import Embedding, LayerNorm, cross_entropy_sum, vocab_parallel_logits
-from jax3d.models.transformer import TransformerLM, unbox
+from jax3d.models.transformer import TransformerLM
 
 
 class GPT(TransformerLM):
@@ -50,6 +50,3 @@ class GPT(TransformerLM):
 
     def normalizers(self, batch):
         return {"lm": jnp.maximum(jnp.sum(self._loss_mask(batch).astype(jnp.float32)), 1.0)}
-
-
-__all__ = ["GPT", "unbox"]

@@ -24,6 +24,13 @@ def _param(module: nn.Module, name: str, axes: tuple, shape: tuple, init):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
+def _inits(cfg: ModelConfig):
+    """Megatron's init: normal(std) for weights, and std / sqrt(2 L) for the layers that write into the
+    residual stream (attention-out, MLP-down), so its variance doesn't grow with depth."""
+    std = cfg.init_method_std
+    return nn.initializers.normal(std), nn.initializers.normal(std / math.sqrt(2.0 * cfg.num_layers))
+
+
 def _dropout(x, rate: float, rng, deterministic: bool):
     if deterministic or rate == 0.0 or rng is None:
         return x
@@ -66,8 +73,7 @@ class Attention(nn.Module):
     def __call__(self, x_btd, mask=None, rng=None, deterministic=True):
         cfg = self.cfg
         d, n, h = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        init = nn.initializers.normal(cfg.init_method_std)
-        out_init = nn.initializers.normal(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        init, out_init = _inits(cfg)
         w_qkv = _param(self, "qkv_kernel", ("embed", "qkv", "heads", "kv"), (d, 3, n, h), init)
         b_qkv = _param(self, "qkv_bias", ("qkv", "heads", "kv"), (3, n, h), nn.initializers.zeros)
         w_out = _param(self, "out_kernel", ("heads", "kv", "embed"), (n, h, d), out_init)
@@ -109,8 +115,7 @@ class MLP(nn.Module):
     def __call__(self, x_btd):
         cfg = self.cfg
         d, f = cfg.hidden_size, cfg.ffn_hidden_size
-        init = nn.initializers.normal(cfg.init_method_std)
-        out_init = nn.initializers.normal(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        init, out_init = _inits(cfg)
         w_up = _param(self, "up_kernel", ("embed", "mlp"), (d, f), init)
         b_up = _param(self, "up_bias", ("mlp",), (f,), nn.initializers.zeros)
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)

@@ -18,7 +18,6 @@ saved input and also needs the output grad, so both stay until W).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys

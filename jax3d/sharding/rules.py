@@ -84,3 +84,9 @@ class ShardingRules:
 def tree_specs(rules: ShardingRules, logical_tree) -> object:
     """Maps a pytree of logical-axis tuples to PartitionSpecs."""
     return jax.tree.map(rules.spec, logical_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def named_shardings(mesh, spec_tree) -> object:
+    """Maps a pytree of PartitionSpecs to NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), spec_tree,
+                        is_leaf=lambda x: isinstance(x, P))

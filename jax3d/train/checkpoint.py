@@ -16,7 +16,6 @@ half-way never shows up as a step and the previous one stays the latest.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sys

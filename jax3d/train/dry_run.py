@@ -11,6 +11,7 @@ import jax
 
 from jax3d.config import Config
 from jax3d.mesh import MeshConfig
+from jax3d.sharding import named_shardings
 from jax3d.train.metrics import model_flops_per_token
 from jax3d.train.step import abstract_batch, build_steps, per_device_bytes
 
@@ -33,12 +34,10 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    from jax.sharding import NamedSharding
     # The pipeline accumulates a step's gradients unsharded over `data` and reduces them once at the end,
     # so with stages the per-device gradient memory is the compute layout's, whatever the ZeRO stage.
     grad_specs = steps.specs["compute"] if mesh_cfg.stage > 1 else steps.specs["grads"]
-    grad_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), grad_specs,
-                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    grad_shardings = named_shardings(mesh, grad_specs)
     params = per_device_bytes(state.params, steps.state_shardings.params)
     opt = per_device_bytes(state.opt_state, steps.state_shardings.opt_state)
     grads = per_device_bytes(state.params, grad_shardings)  # fp32, like the params

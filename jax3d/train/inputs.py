@@ -28,7 +28,6 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
 def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int) -> Inputs:
     """Tokenizer plus datasets from `--data-path`, or the bundled default corpus when it is empty."""
     from jax3d import data
-    from jax3d.data.default_corpus import default_corpus  # the submodule shadows the lazy name
 
     d, model = cfg.data, cfg.model
     kind = model.model_type
@@ -40,7 +39,7 @@ def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int) ->
                                    merge_file=d.merge_file or None, tokenizer_file=d.tokenizer_file or None)
         paths = list(d.data_path)
     else:
-        prefix, tok = default_corpus(cache_dir=d.cache_dir or None, kind=kind)
+        prefix, tok = data.default_corpus(cache_dir=d.cache_dir or None, kind=kind)
         paths = [prefix]
     num = (num_train_samples, num_valid_samples, 0)
     if kind == "bert":

@@ -24,7 +24,7 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
     from jax3d.train.step import cast_for_compute
 
     par = cfg.parallel
-    deterministic = cfg.model.hidden_dropout == 0 and cfg.model.attention_dropout == 0
+    deterministic = cfg.model.deterministic
     stages = mesh.shape["stage"]
 
     def first_fn(shared, mb, key):
@@ -47,8 +47,8 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
         loss, aux, g_stacked, g_shared = pipeline_value_and_grad(
             first_fn, stage_fn, last_fn, stacked, shared, batch, mesh=mesh, schedule=schedule,
             layers_per_virtual_stage=layer_counts(cfg), rng=None if deterministic else rng)
-        g_shared.pop("_norms"), g_shared.pop("_scale")
-        grads = {**g_shared, "blocks": g_stacked}
+        grads = {k: v for k, v in g_shared.items() if k not in ("_norms", "_scale")}
+        grads["blocks"] = g_stacked
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         return grads, loss / scale, aux
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jax3d.config import Config
 from jax3d.mesh import MeshConfig
 from jax3d.models import build_model
-from jax3d.sharding import ShardingRules, state_specs, tree_specs
+from jax3d.sharding import ShardingRules, named_shardings, state_specs, tree_specs
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.state import TrainState, initial_loss_scale, update_loss_scale
 
@@ -69,11 +69,9 @@ def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
     Each micro-batch's objective is its exact share of the global-batch loss (`norms` were counted
     over the whole batch), times the fp16 loss scale, so the sums need no rescaling but 1 / scale.
     """
-    deterministic = model.cfg.hidden_dropout == 0 and model.cfg.attention_dropout == 0
-
     def objective(p32, mb, r):
         p = cast_for_compute(p32, dtype, specs)
-        obj, aux = model.loss(p, mb, r, deterministic, norms)
+        obj, aux = model.loss(p, mb, r, model.cfg.deterministic, norms)
         return obj * scale, (obj, aux)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -87,11 +85,16 @@ def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
         g_acc = _constrain_tree(jax.tree.map(jnp.add, g_acc, g), specs["grads"])
         return (g_acc, obj_acc + obj, jax.tree.map(jnp.add, aux_acc, aux)), None
 
-    mb0 = jax.tree.map(lambda a: a[0], batch)
-    aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                        jax.eval_shape(lambda: model.loss(params, mb0, None, True, norms)[1]))
+    aux0 = _zero_aux(model, params, batch, norms)
     (grads, obj, aux), _ = jax.lax.scan(body, (zeros, jnp.float32(0), aux0), (jnp.arange(accum), batch))
     return grads, obj, aux
+
+
+def _zero_aux(model, params, batch, norms):
+    """Zeros shaped like one micro-batch's aux sums: the start of a scan that adds them up."""
+    mb0 = jax.tree.map(lambda a: a[0], batch)
+    aux = jax.eval_shape(lambda: model.loss(params, mb0, None, True, norms)[1])
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
 
 
 def cast_for_compute(params32, dtype, specs):
@@ -133,7 +136,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         transform_non_params=lambda _: P(), is_leaf=_is_spec)
     ls_specs = jax.tree.map(lambda _: P(), initial_loss_scale(cfg.precision))
     state_spec = TrainState(step=P(), params=specs["params"], opt_state=opt_specs, rng=P(), loss_scale=ls_specs)
-    state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_spec, is_leaf=_is_spec)
+    state_shardings = named_shardings(mesh, state_spec)
     batch_spec = P(None, "data")
     batch_sharding = NamedSharding(mesh, batch_spec)
     repl = NamedSharding(mesh, P())
@@ -163,7 +166,8 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         new_opt = _where_tree(finite, new_opt, state.opt_state)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt,
                                   loss_scale=update_loss_scale(state.loss_scale, finite, cfg.precision))
-        metrics = {**loss_metrics(obj, aux, norms), "grad_norm": grad_norm, "lr": schedule(state.step - state.loss_scale.skipped),  # optax counts applied updates
+        metrics = {**loss_metrics(obj, aux, norms), "grad_norm": grad_norm,
+                   "lr": schedule(state.step - state.loss_scale.skipped),  # optax counts applied updates only
                    "loss_scale": scale, "skipped": new_state.loss_scale.skipped}
         return new_state, metrics
 
@@ -174,9 +178,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         def one(carry, mb):
             obj, aux = model.loss(p, mb, None, True, norms)
             return (carry[0] + obj, jax.tree.map(jnp.add, carry[1], aux)), None
-        aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                            jax.eval_shape(lambda: model.loss(p, jax.tree.map(lambda a: a[0], batch), None, True, norms)[1]))
-        (obj, aux), _ = jax.lax.scan(one, (jnp.float32(0), aux0), batch)
+        (obj, aux), _ = jax.lax.scan(one, (jnp.float32(0), _zero_aux(model, p, batch, norms)), batch)
         return loss_metrics(obj, aux, norms)
 
     def loss_and_grads(params, batch):
