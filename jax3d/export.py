@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jax3d.config import ConfigError
-from jax3d.train.checkpoint import config_from_dict, list_steps, read_meta, restore_arrays
+from jax3d.train.checkpoint import config_from_dict, list_steps, read_meta, resolve_step, restore_arrays
 
 FORMATS = ("safetensors", "orbax")
 
@@ -39,11 +39,7 @@ def load_params(load_dir: str, step: int = -1, device=None):
     found = list_steps(load_dir)
     if not found:
         raise ConfigError(f"--load {load_dir} holds no complete checkpoint; pass a directory written by --save")
-    if step < 0:
-        step = found[-1]
-    elif step not in found:
-        raise ConfigError(f"--ckpt-step {step} is not a complete checkpoint in --load {load_dir}; "
-                          f"it has steps {found}")
+    step = resolve_step(load_dir, found, step)
     meta = read_meta(load_dir, step)
     cfg = config_from_dict(meta["config"])
     device = device or jax.devices("cpu")[0]

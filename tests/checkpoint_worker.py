@@ -15,15 +15,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _cpu_devices(n):
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+from jax3d.mesh import emulate_cpu_devices  # noqa: E402  (imports no JAX backend)
 
 
 def crash(directory):
-    _cpu_devices(1)
+    emulate_cpu_devices(1)
     import jax
 
     from jax3d.train.checkpoint import Checkpointer
@@ -46,15 +42,14 @@ def crash(directory):
 
 
 def multiproc(port, pid, load, save, out):
+    emulate_cpu_devices(4)
     import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 4)
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, int(pid))
     assert jax.device_count() == 8 and jax.local_device_count() == 4
 
     from jax3d.train.checkpoint import Checkpointer
     from jax3d.train.step import build_steps
-    from tests.test_checkpoint import global_batch_array, layout
+    from tests.test_checkpoint import layout, train
 
     cfg, mesh_cfg, mesh = layout(2, 1, 4, zero=1)
     cfg = cfg.replace(train={"load": load, "ckpt_step": 10, "save": save, "save_interval": 10})
@@ -62,15 +57,11 @@ def multiproc(port, pid, load, save, out):
     ck = Checkpointer(cfg)
     state, consumed = ck.restore(steps)
     assert int(state.step) == 10 and consumed == 10 * cfg.train.global_batch_size
-    losses = []
-    for i in range(10, 20):
-        state, m = steps.train_step(state, global_batch_array(steps, i))
-        losses.append(float(m["loss"]))
-        ck.maybe_save(i + 1, state, {"consumed_samples": (i + 1) * cfg.train.global_batch_size})
+    losses, state = train(steps, state, 10, 20, ck)
     ck.wait()
     if jax.process_index() == 0:
         with open(out, "w") as f:
-            json.dump(losses, f)
+            json.dump(losses.tolist(), f)
 
 
 if __name__ == "__main__":

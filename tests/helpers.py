@@ -1,5 +1,8 @@
-"""Shared test fixtures: tiny configs and meshes."""
+"""Shared test fixtures: tiny configs and meshes, and what subprocess tests need."""
 from __future__ import annotations
+
+import os
+import socket
 
 import jax
 import numpy as np
@@ -31,3 +34,20 @@ def random_text(n, seq, vocab, seed=0):
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now (for jax.distributed's coordinator)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(drop=("XLA_FLAGS",)) -> dict:
+    """This environment for a child process that finds the checkout and sets up its own devices."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = ROOT
+    return env

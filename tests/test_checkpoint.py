@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,10 +14,9 @@ import pytest
 from jax3d.config import ConfigError
 from jax3d.train.checkpoint import Checkpointer, TrainingInterrupted, list_steps, read_meta
 from jax3d.train.step import build_steps
-from tests.helpers import tiny_config
+from tests.helpers import ROOT, free_port, subprocess_env, tiny_config
 
 GB = 16
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "checkpoint_worker.py")
 
 
@@ -27,24 +25,6 @@ def layout(data, stage, model, zero=0, schedule="1f1b", model_kw=None):
     of a global batch of 16."""
     return tiny_config(data=data, stage=stage, model=model, zero=zero, micro=2, global_batch=GB,
                        model_kw={"num_layers": 4, **(model_kw or {})}, pipeline_schedule=schedule)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """A persistent compilation cache for this module: a resumed run on the layout it was saved from
-    builds fresh Steps whose identical programs then load instead of compiling again (20 s each here)."""
-    from jax._src import compilation_cache
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    for n, v in zip(names, (str(tmp_path_factory.mktemp("jit_cache")), 0, 0)):
-        jax.config.update(n, v)
-    compilation_cache.reset_cache()
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
-    compilation_cache.reset_cache()
 
 
 def host_batch(cfg, i) -> dict:
@@ -72,13 +52,6 @@ def global_batch_array(steps, i) -> dict:
     return out
 
 
-def build_or_skip(cfg, mesh_cfg, mesh):
-    try:
-        return build_steps(cfg, mesh_cfg, mesh)
-    except (ImportError, NotImplementedError) as e:
-        pytest.skip(f"pipeline parallelism is not integrated into build_steps yet ({type(e).__name__}: {e})")
-
-
 def train(steps, state, start, end, ck=None):
     """Steps start+1 .. end on the test batches; saves through `ck` like the train loop does."""
     losses = []
@@ -94,7 +67,7 @@ def uninterrupted(tmp_path_factory, cfg, mesh_cfg, mesh, name):
     """20 steps straight, saving step 10 asynchronously while steps 11-20 run (they donate the state)."""
     d = str(tmp_path_factory.mktemp(name))
     cfg = cfg.replace(train={"save": d, "save_interval": 10})
-    steps = build_or_skip(cfg, mesh_cfg, mesh)
+    steps = build_steps(cfg, mesh_cfg, mesh)
     ck = Checkpointer(cfg)
     losses, state = train(steps, steps.init_state(cfg.train.seed), 0, 20, ck)
     ck.wait()
@@ -103,7 +76,7 @@ def uninterrupted(tmp_path_factory, cfg, mesh_cfg, mesh, name):
 
 def resume(ref, cfg, mesh_cfg, mesh, step=10):
     cfg = cfg.replace(train={"load": ref["dir"], "ckpt_step": step})
-    steps = build_or_skip(cfg, mesh_cfg, mesh)
+    steps = build_steps(cfg, mesh_cfg, mesh)
     state, consumed = Checkpointer(cfg).restore(steps)
     assert int(state.step) == step and consumed == step * GB
     assert jax.tree.structure(state) == jax.tree.structure(steps.abstract_state)
@@ -150,18 +123,11 @@ def test_reshard_resume(gpt_ref, target):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4), params, gpt_ref["params"])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_process_restore_and_save(gpt_ref, tmp_path):
     """2 processes x 4 CPU devices restore step 10 onto (2, 1, 4), train to 20 and save it together."""
-    port, save, out = _free_port(), str(tmp_path / "mp"), str(tmp_path / "losses.json")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = ROOT
+    port, save, out = free_port(), str(tmp_path / "mp"), str(tmp_path / "losses.json")
+    env = subprocess_env()
     procs = [subprocess.Popen([sys.executable, WORKER, "multiproc", str(port), str(i), gpt_ref["dir"], save, out],
                               env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
@@ -184,8 +150,7 @@ def test_two_process_restore_and_save(gpt_ref, tmp_path):
 @pytest.mark.slow
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     d = str(tmp_path / "ck")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env()
     p = subprocess.Popen([sys.executable, WORKER, "crash", d], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -12,9 +12,7 @@ from jax3d.config import ConfigError
 from jax3d.export import export, read_safetensors
 from jax3d.train.checkpoint import Checkpointer
 from jax3d.train.step import build_steps
-from tests.helpers import tiny_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT, subprocess_env, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +56,7 @@ def test_orbax_export_and_cli(sharded_ckpt, tmp_path):
     import orbax.checkpoint as ocp
     d, cfg, params = sharded_ckpt
     out = str(tmp_path / "orbax_out")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)  # the exporter needs one device
+    env = subprocess_env()  # the exporter needs one device
     r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "export.py"), "--load", d, "--output", out,
                         "--format", "orbax"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

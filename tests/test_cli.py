@@ -1,7 +1,6 @@
 """launch/train.py end to end: bad input fails cleanly, and the layout never changes the loss curve."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -9,17 +8,11 @@ import numpy as np
 import pytest
 
 from jax3d.run import main
+from tests.helpers import ROOT, free_port, subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 BASE = ["--preset", "gpt-tiny", "--seed", "1", "--train-iters", "20", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--log-interval", "1", "--eval-interval", "0", "--no-progress"]
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["PYTHONPATH"] = ROOT
-    return env
 
 
 def _losses(log_dir):
@@ -37,7 +30,7 @@ def _losses(log_dir):
 ])
 def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
     out = subprocess.run([sys.executable, TRAIN, *argv, "--log-dir", str(tmp_path)], capture_output=True,
-                         text=True, env=_env(), timeout=300)
+                         text=True, env=subprocess_env(), timeout=300)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
     assert message in out.stderr
@@ -73,22 +66,16 @@ def test_pipelined_layouts_give_the_same_losses(tmp_path):
         np.testing.assert_allclose(losses, ref, atol=1e-3, err_msg=f"{tp=} {pp=} {schedule}")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     """2 processes x 4 CPU devices produce the losses of 1 process x 8."""
     args = [*BASE, "--train-iters", "8", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]
     ref = _run(tmp_path, "one", *args[len(BASE):])
-    port = _free_port()
+    port = free_port()
     log_dir = str(tmp_path / "two")
     procs = [subprocess.Popen([sys.executable, TRAIN, *args, "--cpu-devices", "4", "--num-processes", "2",
                                "--process-id", str(i), "--coordinator-address", f"127.0.0.1:{port}",
-                               "--log-dir", log_dir], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "--log-dir", log_dir], env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):

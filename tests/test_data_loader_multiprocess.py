@@ -1,11 +1,10 @@
 """Two processes x 4 CPU devices: each host reads only the rows of its own shards."""
-import os
-import socket
 import subprocess
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import free_port, subprocess_env
+
 
 WORKER = textwrap.dedent("""
     import os, sys
@@ -49,11 +48,8 @@ WORKER = textwrap.dedent("""
 def test_each_process_reads_only_its_rows(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = REPO
+    port = free_port()
+    env = subprocess_env()
     procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]

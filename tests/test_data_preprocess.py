@@ -9,8 +9,8 @@ import pytest
 from jax3d.data import (DataError, IndexedDataset, TokenizerSpec, preprocess_jsonl, split_sentences,
                         train_tokenizer)
 from jax3d.data.synthetic import synthetic_documents, write_jsonl
+from tests.helpers import ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_DOCS = 10_000
 
 
@@ -82,8 +82,8 @@ def test_bad_line_fail_mode(corpus):
 
 
 def _cli(*args):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, os.path.join(REPO, "launch/preprocess_data.py"), *args],
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch/preprocess_data.py"), *args],
                           capture_output=True, text=True, env=env)
 
 

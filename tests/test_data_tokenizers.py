@@ -8,8 +8,8 @@ from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer, Tokenizer
 
 from jax3d.data import DataError, build_tokenizer, train_tokenizer
 from jax3d.data.synthetic import synthetic_documents
+from tests.helpers import ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = synthetic_documents(800, seed=7) + ["Ünïcödé façade, naïve café. Tabs\tand  spaces!"]
 
 
@@ -65,8 +65,8 @@ def test_errors_name_the_flag(tmp_path):
 
 
 def test_train_tokenizer_cli(corpus_file, tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    cli = [sys.executable, os.path.join(REPO, "launch/train_tokenizer.py")]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cli = [sys.executable, os.path.join(ROOT, "launch/train_tokenizer.py")]
     r = subprocess.run(cli + ["--type", "wordpiece", "--vocab-size", "300", "--output-dir",
                               str(tmp_path), str(corpus_file)], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr

@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT, subprocess_env
 
 
 def _python_blocks():
@@ -17,8 +17,7 @@ def test_readme_library_example_runs(tmp_path):
     assert len(blocks) == 1
     script = tmp_path / "example.py"
     script.write_text(blocks[0])
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = ROOT
+    env = subprocess_env(drop=("XLA_FLAGS", "JAX_PLATFORMS"))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(line.split()[1]) for line in out.stdout.strip().splitlines()]

@@ -13,7 +13,7 @@ from jax3d.data.tokenizers import build_tokenizer, train_tokenizer
 _LAZY = {
     "BatchLoader": "jax3d.data.loader",
     "build_gpt_datasets": "jax3d.data.gpt_dataset",
-    "parse_data_paths": "jax3d.data.gpt_dataset",
+    "parse_data_paths": "jax3d.data.sampling",
     "build_bert_datasets": "jax3d.data.bert_dataset",
     "BertTokenIds": "jax3d.data.bert_dataset",
 }

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jax3d.data.indexed import DataError, IndexedDataset
-from jax3d.data.sampling import build_split_datasets, cache_key, cached_arrays, parse_data_paths
+from jax3d.data.sampling import build_split_datasets, cache_key, cached_arrays
 
 LONG_SENTENCE = 512  # Megatron skips documents holding a sentence longer than this
 
@@ -163,7 +163,6 @@ def build_bert_datasets(data_paths, split: str, seq_length: int, num_samples, se
     """(train, valid, test) BERT datasets from sentence-split data, Megatron's `--data-path` and
     `--split` spelling; `token_ids` is a `BertTokenIds` or a BERT tokenizer (anything with
     `cls`, `sep`, `mask`, `pad`, `vocab_size`). Empty splits are None."""
-    parse_data_paths(data_paths)
     if not isinstance(token_ids, BertTokenIds):
         token_ids = BertTokenIds.from_tokenizer(token_ids)
 

@@ -137,7 +137,8 @@ def default_corpus(cache_dir: str | None = None, vocab_size: int = 4096, kind: s
         finally:
             if os.path.exists(work):
                 shutil.rmtree(work, ignore_errors=True)
-    meta = json.load(open(os.path.join(final, "meta.json")))
+    with open(os.path.join(final, "meta.json")) as f:
+        meta = json.load(f)
     files = {k: os.path.join(final, v) for k, v in meta["tokenizer_files"].items()}
     prefix = os.path.join(final, "corpus")
     assert dataset_exists(prefix), f"{final} is missing corpus.bin/.idx; delete the folder to rebuild"

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from jax3d.data.indexed import DataError, IndexedDataset
-from jax3d.data.sampling import build_split_datasets, cache_key, cached_arrays, parse_data_paths
+from jax3d.data.sampling import build_split_datasets, cache_key, cached_arrays
 
 
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
@@ -105,7 +105,6 @@ def build_gpt_datasets(data_paths, split: str, seq_length: int, num_samples, see
     """
     if seq_length < 1:
         raise DataError(f"--seq-length {seq_length} must be positive.")
-    parse_data_paths(data_paths)  # validate before touching files
 
     def build_one(prefix, name, doc_range, n, cdir):
         return GPTDataset(IndexedDataset(prefix), name, doc_range, seq_length, n, seed, cdir)

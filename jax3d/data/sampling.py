@@ -79,7 +79,8 @@ def cached_arrays(cache_dir: str, name: str, key: str, build) -> dict[str, np.nd
     manifest = stem + ".json"
     if os.path.exists(manifest):
         try:
-            names = json.load(open(manifest))
+            with open(manifest) as f:
+                names = json.load(f)
             return {n: np.load(f"{stem}_{n}.npy", mmap_mode="r") for n in names}
         except (OSError, ValueError):
             pass  # damaged cache: rebuild below

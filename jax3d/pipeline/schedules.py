@@ -110,7 +110,7 @@ def _zb_h1_orders(p, m):
     # whenever its next F or B cannot go: its input has not arrived, or an F would make more than p
     # micro-batches live on the stage (1F1B's peak). W passes left at the end run in the cool-down,
     # where 1F1B would idle.
-    fb = [[a for a in order] for order in _1f1b_orders(p, m)]
+    fb = _1f1b_orders(p, m)
     f_done = np.full((m, p), -1)
     b_done = np.full((m, p), -1)
     pos = [0] * p
@@ -156,7 +156,7 @@ def _zb_h1_orders(p, m):
 # Orders -> tick table
 
 
-def _deps(kind, mb, vs, p, v, split):
+def _deps(kind, mb, vs, p, v):
     """Actions (kind, mb, virtual stage) that must finish in an earlier tick."""
     last = p * v - 1
     if kind == F:
@@ -166,7 +166,7 @@ def _deps(kind, mb, vs, p, v, split):
     return [(B, mb, vs)]
 
 
-def _place(orders, p, v, split):
+def _place(orders, p, v):
     """Unit-time ASAP placement of per-stage orders into a tick table."""
     done = {}
     pos = [0] * p
@@ -178,7 +178,7 @@ def _place(orders, p, v, split):
             if pos[s] == len(orders[s]):
                 continue
             k, i, c = orders[s][pos[s]]
-            if all(done.get(d, t) < t for d in _deps(k, i, c * p + s, p, v, split)):
+            if all(done.get(d, t) < t for d in _deps(k, i, c * p + s, p, v)):
                 row[s] = (k, i, c)
         if all(a[0] == IDLE for a in row):
             raise ScheduleError("the per-stage orders deadlock: no stage can make progress")
@@ -218,7 +218,7 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
     else:
         orders = _zb_h1_orders(p, m)
     split = name == "zb-h1"
-    kind, mb, chunk = _place(orders, p, v, split)
+    kind, mb, chunk = _place(orders, p, v)
     sched = Schedule(name, p, m, v, split, kind, mb, chunk)
     validate(sched)
     return sched
@@ -270,7 +270,7 @@ def validate(sched: Schedule, max_live: int | None = None) -> None:
                 key = (k, i, vs)
                 if key not in when:
                     raise ScheduleError(f"{ACTION_LETTERS[k]}{i} of virtual stage {vs} never runs")
-                for dep in _deps(k, i, vs, p, v, sched.split_backward):
+                for dep in _deps(k, i, vs, p, v):
                     if when[dep] >= when[key]:
                         raise ScheduleError(
                             f"{ACTION_LETTERS[k]}{i} of virtual stage {vs} (tick {when[key]}) does not "
@@ -299,7 +299,7 @@ def simulate(sched: Schedule, costs=(1.0, 1.0, 1.0)) -> tuple[float, np.ndarray]
         for s in range(p):
             while pos[s] < len(orders[s]):
                 k, i, c = orders[s][pos[s]]
-                deps = _deps(k, i, c * p + s, p, v, sched.split_backward)
+                deps = _deps(k, i, c * p + s, p, v)
                 if not all(d in end for d in deps):
                     break
                 start = max([free[s]] + [end[d] for d in deps])

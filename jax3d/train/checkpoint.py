@@ -122,10 +122,11 @@ def _manager(directory: str, *, read_only: bool, keep: int = 0, async_save: bool
     return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
 
-def _resolve_step(directory: str, steps: list[int], want: int, flag: str) -> int:
+def resolve_step(directory: str, steps: list[int], want: int) -> int:
+    """`want` when it is a complete step of `directory` (ConfigError otherwise); the latest when -1."""
     if want >= 0:
         if want not in steps:
-            raise ConfigError(f"--ckpt-step {want} is not a complete checkpoint in {flag} {directory}; "
+            raise ConfigError(f"--ckpt-step {want} is not a complete checkpoint in --load {directory}; "
                               f"it has steps {steps or 'none'}")
         return want
     return steps[-1]
@@ -139,22 +140,19 @@ def read_meta(directory: str, step: int) -> dict:
             meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:  # orbax raises several types for missing / corrupt files
         raise ConfigError(f"checkpoint {directory} step {step} is unreadable ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another --ckpt-step "
-                          "or --load") from e
+                          f"{_first_line(e, 200)}); pass another --ckpt-step or --load") from e
     if not isinstance(meta, dict) or meta.get("format") != "jax3d":
         raise ConfigError(f"checkpoint {directory} step {step} has no jax3d metadata; it was not written by "
                           "jax3d's Checkpointer")
     return meta
 
 
-def _check_tree(directory: str, step: int, item: str, target) -> None:
+def _first_line(e: Exception, limit: int) -> str:
+    return str(e).splitlines()[0][:limit] if str(e) else ""
+
+
+def _check_tree(saved, directory: str, step: int, item: str, target) -> None:
     """Compares the saved tree (paths and shapes) with the target, to fail with a sentence, not a traceback."""
-    ocp = _ocp()
-    try:
-        with _manager(directory, read_only=True) as mgr:
-            saved = mgr.item_metadata(step)[item]
-    except Exception:
-        return  # metadata is optional; the restore itself reports what is wrong
     if saved is None:
         return
     flat_saved = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
@@ -168,25 +166,30 @@ def _check_tree(directory: str, step: int, item: str, target) -> None:
         if shape is not None and tuple(shape) != tuple(t.shape):
             raise ConfigError(f"checkpoint {directory} step {step} holds {item}{key} with shape {tuple(shape)} "
                               f"but this run expects {tuple(t.shape)}; the model or optimizer differs")
-    del ocp
+
+
+def _saved_item(mgr, step: int, item: str):
+    """The saved metadata tree of one item, or None: metadata is optional, and the restore itself
+    reports what is wrong."""
+    try:
+        return mgr.item_metadata(step)[item]
+    except Exception:
+        return None
 
 
 def restore_arrays(directory: str, step: int, items: dict):
     """Restores orbax items {name: target tree of sharded ShapeDtypeStructs}; ConfigError when unreadable."""
     ocp = _ocp()
-    for name, target in items.items():
-        _check_tree(directory, step, name, target)
     args = ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in items.items()})
-    try:
-        with _manager(directory, read_only=True) as mgr:
+    with _manager(directory, read_only=True) as mgr:
+        for name, target in items.items():
+            _check_tree(_saved_item(mgr, step, name), directory, step, name, target)
+        try:
             return mgr.restore(step, args=args)
-    except ConfigError:
-        raise
-    except Exception as e:
-        first = str(e).splitlines()[0][:300] if str(e) else ""
-        raise ConfigError(f"checkpoint {directory} step {step} could not be restored ({type(e).__name__}: "
-                          f"{first}); it may be damaged or from another model, pass another --ckpt-step or "
-                          "--load") from e
+        except Exception as e:
+            raise ConfigError(f"checkpoint {directory} step {step} could not be restored ({type(e).__name__}: "
+                              f"{_first_line(e, 300)}); it may be damaged or from another model, pass another "
+                              "--ckpt-step or --load") from e
 
 
 class Checkpointer:
@@ -227,7 +230,7 @@ class Checkpointer:
             what = "does not exist" if not os.path.exists(self.load_dir) else "holds no complete checkpoint"
             raise ConfigError(f"--load {self.load_dir} {what}; pass a checkpoint directory, or the same "
                               "directory as --save to start fresh there")
-        step = _resolve_step(self.load_dir, found, tr.ckpt_step, "--load")
+        step = resolve_step(self.load_dir, found, tr.ckpt_step)
         state, meta = restore_state(self.load_dir, step, steps)
         _log(f"jax3d: restored step {step} from {self.load_dir} (saved on (data, stage, model) = "
              f"{tuple(meta['mesh'].values())}, ZeRO-{meta['config']['parallel']['zero_stage']}, "
