@@ -6,7 +6,8 @@ import time
 import numpy as np
 
 from jax3d.data import IndexedDataset
-from jax3d.data.default_corpus import default_corpus, default_corpus_dir, stdlib_files
+from jax3d.data.default_corpus import (default_corpus, default_corpus_dir, definition_blocks,
+                                       stdlib_files)
 
 
 def _meta_files(prefix):
@@ -38,21 +39,51 @@ def test_gpt_corpus_round_trip_and_cache(tmp_path, capfd):
     assert os.listdir(tmp_path) == [os.path.basename(os.path.dirname(prefix))]
 
 
-def test_bert_corpus_sentences_are_indented_lines(tmp_path, monkeypatch):
+def test_bert_corpus_documents_are_definitions_of_indented_lines(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX3D_CACHE", str(tmp_path))
     prefix, tok = default_corpus(vocab_size=2000, kind="bert", max_bytes=300_000)
     assert prefix.startswith(default_corpus_dir(None, "bert", 2000, 300_000))
     assert all(x is not None for x in (tok.cls, tok.sep, tok.mask, tok.pad))
     ds = IndexedDataset(prefix)
     files = _meta_files(prefix)
-    assert ds.num_documents == len(files)
-    lines = [l for l in open(files[0], encoding="utf-8").read().splitlines() if l.strip()]
+    texts = [open(f, encoding="utf-8", errors="replace").read() for f in files]
     # each line carries one leading mark per indentation level of four columns
-    marked = ["§ " * ((len(l.expandtabs(4)) - len(l.lstrip(" \t").expandtabs(4))) // 4) + l.lstrip(" \t")
-              for l in lines]
-    expect = [ids for ids in (tok.tokenize(l) for l in marked) if ids]
-    got = [ds[j].tolist() for j in range(ds.doc_idx[0], ds.doc_idx[1])]
-    assert got == expect
+    def marked(l):
+        return "§ " * ((len(l.expandtabs(4)) - len(l.lstrip(" \t").expandtabs(4))) // 4) + l.lstrip(" \t")
+    expect = [[ids for ids in (tok.tokenize(marked(l)) for l in block) if ids]
+              for text in texts for block in definition_blocks(text)]
+    expect = [d for d in expect if d]
+    assert ds.num_documents == len(expect) > 2 * len(files)
+    for d in (0, 1, len(expect) // 2, len(expect) - 1):
+        got = [ds[j].tolist() for j in range(ds.doc_idx[d], ds.doc_idx[d + 1])]
+        assert got == expect[d]
+
+
+def test_definition_blocks_keep_every_line_in_order():
+    src = """\"\"\"Module docstring.\"\"\"
+import os
+
+
+@decorator
+@other(1)
+def f(x):
+    return x
+
+class C:
+    y = 1
+
+    def g(self):
+        pass
+    async def h(self):
+        await z
+"""
+    blocks = definition_blocks(src)
+    assert [b[0].strip() for b in blocks] == ['"""Module docstring."""', "@decorator", "class C:",
+                                              "def g(self):", "async def h(self):"]
+    assert blocks[1] == ["@decorator", "@other(1)", "def f(x):", "    return x"]
+    assert [l for b in blocks for l in b] == [l for l in src.splitlines() if l.strip()]
+    assert definition_blocks("") == []
+    assert definition_blocks("def f():\n    pass\n") == [["def f():", "    pass"]]
 
 
 def test_package_name_is_the_function():
