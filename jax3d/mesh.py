@@ -10,26 +10,12 @@ from jax3d.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 AXES = ("data", "stage", "model")
 
 
-# XLA's CPU collectives abort the process when one emulated device is 40 s late to a rendezvous,
-# which happens on a 2-core machine with 8 emulated devices as soon as another job takes the cores.
-CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=3600"
-
-
-def relax_cpu_collective_timeout() -> None:
-    """Raise XLA's CPU collective abort timeout (unless XLA_FLAGS already sets it). Takes effect only
-    before JAX initialises its backends."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}".strip()
-
-
 def emulate_cpu_devices(n: int) -> None:
     """Makes JAX see `n` CPU devices. Must run before JAX initialises its backends."""
     import jax
 
     if n < 1:
         raise ConfigError(f"--cpu-devices {n} must be at least 1")
-    relax_cpu_collective_timeout()
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)

@@ -6,10 +6,6 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
-from jax3d.mesh import relax_cpu_collective_timeout  # noqa: E402  (imports no JAX backend)
-
-relax_cpu_collective_timeout()
-
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
