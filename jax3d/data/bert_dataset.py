@@ -7,13 +7,12 @@ lays out `[CLS] A [SEP] B [SEP]` padded to `seq_length`.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from jax3d.data.indexed import DataError, IndexedDataset
-from jax3d.data.sampling import build_split_datasets, cache_key, cached_arrays
+from jax3d.data.sampling import build_split_datasets, cached_index
 
 LONG_SENTENCE = 512  # Megatron skips documents holding a sentence longer than this
 
@@ -111,15 +110,13 @@ class BertDataset:
             raise DataError(f"--seq-length {seq_length} is too short for [CLS] A [SEP] B [SEP].")
         self.indexed, self.name, self.seq_length, self.seed = indexed, name, seq_length, seed
         self.ids, self.masked_lm_prob = ids, masked_lm_prob
-        key = cache_key(prefix=os.path.abspath(indexed.prefix), name=name, doc_range=list(doc_range),
-                        seq_length=seq_length, num_samples=num_samples, seed=seed,
-                        short_seq_prob=short_seq_prob, num_tokens=int(indexed.tokens.size))
-        cache_dir = cache_dir or os.path.dirname(os.path.abspath(indexed.prefix))
-        self.samples_mapping = cached_arrays(
-            cache_dir, f"bert_{os.path.basename(indexed.prefix)}_{name}", key,
+        self.samples_mapping = cached_index(
+            "bert", indexed, name, doc_range, cache_dir,
             lambda: {"mapping": build_samples_mapping(indexed.sizes, indexed.doc_idx, doc_range,
                                                       seq_length - 3, num_samples, seed,
-                                                      short_seq_prob)})["mapping"]
+                                                      short_seq_prob)},
+            seq_length=seq_length, num_samples=num_samples, seed=seed,
+            short_seq_prob=short_seq_prob)["mapping"]
 
     def __len__(self) -> int:
         return len(self.samples_mapping)
@@ -166,8 +163,8 @@ def build_bert_datasets(data_paths, split: str, seq_length: int, num_samples, se
     if not isinstance(token_ids, BertTokenIds):
         token_ids = BertTokenIds.from_tokenizer(token_ids)
 
-    def build_one(prefix, name, doc_range, n, cdir):
-        return BertDataset(IndexedDataset(prefix), name, doc_range, seq_length, n, seed, token_ids,
+    def build_one(indexed, name, doc_range, n, cdir):
+        return BertDataset(indexed, name, doc_range, seq_length, n, seed, token_ids,
                            cdir, masked_lm_prob, short_seq_prob)
 
     return build_split_datasets(data_paths, split, num_samples, build_one, cache_dir,

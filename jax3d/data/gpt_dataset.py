@@ -2,12 +2,11 @@
 documents, crossing document boundaries (preprocessing put EOD between documents)."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
 from jax3d.data.indexed import DataError, IndexedDataset
-from jax3d.data.sampling import build_split_datasets, cache_key, cached_arrays
+from jax3d.data.sampling import build_split_datasets, cached_index
 
 
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
@@ -67,13 +66,10 @@ class GPTDataset:
         if len(indexed.sizes) != indexed.num_documents:
             raise DataError(f"{indexed.prefix} has sentence-level sequences; GPT needs a document "
                             "dataset (preprocess without --split-sentences).")
-        key = cache_key(prefix=os.path.abspath(indexed.prefix), name=name, doc_range=list(doc_range),
-                        seq_length=seq_length, num_samples=num_samples, seed=seed,
-                        num_tokens=int(indexed.tokens.size))
-        cache_dir = cache_dir or os.path.dirname(os.path.abspath(indexed.prefix))
-        arrays = cached_arrays(cache_dir, f"gpt_{os.path.basename(indexed.prefix)}_{name}", key,
-                               lambda: build_gpt_indices(indexed.sizes, doc_range, seq_length,
-                                                         num_samples, seed))
+        arrays = cached_index("gpt", indexed, name, doc_range, cache_dir,
+                              lambda: build_gpt_indices(indexed.sizes, doc_range, seq_length,
+                                                        num_samples, seed),
+                              seq_length=seq_length, num_samples=num_samples, seed=seed)
         self.doc_idx, self.sample_idx = arrays["doc_idx"], arrays["sample_idx"]
         self.shuffle_idx = arrays["shuffle_idx"]
 
@@ -106,8 +102,8 @@ def build_gpt_datasets(data_paths, split: str, seq_length: int, num_samples, see
     if seq_length < 1:
         raise DataError(f"--seq-length {seq_length} must be positive.")
 
-    def build_one(prefix, name, doc_range, n, cdir):
-        return GPTDataset(IndexedDataset(prefix), name, doc_range, seq_length, n, seed, cdir)
+    def build_one(indexed, name, doc_range, n, cdir):
+        return GPTDataset(indexed, name, doc_range, seq_length, n, seed, cdir)
 
     return build_split_datasets(data_paths, split, num_samples, build_one, cache_dir,
                                 dict(seq_length=seq_length, seed=seed, kind="gpt"))

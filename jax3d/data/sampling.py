@@ -100,6 +100,16 @@ def cached_arrays(cache_dir: str, name: str, key: str, build) -> dict[str, np.nd
     return arrays
 
 
+def cached_index(kind: str, indexed, name: str, doc_range, cache_dir: str | None, build,
+                 **fields) -> dict[str, np.ndarray]:
+    """`cached_arrays` for one split of one indexed dataset: keyed by the data (path, token count),
+    the split and `fields`; stored beside the data unless `cache_dir` is given."""
+    key = cache_key(prefix=os.path.abspath(indexed.prefix), name=name, doc_range=list(doc_range),
+                    num_tokens=int(indexed.tokens.size), **fields)
+    cache_dir = cache_dir or os.path.dirname(os.path.abspath(indexed.prefix))
+    return cached_arrays(cache_dir, f"{kind}_{os.path.basename(indexed.prefix)}_{name}", key, build)
+
+
 def _atomic_save(path: str, arr: np.ndarray) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npy.tmp")
     try:
@@ -168,15 +178,14 @@ def build_split_datasets(data_paths, split: str, num_samples, build_one, cache_d
                          key_fields=None):
     """Build (train, valid, test) from Megatron-style `data_paths`, blending when weighted.
 
-    `build_one(prefix, split_name, doc_range, n_samples, cache_dir)` makes one source's split
-    dataset. A split with no documents or no requested samples is None.
+    `build_one(indexed, split_name, doc_range, n_samples, cache_dir)` makes one source's split
+    dataset from its opened `IndexedDataset`. A split with no documents or no requested samples is
+    None.
     """
     weights, prefixes = parse_data_paths(data_paths)
     from jax3d.data.indexed import IndexedDataset
-    per_prefix = []
-    for p in prefixes:
-        ranges = split_ranges(split, IndexedDataset(p).num_documents)
-        per_prefix.append(ranges)
+    sources = [IndexedDataset(p) for p in prefixes]
+    per_prefix = [split_ranges(split, ds.num_documents) for ds in sources]
     out = []
     for s, name in enumerate(SPLIT_NAMES):
         n = int(num_samples[s]) if num_samples is not None else 0
@@ -184,14 +193,14 @@ def build_split_datasets(data_paths, split: str, num_samples, build_one, cache_d
             out.append(None)
             continue
         parts, part_w = [], []
-        for w, p, ranges in zip(weights, prefixes, per_prefix):
+        for w, ds, ranges in zip(weights, sources, per_prefix):
             lo, hi = ranges[s]
             if hi <= lo or w == 0:
                 continue
             # Ask each source for a little more than its share, as Megatron does (x1.005), so the
             # greedy assignment never runs a source past its end.
             want = n if len(prefixes) == 1 else int(np.ceil(n * w * 1.005)) + 1
-            parts.append(build_one(p, name, (lo, hi), want, cache_dir))
+            parts.append(build_one(ds, name, (lo, hi), want, cache_dir))
             part_w.append(w)
         if not parts:
             out.append(None)
