@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=100)
     g.add_argument("--eval-iters", type=int, default=4)
     g.add_argument("--log-dir", default="runs/latest", help="metrics.jsonl and TensorBoard events go here")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per log interval instead")
     g.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: by device kind)")
     g.add_argument("--dry-run", action="store_true", help="compile the step from abstract shapes and report memory")
 

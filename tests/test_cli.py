@@ -81,3 +81,14 @@ def test_two_processes_match_one(tmp_path):
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     np.testing.assert_allclose(_losses(log_dir), ref, atol=1e-5)
+
+
+def test_no_progress_prints_one_line_per_log_interval(tmp_path, capsys):
+    """Without the bar, each log interval prints a line whose losses are the logged ones."""
+    log_dir = str(tmp_path / "log")
+    assert main([*BASE, "--train-iters", "4", "--log-interval", "2", "--log-dir", log_dir,
+                 "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
+    assert [l.split(" | ")[0] for l in lines] == ["step 2/4", "step 4/4"]
+    printed = [float(l.split(" | loss ")[1].split(" |")[0]) for l in lines]
+    np.testing.assert_allclose(printed, _losses(log_dir), atol=1e-4)

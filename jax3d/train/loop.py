@@ -14,10 +14,26 @@ from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token,
 from jax3d.train.step import Steps, build_steps
 
 
+# Steps queued ahead of the device. Two keep it busy, and more gain nothing. An unbounded queue (up
+# to a log interval of steps) hung 8 emulated CPU devices within a few hundred steps: in gdb, 7 of
+# them waited in a step's all-reduce while the 8th waited on XLA's per-device in-flight semaphore,
+# presumably with its slots held by the steps queued behind.
+MAX_STEPS_IN_FLIGHT = 2
+
+
 def _progress(total: int, initial: int, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, file=sys.stderr,
                 unit="step", leave=True)
+
+
+def _interval_line(rec: dict, end: int) -> str:
+    """`step 100/1500 | loss 7.3133 | lm_loss 6.6191 | ... | lr 9.90e-04 | 9,245 tok/s`."""
+    keys = ["loss"] + sorted(k for k in rec if k != "loss" and k.endswith(("loss", "_acc")))
+    losses = " | ".join(f"{k} {rec[k]:.4f}" for k in keys)
+    mfu = f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") else ""
+    return (f"step {rec['step']}/{end} | {losses} | lr {rec['lr']:.2e} | "
+            f"{rec['tokens_per_s']:,.0f} tok/s{mfu}")
 
 
 def evaluate(steps: Steps, params, valid, eval_iters: int) -> dict:
@@ -79,6 +95,8 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
             batch = first_batch if it == start else next(loader)
             state, metrics = train_step(state, batch)
             pending.append(metrics)
+            if len(pending) > MAX_STEPS_IN_FLIGHT:
+                jax.block_until_ready(pending[-1 - MAX_STEPS_IN_FLIGHT])
             steps_since += 1
             step = it + 1
             if step % tr.log_interval == 0 or step == end:
@@ -95,6 +113,8 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
                 rec["skipped"] = int(rec["skipped"])
                 writer.write(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
+                if chief and not progress:  # no bar to show it: one line per interval, as Megatron logs
+                    bar.write(_interval_line(rec, end))
                 last, pending = rec, []
                 t_last, steps_since = time.perf_counter(), 0
             paused = time.perf_counter()  # evaluation and checkpoint saves stay out of the step time
@@ -103,7 +123,10 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
                 paused = time.perf_counter()
                 ev = evaluate(steps, state.params, inputs.valid, tr.eval_iters)
                 writer.write({"step": step, **ev}, prefix="valid")
-                bar.write(f"step {step}: validation loss {ev['val_loss']:.4f}, perplexity {ev['val_ppl']:.2f}")
+                parts = "".join(f", {k[4:]} {v:.4f}" for k, v in sorted(ev.items())
+                                if k != "val_loss" and k.endswith(("loss", "_acc")))
+                bar.write(f"step {step}: validation loss {ev['val_loss']:.4f}{parts}, "
+                          f"perplexity {ev['val_ppl']:.2f}")
                 last.update(ev)
             if checkpointer is not None:
                 checkpointer.maybe_save(step, state, loader.state_dict(), force=step == end)
