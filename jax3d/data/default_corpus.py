@@ -55,9 +55,9 @@ _DEFINITION = re.compile(r"\s*(async\s+def|def|class)\s")
 
 
 def definition_blocks(text: str) -> list[list[str]]:
-    """Split a source file's non-blank lines into blocks that each open with a `def`, `async def`
-    or `class` line (its decorators go with it); the lines before the first definition and between
-    a class line and its first method form blocks of their own. Every non-blank line lands in
+    """Split a source file's non-blank lines into blocks, a new one at each `def`, `async def` or
+    `class` line (its decorators go with it). The lines before the first definition are a block, and
+    a class body up to its first method stays with the class line. Every non-blank line lands in
     exactly one block, in file order."""
     blocks, current, decorators = [], [], []
     for line in text.splitlines():

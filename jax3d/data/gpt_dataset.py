@@ -2,7 +2,6 @@
 documents, crossing document boundaries (preprocessing put EOD between documents)."""
 from __future__ import annotations
 
-
 import numpy as np
 
 from jax3d.data.indexed import DataError, IndexedDataset

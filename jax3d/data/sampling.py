@@ -10,7 +10,7 @@ import tempfile
 
 import numpy as np
 
-from jax3d.data.indexed import DataError
+from jax3d.data.indexed import DataError, IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -183,7 +183,6 @@ def build_split_datasets(data_paths, split: str, num_samples, build_one, cache_d
     None.
     """
     weights, prefixes = parse_data_paths(data_paths)
-    from jax3d.data.indexed import IndexedDataset
     sources = [IndexedDataset(p) for p in prefixes]
     per_prefix = [split_ranges(split, ds.num_documents) for ds in sources]
     out = []

@@ -27,9 +27,14 @@ def _progress(total: int, initial: int, enabled: bool):
                 unit="step", leave=True)
 
 
+def _averaged(key: str) -> bool:
+    """Losses and accuracies: averaged over a log interval, and printed."""
+    return key.endswith(("loss", "_acc"))
+
+
 def _interval_line(rec: dict, end: int) -> str:
     """`step 100/1500 | loss 7.3133 | lm_loss 6.6191 | ... | lr 9.90e-04 | 9,245 tok/s`."""
-    keys = ["loss"] + sorted(k for k in rec if k != "loss" and k.endswith(("loss", "_acc")))
+    keys = ["loss"] + sorted(k for k in rec if k != "loss" and _averaged(k))
     losses = " | ".join(f"{k} {rec[k]:.4f}" for k in keys)
     mfu = f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") else ""
     return (f"step {rec['step']}/{end} | {losses} | lr {rec['lr']:.2e} | "
@@ -106,7 +111,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
                 tflops = tps * flops_tok / n_dev / 1e12
                 rec = {"step": step, **{k: float(v) for k, v in host[-1].items()},
                        # losses and accuracies are averaged over the interval, as Megatron logs them
-                       **{k: float(np.mean([h[k] for h in host])) for k in host[-1] if k.endswith(("loss", "_acc"))},
+                       **{k: float(np.mean([h[k] for h in host])) for k in host[-1] if _averaged(k)},
                        "tokens_per_s": tps, "tflops_per_device": tflops,
                        "mfu": (tflops / peak) if peak else None, "mem_gb": memory_gb(), "step_time_s": dt,
                        "consumed_samples": loader.state_dict()["consumed_samples"]}
@@ -124,7 +129,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
                 ev = evaluate(steps, state.params, inputs.valid, tr.eval_iters)
                 writer.write({"step": step, **ev}, prefix="valid")
                 parts = "".join(f", {k[4:]} {v:.4f}" for k, v in sorted(ev.items())
-                                if k != "val_loss" and k.endswith(("loss", "_acc")))
+                                if k != "val_loss" and _averaged(k))
                 bar.write(f"step {step}: validation loss {ev['val_loss']:.4f}{parts}, "
                           f"perplexity {ev['val_ppl']:.2f}")
                 last.update(ev)
