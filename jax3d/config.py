@@ -12,6 +12,16 @@ class ConfigError(ValueError):
     """A configuration that can't run; the message is one sentence naming the flag and the fix."""
 
 
+# The model's speed optimisations, each of which `ModelConfig.ablate` can turn off. None changes the
+# maths: with fp32 compute every one gives the same numbers.
+OPTIMISATIONS = {
+    "bf16_logits": "LM-head logits and their gradients in the compute dtype; the loss reduces in fp32",
+    "qkv_btcnh": "the QKV projection emits (batch, seq, 3, heads, head_dim), the layout attention reads",
+    "split_layers": "stacked block parameters split once per step, so each layer's gradient is written once",
+    "lean_residuals": "layer-norm outputs and GELU recomputed in the backward pass instead of stored",
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Transformer shape and regularisation. `ffn_hidden_size` defaults to 4 x hidden."""
@@ -32,12 +42,21 @@ class ModelConfig:
     recompute: str = "none"  # none | selective | full
     scan_layers: bool = False
     attention_impl: str = "auto"  # auto | xla | cudnn
+    # Speed optimisations to turn off, by name (see OPTIMISATIONS): for benchmarks that measure each one.
+    ablate: tuple[str, ...] = ()
 
     def __post_init__(self):
+        unknown = set(self.ablate) - set(OPTIMISATIONS)
+        if unknown:
+            raise ConfigError(f"unknown optimisation(s) to ablate {sorted(unknown)}; choose from {sorted(OPTIMISATIONS)}")
         if not self.ffn_hidden_size:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         if not self.max_position_embeddings:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
+
+    def optimised(self, name: str) -> bool:
+        """Whether the speed optimisation `name` is on (all are, unless ablated)."""
+        return name not in self.ablate
 
     @property
     def deterministic(self) -> bool:

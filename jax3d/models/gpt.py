@@ -14,7 +14,7 @@ class GPT(TransformerLM):
 
     def _modules(self):
         return (Embedding(self.cfg, self.rules, name="embed"),
-                LayerNorm(self.cfg.layernorm_epsilon, name="final_norm"))
+                LayerNorm(self.cfg.layernorm_epsilon, self.cfg.optimised("lean_residuals"), name="final_norm"))
 
     def _init_ends(self, rng):
         emb, norm = self._modules()
@@ -34,11 +34,12 @@ class GPT(TransformerLM):
         x = self.embed(params, {"text": jnp.pad(tokens_bt, ((0, 0), (0, 1)))})
         x = self.run_blocks(params["blocks"], x)
         x = self._modules()[1].apply({"params": params["final_norm"]}, x)
-        return vocab_parallel_logits(x, params["embed"]["word"], self.rules)
+        return vocab_parallel_logits(x, params["embed"]["word"], self.rules).astype(jnp.float32)
 
     def head_loss(self, params, x_btd, mb):
         x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
-        logits = vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules)
+        logits = vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules,
+                                       fp32=not self.cfg.optimised("bf16_logits"))
         targets = mb["text"][:, 1:]
         loss_sum, _ = cross_entropy_sum(logits, targets, self._loss_mask(mb))
         return {"lm": loss_sum}, {}

@@ -38,21 +38,41 @@ def _dropout(x, rate: float, rng, deterministic: bool):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def layer_norm(x, scale, bias, eps: float):
+    """Layer norm over the last dim, computed in fp32 and returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+# Stores only the input for the backward pass and recomputes the rest: autodiff of the plain function
+# keeps fp32 intermediates of the whole activation (two of them) alive from forward to backward.
+_layer_norm_lean = jax.checkpoint(layer_norm, static_argnums=(3,))
+
+
+def _gelu_then_dense(h_btf, w_fd):
+    return jnp.einsum("btf,fd->btd", jax.nn.gelu(h_btf, approximate=True), w_fd)
+
+
+# Keeps only the GELU input: the backward recomputes GELU (elementwise) rather than storing its output
+# and its derivative's intermediates, each as large as the input.
+_gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense)
+
+
 class LayerNorm(nn.Module):
     """Layer norm computed in fp32, returned in the input dtype."""
 
     eps: float = 1e-5
+    lean: bool = True  # recompute its intermediates in the backward pass
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
         bias = _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+        return (_layer_norm_lean if self.lean else layer_norm)(x, scale, bias, self.eps)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -80,9 +100,16 @@ class Attention(nn.Module):
         b_out = _param(self, "out_bias", ("embed",), (d,), nn.initializers.zeros)
 
         x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
-        qkv = jnp.einsum("btd,dcnh->cbtnh", x_btd, w_qkv) + b_qkv[:, None, None]
-        qkv = self.rules.constrain(qkv, ("qkv", "batch", "seq", "heads", "kv"))
-        q, k, v = qkv[0], qkv[1], qkv[2]  # each (batch, seq, heads, head_dim)
+        if cfg.optimised("qkv_btcnh"):
+            # The fused attention kernel reads q, k and v as strided views of this layout; putting the
+            # q/k/v axis first instead costs a transpose and three copies forward, a stack backward.
+            qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w_qkv) + b_qkv
+            qkv = self.rules.constrain(qkv, ("batch", "seq", "qkv", "heads", "kv"))
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (batch, seq, heads, head_dim)
+        else:
+            qkv = jnp.einsum("btd,dcnh->cbtnh", x_btd, w_qkv) + b_qkv[:, None, None]
+            qkv = self.rules.constrain(qkv, ("qkv", "batch", "seq", "heads", "kv"))
+            q, k, v = qkv[0], qkv[1], qkv[2]
         if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
             ctx = self._core_with_dropout(q, k, v, mask, rng)
         else:
@@ -122,8 +149,8 @@ class MLP(nn.Module):
         b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
         h_btf = jnp.einsum("btd,df->btf", x_btd, w_up) + b_up
         h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
-        h_btf = jax.nn.gelu(h_btf, approximate=True)
-        return jnp.einsum("btf,fd->btd", h_btf, w_down) + b_down
+        down = _gelu_then_dense_lean if cfg.optimised("lean_residuals") else _gelu_then_dense
+        return down(h_btf, w_down) + b_down
 
 
 class Block(nn.Module):
@@ -138,14 +165,15 @@ class Block(nn.Module):
         cfg = self.cfg
         r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
+        lean = cfg.optimised("lean_residuals")
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
-            h = LayerNorm(cfg.layernorm_epsilon, name="ln_attn")(x_btd)
+            h = LayerNorm(cfg.layernorm_epsilon, lean, name="ln_attn")(x_btd)
             h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic)
             h = self.rules.constrain(h, stream)
             x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic)
         with jax.named_scope("mlp"):
-            h = LayerNorm(cfg.layernorm_epsilon, name="ln_mlp")(x_btd)
+            h = LayerNorm(cfg.layernorm_epsilon, lean, name="ln_mlp")(x_btd)
             h = MLP(cfg, self.rules, name="mlp")(h)
             h = self.rules.constrain(h, stream)
             x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic)
@@ -175,9 +203,15 @@ class Embedding(nn.Module):
         return _dropout(x_btd, cfg.hidden_dropout, rng, deterministic)
 
 
-def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules):
-    """Tied LM-head logits in fp32, sharded over the vocabulary."""
-    logits = jnp.einsum("btd,vd->btv", x_btd, wte_vd, preferred_element_type=jnp.float32)
+def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules, fp32: bool = False):
+    """Tied LM-head logits, sharded over the vocabulary, in the compute dtype (or fp32).
+
+    In bf16 both backward GEMMs run on bf16 tensor cores and the logits and their gradient take half the
+    memory; asking the GEMM for fp32 output instead makes XLA run all three on TF32 kernels.
+    `cross_entropy_sum` upcasts inside its reductions, so the loss is still summed in fp32.
+    """
+    kw = {"preferred_element_type": jnp.float32} if fp32 else {}
+    logits = jnp.einsum("btd,vd->btv", x_btd, wte_vd, **kw)
     return rules.constrain(logits, ("batch", "seq", "vocab"))
 
 
@@ -187,6 +221,7 @@ def cross_entropy_sum(logits_btv, targets_bt, mask_bt):
     logsumexp and the target pick are reductions over the sharded vocab dim, so XLA emits partial
     reductions plus an all-reduce of (batch, seq) scalars; the one-hot compare fuses into the reduce.
     """
+    logits_btv = logits_btv.astype(jnp.float32)  # fuses into the reductions; never stored
     lse = jax.nn.logsumexp(logits_btv, axis=-1)
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits_btv.shape, 2)
     target_logit = jnp.sum(jnp.where(vocab == targets_bt[..., None], logits_btv, 0.0), axis=-1)

@@ -37,6 +37,18 @@ def layer_rng(rng, layer: int | jax.Array):
     return None if rng is None else jax.random.fold_in(rng, layer)
 
 
+def unstack_layers(blocks, num: int, split: bool = True) -> list:
+    """Per-layer parameter trees of a stack, for an unrolled loop over layers.
+
+    One `split` per leaf: its gradient is one concatenate. Indexing `a[i]` per layer instead gives each
+    layer a gradient padded with zeros to the whole stack, and the step then adds up `num` such stacks.
+    """
+    if not split:
+        return [jax.tree.map(lambda a: a[i], blocks) for i in range(num)]
+    parts = jax.tree.map(lambda a: [s[0] for s in jnp.split(a, num)], blocks)
+    return [jax.tree.map(lambda _, ps: ps[i], blocks, parts) for i in range(num)]
+
+
 class TransformerLM:
     """Base of GPT and BERT. Subclasses define the ends: `_embed_module`, `embed`, `head_loss`."""
 
@@ -94,8 +106,8 @@ class TransformerLM:
                 return one(p, x, i), None
             x, _ = jax.lax.scan(body, x, (blocks, layer_offset + jnp.arange(num)))
             return x
-        for i in range(num):
-            x = one(jax.tree.map(lambda a: a[i], blocks), x, layer_offset + i)
+        for i, p in enumerate(unstack_layers(blocks, num, self.cfg.optimised("split_layers"))):
+            x = one(p, x, layer_offset + i)
         return x
 
     def embed(self, params, mb, rng=None, deterministic=True):
