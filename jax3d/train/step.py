@@ -154,12 +154,14 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         scale = state.loss_scale.scale
         norms = model.normalizers(batch)
-        grads, obj, aux = grads_fn(state.params, batch, rng, scale, norms)
-        grads = _constrain_tree(jax.tree.map(lambda g: g / scale, grads), specs["grads"])
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("forward_backward"):
+            grads, obj, aux = grads_fn(state.params, batch, rng, scale, norms)
+        with jax.named_scope("optimizer"):  # the scope profiles class the update by
+            grads = _constrain_tree(jax.tree.map(lambda g: g / scale, grads), specs["grads"])
+            grad_norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(grad_norm)
+            updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+            new_params = optax.apply_updates(state.params, updates)
         # A non-finite step is never applied: Megatron skips overflowed fp16 steps, and in bf16 / fp32 a
         # NaN update would poison the master weights for good.
         new_params = _where_tree(finite, new_params, state.params)

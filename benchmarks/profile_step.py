@@ -1,0 +1,174 @@
+"""Breaks one train step down by operation class, from a device trace: where the time goes.
+
+jax3d's real step runs a few steps under `jax.profiler`; every GPU kernel is classed as matmul,
+attention, elementwise and normalisation, optimizer, communication or copies (by kernel name, and by
+the jax name scope that XLA's metadata keeps for each fusion), and the classes are summed per step.
+With `--peer` the PyTorch peer's step is traced with `torch.profiler` and classed by the same rules.
+One JSON line per side, then a table in milliseconds per step.
+
+    python benchmarks/profile_step.py --shape 1.3b-b16 --peer
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from step_bench import DEFAULT_PEER, SHAPES, VOCAB, Run, build  # noqa: E402
+
+CLASSES = ("matmul", "attention", "elementwise_norm", "optimizer", "communication", "copies")
+_COMM = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_ATTN = ("cudnn", "fmha", "flash", "sdpa", "attention", "dot_product_attention")
+_GEMM = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "matmul", "sm90_", "dot")
+_OPT = ("/optimizer/", "adam", "multi_tensor")
+
+
+def classify(kernel: str, hlo_op: str = "", scope: str = "") -> str:
+    """The operation class of one kernel, from its name, HLO instruction and jax name scope."""
+    k, h, s = kernel.lower(), hlo_op.lower(), scope.lower()
+    if any(c in k or c in h for c in _COMM):
+        return "communication"
+    if "memcpy" in k or "memset" in k:
+        return "copies"
+    if any(a in k for a in _ATTN) or "dot_product_attention" in s:
+        return "attention"
+    if any(o in s or o in k for o in _OPT):
+        return "optimizer"
+    if any(g in k for g in _GEMM) or h.startswith(("cublas", "gemm", "custom-call")):
+        return "matmul"
+    if h.startswith(("copy", "transpose")) or k.startswith(("copy", "transpose")) or "transpose" in k:
+        return "copies"
+    return "elementwise_norm"
+
+
+def _scopes_from_hlo(hlo_text: str) -> dict:
+    """HLO instruction name -> jax name scope (op_name metadata), for the trace's `hlo_op`."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text, re.M):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def _summarise(kernels, steps: int) -> dict:
+    """kernels: (name, hlo_op, scope, microseconds). Milliseconds per step by class, and the top kernels."""
+    by_class = collections.Counter()
+    by_kernel = collections.Counter()
+    for name, hlo_op, scope, us in kernels:
+        c = classify(name, hlo_op, scope)
+        by_class[c] += us
+        by_kernel[(c, hlo_op or name[:80])] += us
+    ms = {c: round(by_class[c] / 1e3 / steps, 2) for c in CLASSES}
+    ms["total"] = round(sum(by_class.values()) / 1e3 / steps, 2)
+    top = [{"class": c, "op": n, "ms": round(us / 1e3 / steps, 2)} for (c, n), us in by_kernel.most_common(25)]
+    return {"ms_per_step": ms, "top": top}
+
+
+def profile_jax3d(run: Run, steps: int) -> dict:
+    import jax
+
+    st, state, batch, compiled, _ = build(run)
+    scopes = _scopes_from_hlo(compiled.as_text())
+    logdir = tempfile.mkdtemp(prefix="jax3d-prof-")
+    with jax.set_mesh(st.mesh):
+        for _ in range(3):
+            state, _m = compiled(state, batch)
+        jax.block_until_ready(state)
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            for _ in range(steps):
+                state, _m = compiled(state, batch)
+            jax.block_until_ready(state)
+    path = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    trace = json.load(gzip.open(path))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    kernels = []
+    for e in events:
+        if e.get("ph") != "X" or not procs.get(e.get("pid"), "").startswith("/device:GPU"):
+            continue
+        # Device streams hold the kernels; the derived "XLA Ops"/"XLA Modules" lines would count them twice.
+        if "stream" not in threads.get((e["pid"], e.get("tid")), "").lower():
+            continue
+        hlo_op = (e.get("args") or {}).get("hlo_op", "")
+        kernels.append((e.get("name", ""), hlo_op, scopes.get(hlo_op, ""), float(e.get("dur", 0))))
+    if not kernels:  # no GPU: XLA's CPU thunks carry the same hlo_op, which lets the tool run anywhere
+        kernels = [(e["name"], e["args"]["hlo_op"], scopes.get(e["args"]["hlo_op"], ""), float(e.get("dur", 0)))
+                   for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
+    out = {"who": "jax3d", "run": run.label(), **_summarise(kernels, steps)}
+    out["kernels_seen"] = len(kernels)
+    return out
+
+
+def profile_peer(shape: str, batch: int, steps: int, script: str) -> dict:
+    import torch
+
+    spec = importlib.util.spec_from_file_location("torch_gpt_peer", script)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    layers, d, heads, seq, b = SHAPES[shape]
+    batch = batch or b
+    torch.manual_seed(0)
+    model = peer.GPT(VOCAB, seq, d, heads, layers).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    fwd = torch.compile(model)
+    x = torch.randint(0, VOCAB, (batch, seq), device="cuda")
+    y = torch.randint(0, VOCAB, (batch, seq), device="cuda")
+
+    def step():  # the peer script's own step
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(prefix="peer-prof-"), "trace.json")
+    prof.export_chrome_trace(path)
+    events = json.load(open(path))["traceEvents"]
+    kernels = [(e["name"], "", "", float(e.get("dur", 0))) for e in events
+               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return {"who": "peer", "run": f"{shape} b{batch}", **_summarise(kernels, steps), "kernels_seen": len(kernels)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="1.3b-b16", choices=list(SHAPES))
+    p.add_argument("--batch", type=int, default=0, help="batch size (0: the shape's own)")
+    p.add_argument("--ablate", action="append", default=[], help="profile with this optimisation off")
+    p.add_argument("--steps", type=int, default=3, help="traced steps")
+    p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None, help="trace the PyTorch peer too")
+    p.add_argument("--out", default="", help="also write the JSON lines to this file")
+    a = p.parse_args(argv)
+    recs = [profile_jax3d(Run(a.shape, a.batch, ablate=tuple(a.ablate)), a.steps)]
+    if a.peer:
+        recs.append(profile_peer(a.shape, a.batch, a.steps, a.peer))
+    for r in recs:
+        print(json.dumps(r), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in recs))
+    print("\n%-18s" % "ms per step" + "".join("%12s" % r["who"] for r in recs))
+    for c in (*CLASSES, "total"):
+        print("%-18s" % c + "".join("%12.1f" % r["ms_per_step"][c] for r in recs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""What the one-device benchmarks share: the shapes, jax3d's real train step built for one of them, and the peer.
+
+The step is `jax3d.train.step.build_steps` (what `launch/train.py` runs), on random tokens, so data
+loading stays out of the figure. FLOPs are counted as the PyTorch peer counts them
+(`jax3d.train.metrics.model_flops_per_token` is the same formula).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PEER = os.path.join(ROOT, ".peer", "torch_gpt_peer.py")
+
+# name: (layers, hidden, heads, seq, batch): the shapes the peer comparison is made at.
+SHAPES = {
+    "1.3b-b16": (24, 2048, 16, 2048, 16),
+    "1.3b-b8": (24, 2048, 16, 2048, 8),
+    "350m-b32": (24, 1024, 16, 1024, 32),
+    "125m-b32": (12, 768, 12, 1024, 32),
+    "tiny": (2, 128, 8, 128, 4),  # for trying the scripts on a CPU
+}
+VOCAB = 50304
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One measured configuration of the step."""
+
+    shape: str
+    batch: int = 0  # 0: the shape's
+    ablate: tuple[str, ...] = ()
+    recompute: str = "none"
+    dtype: str = "bfloat16"
+    xla_flags: str = ""
+
+    def dims(self):
+        layers, d, heads, seq, batch = SHAPES[self.shape]
+        return layers, d, heads, seq, self.batch or batch
+
+    def label(self) -> str:
+        parts = [self.shape if not self.batch else f"{self.shape.split('-')[0]}-b{self.batch}"]
+        parts += [f"-{a}" for a in self.ablate]
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
+        if self.xla_flags:
+            parts.append(f"xla[{self.xla_flags}]")
+        return " ".join(parts)
+
+
+def config_for(run: Run):
+    from jax3d.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
+
+    layers, d, heads, seq, batch = run.dims()
+    model = ModelConfig(num_layers=layers, hidden_size=d, num_attention_heads=heads, seq_length=seq,
+                        vocab_size=VOCAB if run.shape != "tiny" else 4096, hidden_dropout=0.0,
+                        attention_dropout=0.0, recompute=run.recompute, ablate=tuple(run.ablate))
+    return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype),
+                  train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
+
+
+def build(run: Run):
+    """(steps, state, batch, compiled train step, compile seconds) on one device."""
+    import jax
+    import numpy as np
+
+    from jax3d.mesh import MeshConfig
+    from jax3d.train.step import abstract_batch, build_steps
+
+    cfg = config_for(run)
+    mesh_cfg = MeshConfig(1, 1, 1)
+    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[:1]))
+    state = steps.init_state(cfg.train.seed)
+    shapes = abstract_batch(steps, steps.model.sample_shapes())
+    rng = np.random.default_rng(0)
+    batch = {k: jax.device_put(rng.integers(0, cfg.model.vocab_size, a.shape).astype(a.dtype), a.sharding)
+             for k, a in shapes.items()}
+    t0 = time.perf_counter()
+    compiled = steps.train_step.lower(state, batch).compile()
+    return steps, state, batch, compiled, time.perf_counter() - t0
+
+
+def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
+    """Times `steps_timed` train steps after `warmup`; one JSON-able record."""
+    import jax
+
+    from jax3d.train.metrics import memory_gb, model_flops_per_token, peak_tflops
+
+    steps, state, batch, compiled, compile_s = build(run)
+    with jax.set_mesh(steps.mesh):
+        for _ in range(warmup):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        for _ in range(steps_timed):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        dt = (time.perf_counter() - t0) / steps_timed
+    cfg = steps.cfg
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    tflops = tokens / dt * model_flops_per_token(cfg.model) / 1e12
+    peak = peak_tflops()
+    layers, d, heads, seq, batch_size = run.dims()
+    return {"who": "jax3d", "run": run.label(), "layers": layers, "d": d, "heads": heads, "seq": seq,
+            "batch": batch_size, "ablate": list(run.ablate), "recompute": run.recompute,
+            "xla_flags": run.xla_flags, "step_s": round(dt, 5), "tokens_per_s": round(tokens / dt),
+            "tflops_per_device": round(tflops, 1), "mfu": round(tflops / peak, 4) if peak else None,
+            "compile_s": round(compile_s, 1), "mem_gb": round(memory_gb(), 2),
+            "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind}
+
+
+def run_isolated(run: Run, steps_timed: int) -> dict:
+    """`measure` in a fresh process: its own peak-memory counter and XLA flags."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if run.xla_flags:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + run.xla_flags).strip()
+    code = ("import json, sys; sys.path.insert(0, %r); from step_bench import Run, measure; "
+            "print('RESULT', json.dumps(measure(Run(**json.loads(sys.argv[1])), %d)))"
+            % (os.path.dirname(os.path.abspath(__file__)), steps_timed))
+    arg = json.dumps({**dataclasses.asdict(run), "ablate": list(run.ablate)})
+    return _child([sys.executable, "-c", code, arg], env, run.label())
+
+
+def run_peer(shape: str, batch: int, steps_timed: int, script: str = DEFAULT_PEER) -> dict:
+    """The PyTorch peer at the same shape, in its own process."""
+    layers, d, heads, seq, b = SHAPES[shape]
+    cmd = [sys.executable, script, "--layers", str(layers), "--d", str(d), "--heads", str(heads),
+           "--seq", str(seq), "--batch", str(batch or b), "--steps", str(steps_timed), "--vocab", str(VOCAB)]
+    return _child(cmd, dict(os.environ), f"peer {shape}", marker="")
+
+
+def _child(cmd, env, label, marker="RESULT ") -> dict:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(marker) and line[len(marker):].lstrip().startswith("{"):
+            return json.loads(line[len(marker):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"run": label, "error": f"exit {proc.returncode}: " + " | ".join(tail)}

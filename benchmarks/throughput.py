@@ -1,0 +1,86 @@
+"""One-device throughput of jax3d's real train step, optionally beside the PyTorch peer, in one call.
+
+Every configuration runs in its own process (its own peak-memory counter and XLA flags) and prints one
+JSON line: tokens/s, TFLOP/s per device, MFU (model FLOPs over 989 TFLOP/s on an H100/H200, counted as
+the peer counts them), step time, compile time and peak device memory. With `--peer` the peer runs at
+each shape too and a ratio line follows. `--ablate NAME` (repeatable, or `all`) adds a run with that
+optimisation off, so each one's worth is measured in the same call.
+
+    python benchmarks/throughput.py --shape 1.3b-b16 --peer --ablate all
+    python benchmarks/throughput.py --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer
+    python benchmarks/throughput.py --shape tiny --dtype float32 --ablate all   # tries it on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from step_bench import DEFAULT_PEER, SHAPES, Run, run_isolated, run_peer  # noqa: E402
+
+from jax3d.config import OPTIMISATIONS  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", nargs="+", default=["1.3b-b16"], choices=list(SHAPES), help="model shapes to run")
+    p.add_argument("--batch", type=int, nargs="+", default=[0], help="batch sizes (0: the shape's own)")
+    p.add_argument("--ablate", action="append", default=[], choices=["all", *OPTIMISATIONS],
+                   help="also run with this optimisation off (repeatable; 'all': each in turn)")
+    p.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"])
+    p.add_argument("--xla-flags", action="append", default=[],
+                   help="also run with these XLA flags (one string per extra run)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 warm-up steps)")
+    p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None,
+                   help=f"run the PyTorch peer too (default script: {os.path.relpath(DEFAULT_PEER)})")
+    p.add_argument("--out", default="", help="also append the JSON lines to this file")
+    a = p.parse_args(argv)
+    if a.peer and not os.path.exists(a.peer):
+        p.error(f"--peer: no script at {a.peer}; copy the peer there or pass its path")
+    ablations = list(OPTIMISATIONS) if "all" in a.ablate else a.ablate
+
+    def emit(rec):
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(line + "\n")
+
+    rows = []
+    for shape in a.shape:
+        for batch in a.batch:
+            peer = run_peer(shape, batch, a.steps, a.peer) if a.peer else None
+            if peer:
+                emit(peer)
+            runs = [Run(shape, batch, recompute=r, dtype=a.dtype) for r in a.recompute]
+            runs += [Run(shape, batch, ablate=(name,), dtype=a.dtype) for name in ablations]
+            runs += [Run(shape, batch, dtype=a.dtype, xla_flags=f) for f in a.xla_flags]
+            base = None
+            for run in runs:
+                rec = run_isolated(run, a.steps)
+                if base is None and "error" not in rec:
+                    base = rec
+                if base is not None and rec is not base and "error" not in rec:
+                    rec["vs_first"] = round(rec["tokens_per_s"] / base["tokens_per_s"], 3)
+                if peer and "error" not in peer and "error" not in rec:
+                    rec["vs_peer"] = round(rec["tokens_per_s"] / peer["tokens_per_s"], 3)
+                    rec["peer_mem_gb"] = peer["mem_gb"]
+                emit(rec)
+                rows.append(rec)
+    print("\n%-44s %10s %7s %8s %8s %8s" % ("run", "tok/s", "MFU", "mem GiB", "vs peer", "vs 1st"))
+    for r in rows:
+        if "error" in r:
+            print("%-44s %s" % (r["run"], r["error"][:120]))
+            continue
+        print("%-44s %10d %7s %8.1f %8s %8s" % (r["run"], r["tokens_per_s"], f"{r['mfu']:.1%}" if r["mfu"] else "-",
+                                               r["mem_gb"], r.get("vs_peer", "-"), r.get("vs_first", "-")))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
