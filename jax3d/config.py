@@ -44,11 +44,18 @@ class ModelConfig:
     attention_impl: str = "auto"  # auto | xla | cudnn
     # Speed optimisations to turn off, by name (see OPTIMISATIONS): for benchmarks that measure each one.
     ablate: tuple[str, ...] = ()
+    # Architecture variants that reproduce imported models exactly (jax3d.hf); defaults are GPT-2 / Megatron.
+    activation: str = "gelu_tanh"  # gelu_tanh | gelu_erf
+    post_layernorm: bool = False  # layer norm after each residual add and no final norm (original BERT)
+    embedding_layernorm: bool = False  # layer norm on the embedding sum (original BERT)
+    unpadded_vocab_size: int = 0  # the tokenizer's vocabulary; rows past it are padding (0: vocab_size)
 
     def __post_init__(self):
         unknown = set(self.ablate) - set(OPTIMISATIONS)
         if unknown:
             raise ConfigError(f"unknown optimisation(s) to ablate {sorted(unknown)}; choose from {sorted(OPTIMISATIONS)}")
+        if self.activation not in ("gelu_tanh", "gelu_erf"):
+            raise ConfigError(f"activation {self.activation!r} must be gelu_tanh or gelu_erf")
         if not self.ffn_hidden_size:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         if not self.max_position_embeddings:
@@ -71,7 +78,8 @@ class ModelConfig:
         """Parameter count (tied embeddings counted once)."""
         d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
         block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
-        emb = v * d + self.max_position_embeddings * d + 2 * d
+        emb = v * d + self.max_position_embeddings * d + (0 if self.post_layernorm else 2 * d)
+        emb += 2 * d if self.embedding_layernorm else 0
         if self.model_type == "bert":
             emb += self.num_tokentypes * d + d * d + d + 2 * d + v + d * d + d + 2 * d + 2
         return self.num_layers * block + emb

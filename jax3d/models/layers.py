@@ -52,13 +52,13 @@ def layer_norm(x, scale, bias, eps: float):
 _layer_norm_lean = jax.checkpoint(layer_norm, static_argnums=(3,))
 
 
-def _gelu_then_dense(h_btf, w_fd):
-    return jnp.einsum("btf,fd->btd", jax.nn.gelu(h_btf, approximate=True), w_fd)
+def _gelu_then_dense(h_btf, w_fd, approximate: bool = True):
+    return jnp.einsum("btf,fd->btd", jax.nn.gelu(h_btf, approximate=approximate), w_fd)
 
 
 # Keeps only the GELU input: the backward recomputes GELU (elementwise) rather than storing its output
 # and its derivative's intermediates, each as large as the input.
-_gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense)
+_gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense, static_argnums=(2,))
 
 
 class LayerNorm(nn.Module):
@@ -83,14 +83,19 @@ def attention_impl(cfg: ModelConfig, dtype) -> str | None:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention; QKV column-parallel over heads, output row-parallel."""
+    """Multi-head self-attention; QKV column-parallel over heads, output row-parallel.
+
+    With `cache` ({'k', 'v': (batch, max_len, heads, head_dim), 'index': where this call's tokens go})
+    it writes its keys and values into the cache, attends over all of it under the caller's `mask`
+    (batch, 1, seq, max_len), and returns (output, updated cache): the decoding path of generation.
+    """
 
     cfg: ModelConfig
     rules: ShardingRules
     causal: bool = True
 
     @nn.compact
-    def __call__(self, x_btd, mask=None, rng=None, deterministic=True):
+    def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None):
         cfg = self.cfg
         d, n, h = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         init, out_init = _inits(cfg)
@@ -110,13 +115,22 @@ class Attention(nn.Module):
             qkv = jnp.einsum("btd,dcnh->cbtnh", x_btd, w_qkv) + b_qkv[:, None, None]
             qkv = self.rules.constrain(qkv, ("qkv", "batch", "seq", "heads", "kv"))
             q, k, v = qkv[0], qkv[1], qkv[2]
+        causal, impl = self.causal, attention_impl(cfg, q.dtype)
+        if cache is not None:
+            idx = cache["index"]
+            k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), idx, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), idx, axis=1)
+            k = self.rules.constrain(k, ("batch", "seq", "heads", "kv"))
+            v = self.rules.constrain(v, ("batch", "seq", "heads", "kv"))
+            cache = {"k": k, "v": v, "index": idx}
+            causal, impl = False, "xla"  # the mask carries causality; one query row needs no fused kernel
         if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
             ctx = self._core_with_dropout(q, k, v, mask, rng)
         else:
-            impl = attention_impl(cfg, q.dtype)
-            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=impl)
+            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
         ctx = self.rules.constrain(ctx, ("batch", "seq", "heads", "kv"))
-        return jnp.einsum("btnh,nhd->btd", ctx, w_out) + b_out
+        out = jnp.einsum("btnh,nhd->btd", ctx, w_out) + b_out
+        return out if cache is None else (out, cache)
 
     def _core_with_dropout(self, q, k, v, mask, rng):
         # Fused attention kernels take no dropout, so with attention dropout we spell softmax out.
@@ -150,34 +164,44 @@ class MLP(nn.Module):
         h_btf = jnp.einsum("btd,df->btf", x_btd, w_up) + b_up
         h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
         down = _gelu_then_dense_lean if cfg.optimised("lean_residuals") else _gelu_then_dense
-        return down(h_btf, w_down) + b_down
+        return down(h_btf, w_down, cfg.activation == "gelu_tanh") + b_down
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block. `rng` drives dropout; None or deterministic=True turns it off."""
+    """Pre-LN transformer block (post-LN with `cfg.post_layernorm`: each layer norm after its residual
+    add). `rng` drives dropout; None or deterministic=True turns it off. With a KV `cache` (see
+    Attention) it returns (output, updated cache)."""
 
     cfg: ModelConfig
     rules: ShardingRules
     causal: bool = True
 
     @nn.compact
-    def __call__(self, x_btd, mask=None, rng=None, deterministic=True):
+    def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None):
         cfg = self.cfg
         r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
         lean = cfg.optimised("lean_residuals")
+        pre, post = (None, LayerNorm) if cfg.post_layernorm else (LayerNorm, None)
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
-            h = LayerNorm(cfg.layernorm_epsilon, lean, name="ln_attn")(x_btd)
-            h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic)
+            h = _norm(pre, cfg, lean, "ln_attn", x_btd)
+            h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic, cache)
+            if cache is not None:
+                h, cache = h
             h = self.rules.constrain(h, stream)
-            x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic)
+            x_btd = _norm(post, cfg, lean, "ln_attn", x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic))
         with jax.named_scope("mlp"):
-            h = LayerNorm(cfg.layernorm_epsilon, lean, name="ln_mlp")(x_btd)
+            h = _norm(pre, cfg, lean, "ln_mlp", x_btd)
             h = MLP(cfg, self.rules, name="mlp")(h)
             h = self.rules.constrain(h, stream)
-            x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic)
-        return x_btd
+            x_btd = _norm(post, cfg, lean, "ln_mlp", x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic))
+        return x_btd if cache is None else (x_btd, cache)
+
+
+def _norm(kind, cfg: ModelConfig, lean: bool, name: str, x):
+    """A named LayerNorm of x when `kind` is LayerNorm, else x (the pre- / post-LN switch)."""
+    return kind(cfg.layernorm_epsilon, lean, name=name)(x) if kind is LayerNorm else x
 
 
 class Embedding(nn.Module):
@@ -188,17 +212,21 @@ class Embedding(nn.Module):
     num_tokentypes: int = 0
 
     @nn.compact
-    def __call__(self, tokens_bt, types_bt=None, rng=None, deterministic=True):
+    def __call__(self, tokens_bt, types_bt=None, rng=None, deterministic=True, positions_bt=None):
         cfg = self.cfg
         init = nn.initializers.normal(cfg.init_method_std)
         wte = _param(self, "word", ("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size), init)
         wpe = _param(self, "position", ("pos", "embed"), (cfg.max_position_embeddings, cfg.hidden_size), init)
         # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
         # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
-        x_btd = jnp.take(wte, tokens_bt, axis=0) + wpe[None, : tokens_bt.shape[1]]
+        # Explicit positions are for generation, where left-padded rows start counting at their first token.
+        pos = wpe[None, : tokens_bt.shape[1]] if positions_bt is None else jnp.take(wpe, positions_bt, axis=0)
+        x_btd = jnp.take(wte, tokens_bt, axis=0) + pos
         if self.num_tokentypes:
             wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)
             x_btd = x_btd + jnp.take(wtt, types_bt, axis=0)
+        if cfg.embedding_layernorm:
+            x_btd = LayerNorm(cfg.layernorm_epsilon, name="norm")(x_btd)
         x_btd = self.rules.constrain(x_btd, ("batch", "act_seq", "embed"))
         return _dropout(x_btd, cfg.hidden_dropout, rng, deterministic)
 
