@@ -24,7 +24,7 @@ class BertHeads(nn.Module):
         init = nn.initializers.normal(cfg.init_method_std)
         w = _param(self, "mlm_dense", ("embed", None), (d, d), init)
         b = _param(self, "mlm_dense_bias", ("norm",), (d,), nn.initializers.zeros)
-        h = jax.nn.gelu(jnp.einsum("btd,de->bte", x_btd, w) + b, approximate=True)
+        h = jax.nn.gelu(jnp.einsum("btd,de->bte", x_btd, w) + b, approximate=cfg.activation == "gelu_tanh")
         h = LayerNorm(cfg.layernorm_epsilon, name="mlm_norm")(h)
         bias_v = _param(self, "mlm_bias", ("vocab",), (cfg.vocab_size,), nn.initializers.zeros)
         logits = vocab_parallel_logits(h, wte_vd, self.rules) + bias_v.astype(jnp.float32)
@@ -38,15 +38,24 @@ class BertHeads(nn.Module):
         return logits, sop_logits
 
 
+class _Identity(nn.Module):
+    """Stands in for the final layer norm of a post-LN BERT, whose last block already ends in one."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x
+
+
 class BERT(TransformerLM):
     """A micro-batch holds `text`, `types`, `labels`, `loss_mask`, `padding_mask` (batch, seq) and
-    `is_random` (batch,): Megatron's BERT sample layout."""
+    `is_random` (batch,): Megatron's BERT sample layout. An optional `sop_weight` (batch,) leaves rows
+    out of the sentence-order terms (evaluation pads its last batch with such rows)."""
 
     causal = False
 
     def _modules(self):
         return (Embedding(self.cfg, self.rules, num_tokentypes=self.cfg.num_tokentypes, name="embed"),
-                LayerNorm(self.cfg.layernorm_epsilon, name="final_norm"),
+                _Identity() if self.cfg.post_layernorm else LayerNorm(self.cfg.layernorm_epsilon, name="final_norm"),
                 BertHeads(self.cfg, self.rules, name="head"))
 
     def sample_shapes(self) -> dict:
@@ -61,8 +70,10 @@ class BERT(TransformerLM):
         r1, r2, r3 = jax.random.split(rng, 3)
         emb_p = emb.init(r1, tokens, tokens)["params"]
         wte = unbox(emb_p)["word"]
-        return {"embed": emb_p, "final_norm": norm.init(r2, self._dummy_x())["params"],
-                "head": head.init(r3, self._dummy_x(), wte)["params"]}
+        ends = {"embed": emb_p, "head": head.init(r3, self._dummy_x(), wte)["params"]}
+        if not self.cfg.post_layernorm:
+            ends["final_norm"] = norm.init(r2, self._dummy_x())["params"]
+        return ends
 
     def embed(self, params, mb, rng=None, deterministic=True):
         return self._modules()[0].apply({"params": params["embed"]}, mb["text"], mb["types"], rng, deterministic)
@@ -72,17 +83,33 @@ class BERT(TransformerLM):
         return mb["padding_mask"][:, None, None, :].astype(bool)
 
     def head_loss(self, params, x_btd, mb):
-        _, norm, head = self._modules()
-        x_btd = norm.apply({"params": params["final_norm"]}, x_btd)
-        logits, sop_logits = head.apply({"params": params["head"]}, x_btd, params["embed"]["word"])
+        logits, sop_logits = self.heads(params, x_btd)
         mlm_sum, _ = cross_entropy_sum(logits, jnp.maximum(mb["labels"], 0), mb["loss_mask"])
         sop_lse = jax.nn.logsumexp(sop_logits, axis=-1)
         target = mb["is_random"].astype(jnp.int32)
         sop_target = jnp.take_along_axis(sop_logits, target[:, None], axis=-1)[:, 0]
-        sop_sum = jnp.sum(sop_lse - sop_target)
-        correct = jnp.sum((jnp.argmax(sop_logits, -1) == target).astype(jnp.float32))
+        w = self._sop_weight(mb)
+        sop_sum = jnp.sum((sop_lse - sop_target) * w)
+        correct = jnp.sum((jnp.argmax(sop_logits, -1) == target).astype(jnp.float32) * w)
         return {"lm": mlm_sum, "sop": sop_sum}, {"sop_correct": correct}
+
+    def heads(self, params, x_btd):
+        """(MLM logits (batch, seq, vocab) fp32, sentence-order logits (batch, 2)) of the last block's output."""
+        _, norm, head = self._modules()
+        if not self.cfg.post_layernorm:
+            x_btd = norm.apply({"params": params["final_norm"]}, x_btd)
+        return head.apply({"params": params["head"]}, x_btd, params["embed"]["word"])
+
+    def forward(self, params, mb):
+        """Both heads' logits of a batch (no dropout): for evaluation and comparison with other codebases."""
+        x = self.embed(params, mb)
+        x = self.run_blocks(params["blocks"], x, mask=self.block_mask(mb))
+        return self.heads(params, x)
+
+    @staticmethod
+    def _sop_weight(mb):
+        return mb.get("sop_weight", jnp.ones(mb["is_random"].shape, jnp.float32)).astype(jnp.float32)
 
     def normalizers(self, batch):
         return {"lm": jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0),
-                "sop": jnp.float32(batch["is_random"].size)}
+                "sop": jnp.maximum(jnp.sum(self._sop_weight(batch)), 1.0)}

@@ -1,0 +1,238 @@
+"""Hugging Face model folders <-> jax3d checkpoints.
+
+Import reads `config.json` plus `model.safetensors` (or shards listed in `model.safetensors.index.json`)
+and writes a jax3d checkpoint (step 0, fresh optimizer state) that `launch/train.py --load` fine-tunes on
+any layout; tokenizer files come along under `<checkpoint>/tokenizer/`. Export restores a checkpoint's
+parameters onto one CPU device and writes a folder `transformers` loads. Pickled weights are never read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+from jax3d.config import Config, ConfigError, DataConfig, TrainConfig
+from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf, to_hf
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
+           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+# HF tokenizer files, and the jax3d tokenizer type each set of them means.
+_TOKENIZER_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json")
+
+
+def read_safetensors_file(path: str) -> dict[str, np.ndarray]:
+    """All tensors of one safetensors file as numpy arrays; bf16 becomes fp32 (numpy has no bf16).
+
+    Read directly from the documented layout (u64 header length, JSON header, raw little-endian data),
+    so no deep-learning framework is needed.
+    """
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        buf = raw[start:end]
+        if info["dtype"] == "BF16":
+            arr = (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif info["dtype"] in _DTYPES:
+            arr = buf.view(_DTYPES[info["dtype"]])
+        else:
+            raise ConfigError(f"{path} stores {name} as {info['dtype']}, a dtype jax3d does not read")
+        out[name] = np.array(arr.reshape(info["shape"]))
+    return out
+
+
+def _weight_files(hf_dir: str) -> list[str]:
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [p for p in files if not os.path.exists(os.path.join(hf_dir, p))]
+        if missing:
+            raise ConfigError(f"--hf-dir {hf_dir} lacks shard {missing[0]} that model.safetensors.index.json lists; "
+                              "download the whole folder")
+        return [os.path.join(hf_dir, p) for p in files]
+    if os.path.exists(single):
+        return [single]
+    if any(os.path.exists(os.path.join(hf_dir, p)) for p in _PICKLES):
+        raise ConfigError(f"--hf-dir {hf_dir} has weights only in a pickle or framework format, which jax3d never "
+                          "loads; convert them to model.safetensors first (in transformers: "
+                          "model.save_pretrained(dir, safe_serialization=True))")
+    raise ConfigError(f"--hf-dir {hf_dir} has no model.safetensors; pass a Hugging Face model folder")
+
+
+def read_hf_folder(hf_dir: str, divisible_by: int = 128):
+    """(jax3d ModelConfig, HF config dict, weight file paths) of an HF model folder; ConfigError if it
+    is not one jax3d can import. Reads no tensors."""
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"--hf-dir {hf_dir} is not a directory; pass a Hugging Face model folder")
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ConfigError(f"--hf-dir {hf_dir} has no config.json, so it is not a Hugging Face model folder")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{cfg_path} is not readable JSON ({e}); pass an intact model folder") from None
+    try:
+        cfg = model_config_from_hf(hf, divisible_by)
+    except KeyError as e:
+        raise ConfigError(f"{cfg_path} lacks {e.args[0]!r}, which its architecture needs") from None
+    return cfg, hf, _weight_files(hf_dir)
+
+
+def _tokenizer_of(hf_dir: str, model_type: str) -> tuple[dict, list[str]]:
+    """(DataConfig tokenizer fields, files to copy) for the tokenizer files in `hf_dir` (may be none)."""
+    have = [p for p in _TOKENIZER_FILES if os.path.exists(os.path.join(hf_dir, p))]
+    kw = {}
+    if model_type == "gpt" and {"vocab.json", "merges.txt"} <= set(have):
+        kw = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "vocab.json", "merge_file": "merges.txt"}
+    elif model_type == "bert" and "vocab.txt" in have:
+        lower = True
+        if "tokenizer_config.json" in have:
+            with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
+                lower = json.load(f).get("do_lower_case", True)
+        kw = {"tokenizer_type": "BertWordPieceLowerCase" if lower else "BertWordPieceCase", "vocab_file": "vocab.txt"}
+    elif "tokenizer.json" in have:
+        kw = {"tokenizer_type": "HFTokenizer", "tokenizer_file": "tokenizer.json"}
+    return kw, have
+
+
+def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0) -> dict:
+    """Writes HF folder `hf_dir` as jax3d checkpoint `save` (step 0, fresh optimizer state); returns a
+    summary. Everything is checked before anything is written."""
+    cfg_m, hf, files = read_hf_folder(hf_dir, divisible_by)
+    if os.path.exists(save) and os.listdir(save):
+        raise ConfigError(f"--save {save} exists and is not empty; pass a new directory")
+    tensors = {}
+    for p in files:
+        tensors.update(read_safetensors_file(p))
+
+    import jax
+
+    from jax3d.mesh import MeshConfig
+    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.train.step import build_steps
+
+    tok_kw, tok_files = _tokenizer_of(hf_dir, cfg_m.model_type)
+    tok_dir = os.path.join(os.path.abspath(save), "tokenizer")
+    tok_kw = {k: (os.path.join(tok_dir, v) if k.endswith("_file") else v) for k, v in tok_kw.items()}
+    cfg = Config(model=cfg_m, data=DataConfig(**tok_kw),
+                 train=TrainConfig(micro_batch_size=1, global_batch_size=1, train_iters=1, save=save, seed=seed))
+    mesh_cfg = MeshConfig(1, 1, 1)
+    steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[:1]))
+    state = steps.init_state(seed)
+    # A fresh init supplies the heads an HF class may lack (BertForMaskedLM has no sentence-order head).
+    params = from_hf(tensors, cfg_m, jax.tree.map(lambda a: np.array(a, np.float32), jax.device_get(state.params)))
+    state = state.replace(params=jax.device_put(params, steps.state_shardings.params))
+    os.makedirs(tok_dir, exist_ok=True)
+    for p in tok_files:
+        shutil.copy(os.path.join(hf_dir, p), os.path.join(tok_dir, p))
+    tokenizer = None
+    if tok_kw:
+        from jax3d.data import build_tokenizer
+        tokenizer = build_tokenizer(tok_kw["tokenizer_type"], vocab_file=tok_kw.get("vocab_file"),
+                                    merge_file=tok_kw.get("merge_file"), tokenizer_file=tok_kw.get("tokenizer_file"))
+    ck = Checkpointer(cfg, tokenizer=tokenizer, async_save=False)
+    ck.save(0, state, {"consumed_samples": 0}, wait=True)
+    ck.close()
+    return {"save": save, "architecture": hf.get("architectures", [hf.get("model_type")])[0],
+            "model": cfg_m.model_type, "parameters": int(sum(a.size for a in jax.tree.leaves(params))),
+            "tokenizer": tok_kw.get("tokenizer_type", "none")}
+
+
+def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
+    """Writes checkpoint `load` (latest or `step`) as an HF folder `hf_dir`: config.json, model.safetensors
+    and the run's tokenizer files; returns a summary. Nothing is written when the model can't be expressed."""
+    from safetensors.numpy import save_file
+
+    from jax3d.export import load_params
+    from jax3d.train.checkpoint import config_from_dict
+
+    if os.path.exists(hf_dir) and os.listdir(hf_dir):
+        raise ConfigError(f"--hf-dir {hf_dir} exists and is not empty; pass a new directory")
+    params, meta = load_params(load, step)
+    cfg = config_from_dict(meta["config"])
+    tok = meta.get("tokenizer") or {}
+    eod = _eod(cfg, tok)
+    hf_cfg = hf_config_from_model(cfg.model, eod)
+    tensors = to_hf(params, cfg.model)
+    os.makedirs(hf_dir, exist_ok=True)
+    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    copied = _copy_tokenizer(tok, hf_dir, cfg.model.model_type)
+    return {"hf_dir": hf_dir, "architecture": hf_cfg["architectures"][0], "step": meta["step"],
+            "tensors": len(tensors), "tokenizer_files": copied}
+
+
+def _eod(cfg, tok: dict):
+    if cfg.model.model_type != "gpt" or not tok.get("type"):
+        return None
+    try:
+        from jax3d.data import build_tokenizer
+        t = build_tokenizer(tok["type"], vocab_file=tok.get("vocab_file") or None,
+                            merge_file=tok.get("merge_file") or None, tokenizer_file=tok.get("tokenizer_file") or None)
+        return getattr(t, "eod", None)
+    except Exception:  # the tokenizer files moved; the model exports without token ids
+        return None
+
+
+def _copy_tokenizer(tok: dict, hf_dir: str, model_type: str) -> list[str]:
+    """Copies the run's tokenizer files under HF's names (and any HF tokenizer files beside them)."""
+    copied = []
+    for key, hf_name in (("vocab_file", "vocab.txt" if model_type == "bert" else "vocab.json"),
+                         ("merge_file", "merges.txt"), ("tokenizer_file", "tokenizer.json")):
+        src = tok.get(key)
+        if src and os.path.exists(src):
+            shutil.copy(src, os.path.join(hf_dir, hf_name))
+            copied.append(hf_name)
+            for extra in ("tokenizer_config.json", "special_tokens_map.json"):
+                side = os.path.join(os.path.dirname(src), extra)
+                if os.path.exists(side) and extra not in copied:
+                    shutil.copy(side, os.path.join(hf_dir, extra))
+                    copied.append(extra)
+    return copied
+
+
+def main(argv=None) -> int:
+    """`launch/convert_hf.py import|export`: one-sentence errors with exit 2."""
+    import sys
+
+    from jax3d.argparse_util import OneLineParser
+
+    p = OneLineParser(prog="launch/convert_hf.py", description="Convert between Hugging Face GPT-2 / BERT folders "
+                      "and jax3d checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    i = sub.add_parser("import", help="HF folder -> jax3d checkpoint (step 0, fresh optimizer state)")
+    i.add_argument("--hf-dir", required=True, help="folder with config.json and model.safetensors")
+    i.add_argument("--save", required=True, help="new checkpoint directory (pass it to train.py --load)")
+    i.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this (tensor parallelism shards it)")
+    e = sub.add_parser("export", help="jax3d checkpoint -> HF folder")
+    e.add_argument("--load", required=True, help="checkpoint directory (a --save of train.py)")
+    e.add_argument("--ckpt-step", type=int, default=-1, help="step to export (default: the latest)")
+    e.add_argument("--hf-dir", required=True, help="new folder to write")
+    a = p.parse_args(argv)
+    from jax3d.data.indexed import DataError
+    try:
+        if a.command == "import":
+            if a.make_vocab_size_divisible_by < 1:
+                raise ConfigError(f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by} must be at least 1")
+            summary = import_hf(a.hf_dir, a.save, divisible_by=a.make_vocab_size_divisible_by)
+        else:
+            summary = export_hf(a.load, a.hf_dir, step=a.ckpt_step)
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0

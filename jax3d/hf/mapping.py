@@ -1,0 +1,283 @@
+"""Hugging Face GPT-2 / BERT <-> jax3d: model configs both ways and the tensor-by-tensor name table.
+
+Pure numpy: nothing here imports torch or transformers. jax3d keeps transformer blocks stacked on a
+leading layers dim; HF names each layer (`h.{i}`). jax3d's fused QKV kernel is (embed, 3, heads,
+head_dim): GPT-2's `c_attn.weight` (embed, 3 * embed) is the same array reshaped, and BERT's separate
+query / key / value `Linear`s (stored out x in) are its three slices, transposed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jax3d.config import ConfigError, ModelConfig
+
+GPT2_ARCHS = ("GPT2LMHeadModel",)
+POST_LN_BERT_ARCHS = ("BertForPreTraining", "BertForMaskedLM")
+PRE_LN_BERT_ARCHS = ("MegatronBertForPreTraining",)
+SUPPORTED = GPT2_ARCHS + POST_LN_BERT_ARCHS + PRE_LN_BERT_ARCHS
+
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def padded(vocab: int, divisible_by: int) -> int:
+    return -(-vocab // divisible_by) * divisible_by
+
+
+def architecture(hf: dict) -> str:
+    """The one supported architecture named in config.json; ConfigError otherwise."""
+    archs = hf.get("architectures") or []
+    if not archs:
+        by_type = {"gpt2": "GPT2LMHeadModel", "bert": "BertForPreTraining", "megatron-bert": "MegatronBertForPreTraining"}
+        if hf.get("model_type") in by_type:
+            return by_type[hf["model_type"]]
+    for a in archs:
+        if a in SUPPORTED:
+            return a
+    raise ConfigError(f"config.json names architecture {archs or hf.get('model_type')!r}, which jax3d cannot import; "
+                      f"it reads {', '.join(SUPPORTED)}")
+
+
+def _activation(hf: dict, key: str) -> str:
+    act = hf.get(key, "gelu_new" if key == "activation_function" else "gelu")
+    if act in _TANH_GELUS:
+        return "gelu_tanh"
+    if act == "gelu":
+        return "gelu_erf"
+    raise ConfigError(f"config.json {key} {act!r} is not supported; jax3d has the tanh GELU (gelu_new) and the "
+                      "erf GELU (gelu)")
+
+
+def _require(hf: dict, key: str, want, default) -> None:
+    if hf.get(key, default) != want:
+        raise ConfigError(f"config.json {key} {hf.get(key)!r} is not supported by jax3d's model; it needs {want!r}")
+
+
+def model_config_from_hf(hf: dict, divisible_by: int = 128) -> ModelConfig:
+    """The jax3d ModelConfig that reproduces the HF model of config.json `hf` exactly.
+
+    The vocabulary is padded to a multiple of `divisible_by` (tensor parallelism shards it); the
+    padding rows are zero and `unpadded_vocab_size` keeps the real size.
+    """
+    arch = architecture(hf)
+    if arch in GPT2_ARCHS:
+        for key, want, default in [("scale_attn_weights", True, True), ("scale_attn_by_inverse_layer_idx", False, False),
+                                   ("add_cross_attention", False, False), ("tie_word_embeddings", True, True)]:
+            _require(hf, key, want, default)
+        d, n, v = hf["n_embd"], hf["n_head"], hf["vocab_size"]
+        kw = dict(model_type="gpt", num_layers=hf["n_layer"], ffn_hidden_size=hf.get("n_inner") or 4 * d,
+                  max_position_embeddings=hf["n_positions"], seq_length=hf["n_positions"],
+                  layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation=_activation(hf, "activation_function"),
+                  hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
+                  init_method_std=hf.get("initializer_range", 0.02))
+    else:
+        _require(hf, "position_embedding_type", "absolute", "absolute")
+        _require(hf, "is_decoder", False, False)
+        d, n, v = hf["hidden_size"], hf["num_attention_heads"], hf["vocab_size"]
+        post = arch in POST_LN_BERT_ARCHS
+        kw = dict(model_type="bert", num_layers=hf["num_hidden_layers"], ffn_hidden_size=hf["intermediate_size"],
+                  max_position_embeddings=hf["max_position_embeddings"], seq_length=min(hf["max_position_embeddings"], 512),
+                  layernorm_epsilon=hf.get("layer_norm_eps", 1e-12), activation=_activation(hf, "hidden_act"),
+                  num_tokentypes=hf.get("type_vocab_size", 2), post_layernorm=post, embedding_layernorm=post,
+                  hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
+                  attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+                  init_method_std=hf.get("initializer_range", 0.02))
+    if d % n:
+        raise ConfigError(f"config.json hidden size {d} is not divisible by its {n} attention heads")
+    return ModelConfig(hidden_size=d, num_attention_heads=n, vocab_size=padded(v, divisible_by),
+                       unpadded_vocab_size=v, **kw)
+
+
+def hf_config_from_model(cfg: ModelConfig, eod: int | None = None) -> dict:
+    """config.json for the HF class that computes what jax3d model `cfg` computes; ConfigError naming the
+    field when no HF GPT-2 / BERT class can express it."""
+    vocab = cfg.unpadded_vocab_size or cfg.vocab_size
+    act = {"gelu_tanh": "gelu_new", "gelu_erf": "gelu"}[cfg.activation]
+    if cfg.model_type == "gpt":
+        for field in ("post_layernorm", "embedding_layernorm"):
+            if getattr(cfg, field):
+                raise ConfigError(f"HF GPT-2 cannot express a GPT with {field}=True; export it as jax3d safetensors "
+                                  "with launch/export.py instead")
+        out = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
+               "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
+               "n_positions": cfg.max_position_embeddings, "vocab_size": vocab,
+               "layer_norm_epsilon": cfg.layernorm_epsilon, "activation_function": act,
+               "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
+               "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
+               "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True}
+        if eod is not None:
+            out.update(bos_token_id=eod, eos_token_id=eod)
+        return out
+    if cfg.post_layernorm != cfg.embedding_layernorm:
+        raise ConfigError(f"HF BERT cannot express post_layernorm={cfg.post_layernorm} with embedding_layernorm="
+                          f"{cfg.embedding_layernorm}; BertForPreTraining has both, MegatronBertForPreTraining neither")
+    post = cfg.post_layernorm
+    return {"architectures": ["BertForPreTraining" if post else "MegatronBertForPreTraining"],
+            "model_type": "bert" if post else "megatron-bert", "num_hidden_layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+            "intermediate_size": cfg.ffn_hidden_size, "max_position_embeddings": cfg.max_position_embeddings,
+            "vocab_size": vocab, "type_vocab_size": cfg.num_tokentypes, "layer_norm_eps": cfg.layernorm_epsilon,
+            "hidden_act": act, "hidden_dropout_prob": cfg.hidden_dropout,
+            "attention_probs_dropout_prob": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
+            "position_embedding_type": "absolute", "tie_word_embeddings": True, "pad_token_id": 0}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One HF tensor and where it lives in jax3d's tree.
+
+    ours: dotted path (under `blocks` a per-layer slice of the stack); hf: name, `{i}` the layer;
+    split: how many leading dims of ours make HF's input dim; linear: HF stores it (out, in);
+    part: (axis, index) of the q/k/v dim of a fused jax3d tensor; vocab: rows are the vocabulary.
+    """
+
+    ours: str
+    hf: str
+    split: int = 1
+    linear: bool = False
+    part: tuple[int, int] | None = None
+    vocab: bool = False
+    optional: bool = False  # absent from some HF classes (BertForMaskedLM has no pooler / NSP head)
+
+
+def _ln(ours: str, hf: str) -> list[Tensor]:
+    return [Tensor(f"{ours}.scale", f"{hf}.weight"), Tensor(f"{ours}.bias", f"{hf}.bias")]
+
+
+def gpt2_table() -> list[Tensor]:
+    h = "transformer.h.{i}."
+    return [Tensor("embed.word", "transformer.wte.weight", vocab=True),
+            Tensor("embed.position", "transformer.wpe.weight"),
+            *_ln("final_norm", "transformer.ln_f"),
+            *_ln("blocks.ln_attn", h + "ln_1"), *_ln("blocks.ln_mlp", h + "ln_2"),
+            Tensor("blocks.attn.qkv_kernel", h + "attn.c_attn.weight"),
+            Tensor("blocks.attn.qkv_bias", h + "attn.c_attn.bias"),
+            Tensor("blocks.attn.out_kernel", h + "attn.c_proj.weight", split=2),
+            Tensor("blocks.attn.out_bias", h + "attn.c_proj.bias"),
+            Tensor("blocks.mlp.up_kernel", h + "mlp.c_fc.weight"), Tensor("blocks.mlp.up_bias", h + "mlp.c_fc.bias"),
+            Tensor("blocks.mlp.down_kernel", h + "mlp.c_proj.weight"),
+            Tensor("blocks.mlp.down_bias", h + "mlp.c_proj.bias")]
+
+
+def bert_table(post_layernorm: bool) -> list[Tensor]:
+    h = "bert.encoder.layer.{i}."
+    t = [Tensor("embed.word", "bert.embeddings.word_embeddings.weight", vocab=True),
+         Tensor("embed.position", "bert.embeddings.position_embeddings.weight"),
+         Tensor("embed.tokentype", "bert.embeddings.token_type_embeddings.weight")]
+    for c, name in enumerate(("query", "key", "value")):
+        t += [Tensor("blocks.attn.qkv_kernel", h + f"attention.self.{name}.weight", linear=True, part=(1, c)),
+              Tensor("blocks.attn.qkv_bias", h + f"attention.self.{name}.bias", part=(0, c))]
+    t += [Tensor("blocks.attn.out_kernel", h + "attention.output.dense.weight", split=2, linear=True),
+          Tensor("blocks.attn.out_bias", h + "attention.output.dense.bias"),
+          Tensor("blocks.mlp.up_kernel", h + "intermediate.dense.weight", linear=True),
+          Tensor("blocks.mlp.up_bias", h + "intermediate.dense.bias"),
+          Tensor("blocks.mlp.down_kernel", h + "output.dense.weight", linear=True),
+          Tensor("blocks.mlp.down_bias", h + "output.dense.bias"),
+          Tensor("head.mlm_dense", "cls.predictions.transform.dense.weight", linear=True),
+          Tensor("head.mlm_dense_bias", "cls.predictions.transform.dense.bias"),
+          *_ln("head.mlm_norm", "cls.predictions.transform.LayerNorm"),
+          Tensor("head.mlm_bias", "cls.predictions.bias", vocab=True),
+          Tensor("head.pooler", "bert.pooler.dense.weight", linear=True, optional=True),
+          Tensor("head.pooler_bias", "bert.pooler.dense.bias", optional=True),
+          Tensor("head.binary", "cls.seq_relationship.weight", linear=True, optional=True),
+          Tensor("head.binary_bias", "cls.seq_relationship.bias", optional=True)]
+    if post_layernorm:
+        t += [*_ln("embed.norm", "bert.embeddings.LayerNorm"),
+              *_ln("blocks.ln_attn", h + "attention.output.LayerNorm"), *_ln("blocks.ln_mlp", h + "output.LayerNorm")]
+    else:
+        t += [*_ln("blocks.ln_attn", h + "attention.ln"), *_ln("blocks.ln_mlp", h + "ln"),
+              *_ln("final_norm", "bert.encoder.ln")]
+    return t
+
+
+def table(cfg: ModelConfig) -> list[Tensor]:
+    return gpt2_table() if cfg.model_type == "gpt" else bert_table(cfg.post_layernorm)
+
+
+# HF tensors that duplicate a tied one or are buffers, never parameters of their own.
+IGNORED_SUFFIXES = ("lm_head.weight", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
+                    ".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
+
+
+def _get(tree: dict, path: str):
+    for k in path.split("."):
+        tree = tree[k]
+    return tree
+
+
+def _hf_of(ours: np.ndarray, t: Tensor, vocab: int) -> np.ndarray:
+    """HF's array of one jax3d slice (no layers dim)."""
+    if t.part is not None:
+        ours = np.take(ours, t.part[1], axis=t.part[0])
+    if t.vocab:
+        ours = ours[:vocab]
+    if t.hf.endswith(".bias") or t.ours.endswith(".scale"):  # biases and layer-norm scales are flat
+        return np.ascontiguousarray(ours.reshape(-1))
+    out = ours.reshape(int(np.prod(ours.shape[:t.split])), -1)
+    return np.ascontiguousarray(out.T if t.linear else out)
+
+
+def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """{HF name: fp32 array} of a jax3d parameter tree (numpy), padding rows of the vocabulary dropped."""
+    vocab = cfg.unpadded_vocab_size or cfg.vocab_size
+    out = {}
+    for t in table(cfg):
+        arr = np.asarray(_get(params, t.ours), np.float32)
+        if t.ours.startswith("blocks."):
+            for i in range(cfg.num_layers):
+                out[t.hf.format(i=i)] = _hf_of(arr[i], t, vocab)
+        else:
+            out[t.hf] = _hf_of(arr, t, vocab)
+    return out
+
+
+def _strip_prefix(name: str, cfg: ModelConfig) -> str:
+    """HF names as the LM-head classes save them (some GPT-2 files lack the `transformer.` prefix)."""
+    if cfg.model_type == "gpt" and not name.startswith("transformer.") and not name.startswith("lm_head"):
+        return "transformer." + name
+    return name
+
+
+def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, into: dict) -> dict:
+    """Fills the numpy tree `into` (jax3d's shapes, e.g. a fresh init) from HF tensors; ConfigError on a
+    missing, unexpected or misshapen tensor. Vocabulary padding rows are zero."""
+    tensors = {_strip_prefix(k, cfg): v for k, v in tensors.items()}
+    used = set()
+    for t in table(cfg):
+        dest = _get(into, t.ours)
+        layers = range(cfg.num_layers) if t.ours.startswith("blocks.") else [None]
+        for i in layers:
+            name = t.hf.format(i=i)
+            if name not in tensors:
+                if t.optional:
+                    continue
+                raise ConfigError(f"the model files lack tensor {name}; the folder does not hold a complete "
+                                  "model of its config.json architecture")
+            used.add(name)
+            slot = dest if i is None else dest[i]
+            want = list(slot.shape)
+            if t.part is not None:
+                want.pop(t.part[0])
+            x = np.asarray(tensors[name], np.float32)
+            x = x.T if t.linear else x
+            if t.vocab:
+                want_rows = cfg.unpadded_vocab_size or cfg.vocab_size
+                if x.shape[0] != want_rows:
+                    raise ConfigError(f"tensor {name} has {x.shape[0]} rows but config.json vocab_size is {want_rows}")
+                x = np.concatenate([x, np.zeros((want[0] - x.shape[0], *x.shape[1:]), np.float32)])
+            if x.size != int(np.prod(want)):
+                raise ConfigError(f"tensor {name} has shape {tuple(tensors[name].shape)}, which does not fit "
+                                  f"config.json (jax3d expects {tuple(want)} elements)")
+            x = x.reshape(want)
+            if t.part is None:
+                slot[...] = x
+            else:
+                idx = [slice(None)] * slot.ndim
+                idx[t.part[0]] = t.part[1]
+                slot[tuple(idx)] = x
+    extra = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise ConfigError(f"the model files hold tensor {extra[0]}, which config.json's architecture has no place "
+                          f"for ({len(extra)} such); is config.json from another model?")
+    return into

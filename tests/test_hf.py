@@ -1,0 +1,211 @@
+"""Hugging Face import / export against transformers itself: logits of tiny random GPT-2 and BERT models
+(odd shapes), exact round trips, and a model trained at (data, stage, model) = (2, 2, 2) read back by
+transformers."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jax3d.config import ConfigError  # noqa: E402
+from jax3d.export import load_params  # noqa: E402
+from jax3d.hf import export_hf, import_hf, read_safetensors_file  # noqa: E402
+from jax3d.hf.convert import main as convert_main  # noqa: E402
+from jax3d.models import build_model  # noqa: E402
+from jax3d.train.checkpoint import config_from_dict  # noqa: E402
+
+TOL = 1e-4
+
+
+def _perturb(model, seed=0):
+    """Random values in every parameter (HF inits layer norms to 1 / 0 and biases to 0, which would hide
+    a wrongly mapped tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def tiny_gpt2(path, n_layer=3, n_embd=48, n_head=6, vocab=1000, n_positions=40, act="gelu_new", n_inner=None, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab,
+                                  n_positions=n_positions, activation_function=act, n_inner=n_inner,
+                                  bos_token_id=0, eos_token_id=0)
+    model = _perturb(transformers.GPT2LMHeadModel(cfg), seed)
+    model.save_pretrained(path)
+    return model
+
+
+def _jax3d_model(ckpt):
+    params, meta = load_params(ckpt)
+    cfg = config_from_dict(meta["config"]).model
+    return build_model(cfg), params, cfg
+
+
+GPT_SHAPES = {
+    "3L-6heads-v1000": dict(n_layer=3, n_embd=48, n_head=6, vocab=1000),
+    "1L-3heads-v517-erf": dict(n_layer=1, n_embd=36, n_head=3, vocab=517, act="gelu", n_inner=70),
+}
+
+
+@pytest.mark.parametrize("shape", list(GPT_SHAPES))
+def test_gpt2_logits_and_round_trip(tmp_path, shape):
+    hf = tiny_gpt2(str(tmp_path / "hf"), **GPT_SHAPES[shape])
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    model, params, cfg = _jax3d_model(str(tmp_path / "ckpt"))
+    v = hf.config.vocab_size
+    assert cfg.vocab_size % 128 == 0 and cfg.unpadded_vocab_size == v
+    tokens = np.random.RandomState(0).randint(0, v, (3, 17)).astype(np.int32)
+    ours = np.asarray(model.logits(params, tokens))[..., :v]
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.max(np.abs(ours - ref)) < TOL
+
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    a = read_safetensors_file(str(tmp_path / "hf" / "model.safetensors"))
+    b = read_safetensors_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        np.testing.assert_array_equal(back.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy(), ref)
+
+
+BERT_CASES = {
+    "pretraining-postLN-3L-v301": ("BertForPreTraining", dict(num_hidden_layers=3, hidden_size=40, num_attention_heads=5,
+                                                              intermediate_size=72, vocab_size=301)),
+    "maskedlm-postLN-1L": ("BertForMaskedLM", dict(num_hidden_layers=1, hidden_size=24, num_attention_heads=3,
+                                                    intermediate_size=50, vocab_size=211)),
+    "megatron-preLN-3L-tanh": ("MegatronBertForPreTraining", dict(num_hidden_layers=3, hidden_size=40,
+                                                                   num_attention_heads=5, intermediate_size=72,
+                                                                   vocab_size=301, hidden_act="gelu_new")),
+}
+
+
+def tiny_bert(path, arch, kw, seed=0):
+    torch.manual_seed(seed)
+    conf_cls = transformers.MegatronBertConfig if arch.startswith("Megatron") else transformers.BertConfig
+    cfg = conf_cls(max_position_embeddings=32, type_vocab_size=2, **kw)
+    model = _perturb(getattr(transformers, arch)(cfg), seed)
+    model.save_pretrained(path)
+    return model
+
+
+def _bert_batch(v, b=3, s=13, seed=1):
+    rs = np.random.RandomState(seed)
+    text = rs.randint(0, v, (b, s)).astype(np.int32)
+    types = (np.arange(s)[None] >= rs.randint(3, s, (b, 1))).astype(np.int32)
+    lengths = np.array([s, s - 4, 6])[:b]
+    pad = (np.arange(s)[None] < lengths[:, None]).astype(np.int32)
+    return {"text": text, "types": types, "padding_mask": pad}
+
+
+@pytest.mark.parametrize("case", list(BERT_CASES))
+def test_bert_logits_and_round_trip(tmp_path, case):
+    arch, kw = BERT_CASES[case]
+    hf = tiny_bert(str(tmp_path / "hf"), arch, kw)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    model, params, cfg = _jax3d_model(str(tmp_path / "ckpt"))
+    assert cfg.post_layernorm == (arch != "MegatronBertForPreTraining")
+    v = kw["vocab_size"]
+    mb = _bert_batch(v)
+    mlm, sop = (np.asarray(x) for x in model.forward(params, mb))
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(mb["text"], dtype=torch.long),
+                 token_type_ids=torch.tensor(mb["types"], dtype=torch.long),
+                 attention_mask=torch.tensor(mb["padding_mask"], dtype=torch.long))
+    ref_mlm = (out.prediction_logits if hasattr(out, "prediction_logits") else out.logits).numpy()
+    assert np.max(np.abs(mlm[..., :v] - ref_mlm)) < TOL
+    if arch != "BertForMaskedLM":
+        assert np.max(np.abs(sop - out.seq_relationship_logits.numpy())) < TOL
+
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    a = read_safetensors_file(str(tmp_path / "hf" / "model.safetensors"))
+    b = read_safetensors_file(str(tmp_path / "out" / "model.safetensors"))
+    # BertForMaskedLM has no sentence-order head; the export adds jax3d's (freshly initialised) one.
+    assert set(a) <= set(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    cls = getattr(transformers, json.load(open(tmp_path / "out" / "config.json"))["architectures"][0])
+    assert cls.__name__ == ("MegatronBertForPreTraining" if arch.startswith("Megatron") else "BertForPreTraining")
+    _, info = cls.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_sharded_and_bf16_safetensors(tmp_path):
+    """An index with several shards, stored in bf16, imports to the bf16 values upcast exactly."""
+    hf = tiny_gpt2(str(tmp_path / "src"), n_layer=2, n_embd=32, n_head=4, vocab=300)
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"), max_shard_size="20KB")
+    assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    _, params, _ = _jax3d_model(str(tmp_path / "ckpt"))
+    want = hf.transformer.h[1].mlp.c_fc.weight.float().detach().numpy()
+    np.testing.assert_array_equal(params["blocks"]["mlp"]["up_kernel"][1], want)
+
+
+def test_trained_at_222_exported_matches_transformers(tmp_path):
+    """20 steps at (data, stage, model) = (2, 2, 2), saved, exported: transformers' logits equal jax3d's."""
+    import jax
+
+    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.train.step import build_steps
+    from tests.helpers import random_text, tiny_config
+
+    cfg, mesh_cfg, mesh = tiny_config(data=2, stage=2, model=2, micro=2, global_batch=8)
+    cfg = cfg.replace(train={"save": str(tmp_path / "ckpt")}, optim={"lr": 3e-3})
+    steps = build_steps(cfg, mesh_cfg, mesh)
+    state = steps.init_state(0)
+    m = cfg.model
+    for i in range(20):
+        text = random_text(8, m.seq_length, m.vocab_size, seed=i).reshape(steps.accum_steps, -1, m.seq_length + 1)
+        state, _ = steps.train_step(state, jax.device_put({"text": text}, steps.batch_sharding()))
+    Checkpointer(cfg).save(20, state, {"consumed_samples": 160}, wait=True)
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    model, params, _ = _jax3d_model(str(tmp_path / "ckpt"))
+    tokens = random_text(2, m.seq_length - 1, m.vocab_size, seed=99)
+    ours = np.asarray(model.logits(params, tokens))
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.max(np.abs(ours - ref)) < TOL
+
+
+def _no_files(d):
+    return not os.path.exists(d) or not os.listdir(d)
+
+
+def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 8,
+                                                      "n_head": 2, "vocab_size": 10, "n_positions": 8}))
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    cases = {str(tmp_path / "empty"): "has no config.json", str(tmp_path / "nope"): "is not a directory",
+             str(pickled): "convert them to model.safetensors", str(other): "LlamaForCausalLM"}
+    for src, words in cases.items():
+        out = str(tmp_path / "ckpt")
+        assert convert_main(["import", "--hf-dir", src, "--save", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, err
+        assert _no_files(out)
+    assert convert_main(["export", "--load", str(tmp_path / "none"), "--hf-dir", str(tmp_path / "o")]) == 2
+    assert "--load" in capsys.readouterr().err and _no_files(str(tmp_path / "o"))
+
+
+def test_export_of_inexpressible_model_names_the_field():
+    from jax3d.hf import hf_config_from_model
+    from tests.helpers import tiny_model
+    with pytest.raises(ConfigError, match="post_layernorm"):
+        hf_config_from_model(tiny_model(post_layernorm=True))
+    with pytest.raises(ConfigError, match="embedding_layernorm"):
+        hf_config_from_model(tiny_model(model_type="bert", embedding_layernorm=True))
