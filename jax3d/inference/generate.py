@@ -1,0 +1,213 @@
+"""Text generation for jax3d GPT models: a KV cache, a prefill and a decode function compiled once each.
+
+Prompts of a batch are padded on the left to one length, so every row's next token sits in the same
+cache slot. A row's positions count its own tokens only (pads don't advance them), and its queries
+never see its pads; that gives each row the numbers it would get alone. The cache is one
+{'k', 'v': (batch, max_len, heads, head_dim)} per layer, sharded over heads like the attention it feeds,
+and is donated to each step, so decoding updates it in place.
+
+    gen = Generator(cfg, params, mesh, batch=4, max_len=96)
+    tokens = gen.generate(prompts, max_new_tokens=32, sampling=Sampling(greedy=True))
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jax3d.config import ConfigError, ModelConfig
+from jax3d.models import build_model
+from jax3d.models.layers import vocab_parallel_logits
+from jax3d.models.transformer import unstack_layers
+from jax3d.sharding import ShardingRules, named_shardings, tree_specs
+
+_CACHE_AXES = ("batch", "seq", "heads", "kv")
+PROMPT_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked: greedy (argmax), or sampled at `temperature` from the `top_k`
+    most likely tokens (0: all) within cumulative probability `top_p` (1.0: all)."""
+
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def validate(self) -> None:
+        if not self.greedy and self.temperature <= 0:
+            raise ConfigError(f"--temperature {self.temperature} must be positive (or pass --greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k {self.top_k} must be 0 (off) or positive")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"--top-p {self.top_p} must be in (0, 1]")
+
+
+def pick(logits_bv, sampling: Sampling, key) -> jax.Array:
+    """Next token (batch,) from fp32 logits (batch, vocab), padding columns already at -inf."""
+    if sampling.greedy:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits_bv = logits_bv / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits_bv, sampling.top_k)[0][:, -1:]
+        logits_bv = jnp.where(logits_bv < kth, -jnp.inf, logits_bv)
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-logits_bv, axis=-1)
+        sorted_l = jnp.take_along_axis(logits_bv, order, axis=-1)
+        probs = jax.nn.softmax(sorted_l, axis=-1)
+        # Keep a token when the mass before it is still under top_p (so the most likely always stays).
+        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(keep_sorted)
+        logits_bv = jnp.where(keep, logits_bv, -jnp.inf)
+    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+
+
+class Generator:
+    """Prefill and decode of one GPT on `mesh` (tensor parallel over `model`) for a fixed batch size
+    and cache length; both are jitted once and reused for every call."""
+
+    def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
+                 eod: int | None = None):
+        if cfg.model_type != "gpt":
+            raise ConfigError(f"generation needs a GPT checkpoint, but this one is a {cfg.model_type}; "
+                              "pass a checkpoint trained with --model gpt")
+        if max_len > cfg.max_position_embeddings:
+            raise ConfigError(f"prompt plus --max-new-tokens is {max_len} tokens, longer than the model's "
+                              f"{cfg.max_position_embeddings} positions; shorten the prompt or ask for fewer tokens")
+        self.cfg, self.mesh, self.batch, self.max_len, self.dtype, self.eod = cfg, mesh, batch, max_len, dtype, eod
+        self.rules = ShardingRules.create(False)
+        self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
+        self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size
+        specs = tree_specs(self.rules, self.model.logical_axes())
+        self.param_shardings = named_shardings(mesh, specs)
+        self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dtype), params), self.param_shardings)
+        kv = NamedSharding(mesh, self.rules.spec(_CACHE_AXES))
+        self.cache_sharding = [{"k": kv, "v": kv} for _ in range(cfg.num_layers)]
+        self._repl = NamedSharding(mesh, self.rules.spec(()))
+        self._jits: dict = {}
+
+    # ---- the model with a cache ---------------------------------------------------------------
+    def _forward(self, params, cache, tokens_bt, positions_bt, mask_b1tT, index):
+        """Logits (batch, seq, vocab) fp32 of tokens written at cache slot `index`, and the new cache."""
+        m = self.model
+        emb, final_norm = m._modules()
+        x = emb.apply({"params": params["embed"]}, tokens_bt, None, None, True, positions_bt)
+        new_cache = []
+        for p, c in zip(unstack_layers(params["blocks"], self.cfg.num_layers), cache):
+            x, c = m.block.apply({"params": p}, x, mask_b1tT, None, True, {**c, "index": index})
+            new_cache.append({"k": c["k"], "v": c["v"]})
+        x = final_norm.apply({"params": params["final_norm"]}, x)
+        logits = vocab_parallel_logits(x, params["embed"]["word"], self.rules).astype(jnp.float32)
+        col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        return jnp.where(col < self.vocab, logits, -jnp.inf), new_cache
+
+    @staticmethod
+    def _mask(valid_bT, query_slots_t):
+        """(batch, 1, t, T): query slot s sees valid keys at slots <= s, and always itself (a pad query
+        with nothing else to see would otherwise softmax over nothing)."""
+        slots = jnp.arange(valid_bT.shape[1])
+        causal_tT = slots[None, :] <= query_slots_t[:, None]
+        mask = (valid_bT[:, None, :] & causal_tT[None]) | (slots[None, :] == query_slots_t[:, None])[None]
+        return mask[:, None]
+
+    def _prefill(self, sampling: Sampling):
+        def prefill(params, tokens_bt, valid_bt, key):
+            b, t = tokens_bt.shape
+            cache = [{"k": jnp.zeros((b, self.max_len, self.cfg.num_attention_heads, self.cfg.head_dim), self.dtype),
+                      "v": jnp.zeros((b, self.max_len, self.cfg.num_attention_heads, self.cfg.head_dim), self.dtype)}
+                     for _ in range(self.cfg.num_layers)]
+            cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
+            valid_bT = jnp.zeros((b, self.max_len), bool).at[:, :t].set(valid_bt.astype(bool))
+            positions_bt = jnp.maximum(jnp.cumsum(valid_bt, axis=1) - 1, 0).astype(jnp.int32)
+            logits, cache = self._forward(params, cache, tokens_bt, positions_bt,
+                                          self._mask(valid_bT, jnp.arange(t)), 0)
+            state = {"cache": cache, "valid": valid_bT, "slot": jnp.int32(t),
+                     "position": jnp.sum(valid_bt, axis=1).astype(jnp.int32)}
+            return pick(logits[:, -1], sampling, key), state
+        return prefill
+
+    def _decode(self, sampling: Sampling):
+        def decode(params, state, token_b, key):
+            slot = state["slot"]
+            valid = jax.lax.dynamic_update_slice_in_dim(state["valid"], jnp.ones((token_b.shape[0], 1), bool), slot, 1)
+            logits, cache = self._forward(params, state["cache"], token_b[:, None], state["position"][:, None],
+                                          self._mask(valid, slot[None]), slot)
+            new = {"cache": cache, "valid": valid, "slot": slot + 1, "position": state["position"] + 1}
+            return pick(logits[:, -1], sampling, key), new
+        return decode
+
+    def _compiled(self, sampling: Sampling) -> tuple[Callable, Callable]:
+        if sampling not in self._jits:
+            state_sh = {"cache": self.cache_sharding, "valid": self._repl, "slot": self._repl, "position": self._repl}
+            prefill = jax.jit(self._prefill(sampling), out_shardings=(self._repl, state_sh))
+            decode = jax.jit(self._decode(sampling), out_shardings=(self._repl, state_sh), donate_argnums=1)
+            self._jits[sampling] = (prefill, decode)
+        return self._jits[sampling]
+
+    def compile_counts(self) -> dict:
+        """How many times prefill and decode were compiled (each should be 1 per sampling setting)."""
+        return {"prefill": sum(p._cache_size() for p, _ in self._jits.values()),
+                "decode": sum(d._cache_size() for _, d in self._jits.values())}
+
+    # ---- driving it ---------------------------------------------------------------------------
+    def left_pad(self, prompts: list[list[int]], length: int = 0, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, valid) (batch, max(longest prompt, length)), prompts right-aligned; rows past the
+        prompts are one-token fillers."""
+        if len(prompts) > self.batch:
+            raise ConfigError(f"{len(prompts)} prompts exceed the generator's batch of {self.batch}")
+        if any(len(p) == 0 for p in prompts):
+            raise ConfigError("a prompt is empty; give every prompt at least one token")
+        t = max(length, max(len(p) for p in prompts))
+        tokens = np.full((self.batch, t), pad_id, np.int32)
+        valid = np.zeros((self.batch, t), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, t - len(p):] = p
+            valid[i, t - len(p):] = 1
+        valid[len(prompts):, -1] = 1  # filler rows: one token, never read
+        return tokens, valid
+
+    def stream(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
+               seed: int = 0, stop_at_eod: bool = False) -> Iterator[np.ndarray]:
+        """Yields the next token of every row (batch,), `max_new_tokens` times (fewer when every row
+        has produced `eod` and `stop_at_eod`)."""
+        sampling.validate()
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + max_new_tokens > self.max_len:
+            raise ConfigError(f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
+                              f"the {self.max_len} tokens of the cache; shorten the prompt or ask for fewer tokens")
+        # Prompt lengths rounded up to a bucket, so prompts of similar length share one prefill compile.
+        bucket = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_len - max_new_tokens)
+        tokens, valid = self.left_pad(prompts, bucket)
+        prefill, decode = self._compiled(sampling)
+        key = jax.random.key(seed)
+        with jax.set_mesh(self.mesh):
+            tok, state = prefill(self.params, tokens, valid, jax.random.fold_in(key, 0))
+            done = np.zeros(len(prompts), bool)
+            for i in range(max_new_tokens):
+                host = np.asarray(tok)
+                yield host
+                done |= host[:len(prompts)] == self.eod
+                if i + 1 == max_new_tokens or (stop_at_eod and done.all()):
+                    return
+                tok, state = decode(self.params, state, tok, jax.random.fold_in(key, i + 1))
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
+                 seed: int = 0) -> list[list[int]]:
+        """The `max_new_tokens` continuation tokens of each prompt."""
+        out = np.stack(list(self.stream(prompts, max_new_tokens, sampling, seed)), axis=1)
+        return [list(map(int, row)) for row in out[:len(prompts)]]
+
+
+def greedy_without_cache(model, params, prompt: list[int], max_new_tokens: int, vocab: int) -> list[int]:
+    """Reference continuation: the training forward pass over the whole sequence for every token."""
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = np.asarray(model.logits(params, np.asarray([seq], np.int32)))[0, -1, :vocab]
+        seq.append(int(np.argmax(logits)))
+    return seq[len(prompt):]
