@@ -24,7 +24,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from step_bench import DEFAULT_PEER, SHAPES, VOCAB, Run, build  # noqa: E402
+from step_bench import DEFAULT_PEER, SHAPES, VOCAB, Run, _child, build  # noqa: E402
 
 CLASSES = ("matmul", "attention", "elementwise_norm", "optimizer", "communication", "copies")
 _COMM = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -155,15 +155,22 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None, help="trace the PyTorch peer too")
     p.add_argument("--out", default="", help="also write the JSON lines to this file")
+    p.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.peer_only:
+        print("RESULT " + json.dumps(profile_peer(a.shape, a.batch, a.steps, a.peer)))
+        return 0
     recs = [profile_jax3d(Run(a.shape, a.batch, ablate=tuple(a.ablate)), a.steps)]
-    if a.peer:
-        recs.append(profile_peer(a.shape, a.batch, a.steps, a.peer))
+    if a.peer:  # in its own process: JAX holds most of the device memory in this one
+        cmd = [sys.executable, os.path.abspath(__file__), "--peer-only", "--peer", a.peer, "--shape", a.shape,
+               "--batch", str(a.batch), "--steps", str(a.steps)]
+        recs.append(_child(cmd, dict(os.environ), "peer profile"))
     for r in recs:
         print(json.dumps(r), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in recs))
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+    recs = [r for r in recs if "error" not in r]
     print("\n%-18s" % "ms per step" + "".join("%12s" % r["who"] for r in recs))
     for c in (*CLASSES, "total"):
         print("%-18s" % c + "".join("%12.1f" % r["ms_per_step"][c] for r in recs))

@@ -18,7 +18,8 @@ OPTIMISATIONS = {
     "bf16_logits": "LM-head logits and their gradients in the compute dtype; the loss reduces in fp32",
     "qkv_btcnh": "the QKV projection emits (batch, seq, 3, heads, head_dim), the layout attention reads",
     "split_layers": "stacked block parameters split once per step, so each layer's gradient is written once",
-    "lean_residuals": "layer-norm outputs and GELU recomputed in the backward pass instead of stored",
+    "lean_layernorm": "layer norm keeps only its input for the backward pass, not its fp32 intermediates",
+    "lean_gelu": "the MLP keeps only the GELU input for the backward pass; GELU is recomputed there",
 }
 
 

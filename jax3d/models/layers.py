@@ -163,7 +163,7 @@ class MLP(nn.Module):
         b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
         h_btf = jnp.einsum("btd,df->btf", x_btd, w_up) + b_up
         h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
-        down = _gelu_then_dense_lean if cfg.optimised("lean_residuals") else _gelu_then_dense
+        down = _gelu_then_dense_lean if cfg.optimised("lean_gelu") else _gelu_then_dense
         return down(h_btf, w_down, cfg.activation == "gelu_tanh") + b_down
 
 
@@ -181,7 +181,7 @@ class Block(nn.Module):
         cfg = self.cfg
         r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
-        lean = cfg.optimised("lean_residuals")
+        lean = cfg.optimised("lean_layernorm")
         pre, post = (None, LayerNorm) if cfg.post_layernorm else (LayerNorm, None)
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
