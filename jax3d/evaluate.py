@@ -1,0 +1,222 @@
+"""Loss and perplexity of a checkpoint over a whole data set, on any (data, stage, model) layout.
+
+It runs the same jitted `eval_step` as training's validation (so on the same samples the figures equal
+what `launch/train.py` logs), over every sample once: Megatron `.bin/.idx` data through the GPT / BERT
+sample datasets (`--split` / `--seed` pick the same samples as training), or a plain text file cut into
+windows. The last, partial batch is padded with rows whose loss weights are zero, and the per-batch
+means are weighted back to sums, so every sample counts once. BERT reports MLM loss and perplexity and
+sentence-order loss and accuracy.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import jax
+import numpy as np
+
+from jax3d.config import Config, ConfigError, ParallelConfig, PrecisionConfig, TrainConfig
+from jax3d.data.indexed import DataError
+
+SPLITS = ("train", "valid", "test")
+
+
+class TextWindows:
+    """GPT samples from one text file: its tokens (EOD after it) cut into windows of seq_length + 1
+    that overlap by the one target token, the last one short and masked past its end."""
+
+    def __init__(self, path: str, tokenizer, seq_length: int):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"--text-file {path} is unreadable ({e}); pass a UTF-8 text file") from None
+        ids = tokenizer.tokenize(text)
+        eod = getattr(tokenizer, "eod", None)
+        ids = np.asarray(ids + ([eod] if eod is not None else []), np.int32)
+        if len(ids) < 2:
+            raise DataError(f"--text-file {path} holds fewer than two tokens; there is nothing to predict")
+        self.ids, self.seq = ids, seq_length
+        self.n = -(-(len(ids) - 1) // seq_length)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        w = self.ids[i * self.seq: i * self.seq + self.seq + 1]
+        text = np.zeros(self.seq + 1, np.int32)
+        text[: len(w)] = w
+        mask = (np.arange(self.seq) < len(w) - 1).astype(np.float32)
+        return {"text": text, "loss_mask": mask}
+
+
+def _weights(kind: str, sample: dict, seq: int) -> dict:
+    """The loss-weight keys a sample gets (all ones when real), so padding rows can zero them."""
+    if kind == "bert":
+        return {"sop_weight": np.float32(1.0)}
+    return {} if "loss_mask" in sample else {"loss_mask": np.ones(seq, np.float32)}
+
+
+def _zeroed(sample: dict) -> dict:
+    out = dict(sample)
+    out["loss_mask"] = np.zeros_like(np.asarray(sample["loss_mask"]))
+    if "sop_weight" in out:
+        out["sop_weight"] = np.float32(0.0)
+    return out
+
+
+def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str, which: str, num_samples: int):
+    """The sample dataset to evaluate and how many of its samples to use (all by default)."""
+    from jax3d import data
+
+    m = cfg.model
+    if text_file:
+        if m.model_type != "gpt":
+            raise ConfigError("--text-file evaluates GPT checkpoints; for BERT, preprocess the text with "
+                              "--split-sentences and pass --data-path")
+        ds = TextWindows(text_file, tokenizer, m.seq_length)
+        return ds, min(num_samples or len(ds), len(ds))
+    idx = SPLITS.index(which)
+    want = [0, 0, 0]
+    want[idx] = max(1, num_samples)  # 1 asks for one epoch: every window of the split
+    if m.model_type == "bert":
+        sets = data.build_bert_datasets(list(data_paths), split, m.seq_length, want, cfg.train.seed, tokenizer,
+                                        cache_dir=cfg.data.cache_dir or None)
+    else:
+        sets = data.build_gpt_datasets(list(data_paths), split, m.seq_length, want, cfg.train.seed,
+                                       cache_dir=cfg.data.cache_dir or None)
+    ds = sets[idx]
+    if ds is None:
+        raise ConfigError(f"--split {split} leaves the {which} split empty; change --split or --split-name")
+    return ds, min(num_samples or len(ds), len(ds))
+
+
+def evaluate_params(steps, params, dataset, count: int, progress: bool = True) -> dict:
+    """Token-weighted loss (and BERT's sentence-order figures) of samples 0..count-1 of `dataset`."""
+    from tqdm import tqdm
+
+    kind = steps.cfg.model.model_type
+    seq = steps.cfg.model.seq_length
+    gb, accum = steps.cfg.train.global_batch_size, steps.accum_steps
+    sums = {"lm": 0.0, "lm_n": 0.0, "sop": 0.0, "sop_correct": 0.0, "sop_n": 0.0}
+    sharding = steps.batch_sharding()
+    first = None
+    for start in tqdm(range(0, count, gb), desc="evaluate", unit="batch", disable=not progress, file=sys.stderr):
+        rows = []
+        for i in range(start, start + gb):
+            if i < count:
+                s = dict(dataset[i])
+                s.update(_weights(kind, s, seq))
+                first = first or s
+            else:
+                s = _zeroed(first)
+            rows.append(s)
+        batch = {k: np.stack([np.asarray(r[k]) for r in rows]).reshape(accum, gb // accum, *np.shape(rows[0][k]))
+                 for k in rows[0]}
+        n_lm = float(np.sum(batch["loss_mask"]))
+        metrics = jax.device_get(steps.eval_step(params, jax.device_put(batch, sharding)))
+        if kind == "bert":
+            n_sop = float(np.sum(batch["sop_weight"]))
+            sums["lm"] += float(metrics["lm_loss"]) * max(n_lm, 1.0)
+            sums["sop"] += float(metrics["sop_loss"]) * max(n_sop, 1.0)
+            sums["sop_correct"] += float(metrics["sop_acc"]) * max(n_sop, 1.0)
+            sums["sop_n"] += n_sop
+        else:
+            sums["lm"] += float(metrics["loss"]) * max(n_lm, 1.0)
+        sums["lm_n"] += n_lm
+    loss = sums["lm"] / max(sums["lm_n"], 1.0)
+    out = {"samples": count, "tokens": int(sums["lm_n"])}
+    if kind == "bert":
+        out.update(mlm_loss=loss, mlm_ppl=math.exp(min(loss, 50.0)), sop_loss=sums["sop"] / max(sums["sop_n"], 1.0),
+                   sop_acc=sums["sop_correct"] / max(sums["sop_n"], 1.0))
+    else:
+        out.update(loss=loss, ppl=math.exp(min(loss, 50.0)))
+    return out
+
+
+def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: str = "", split: str | None = None,
+                        which: str = "valid", num_samples: int = 0, micro_batch_size: int = 4, tp: int = 1,
+                        pp: int = 1, dp: int = 0, dtype: str = "float32", seed: int | None = None,
+                        tokenizer=None, progress: bool = True) -> dict:
+    """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices."""
+    from jax3d.mesh import MeshConfig
+    from jax3d.train.checkpoint import config_from_dict, list_steps, read_meta, restore_arrays, restore_targets, resolve_step
+    from jax3d.train.step import build_steps
+
+    if bool(data_paths) == bool(text_file):
+        raise ConfigError("pass exactly one of --data-path PREFIX and --text-file FILE")
+    found = list_steps(load)
+    if not found:
+        raise ConfigError(f"--load {load} holds no complete checkpoint; pass a directory written by --save")
+    step = resolve_step(load, found, step)
+    meta = read_meta(load, step)
+    saved = config_from_dict(meta["config"])
+    n_dev = jax.device_count()
+    dp = dp or n_dev // (tp * pp)
+    if dp < 1 or dp * tp * pp > n_dev:
+        raise ConfigError(f"the layout data {dp} x stage {pp} x model {tp} needs more than the {n_dev} devices")
+    cfg = Config(model=saved.model, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
+                 precision=PrecisionConfig(dtype=dtype), data=saved.data,
+                 train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * dp * pp,
+                                   seed=saved.train.seed if seed is None else seed))
+    mesh_cfg = MeshConfig(dp, pp, tp)
+    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    if tokenizer is None:
+        from jax3d.inference.cli import load_tokenizer
+        tokenizer = load_tokenizer(meta, cfg.model.model_type)
+    split = saved.data.split if split is None else split  # by default the samples training validated on
+    dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples)
+    steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
+    targets = restore_targets(steps.abstract_state.params, steps.state_shardings.params)
+    params = restore_arrays(load, step, {"params": targets}).params
+    out = evaluate_params(steps, params, dataset, count, progress)
+    out.update(step=int(meta["step"]), layout={"data": dp, "stage": pp, "model": tp})
+    return out
+
+
+def main(argv=None) -> int:
+    """`launch/evaluate.py`: one JSON line of figures; bad input is one sentence and exit 2."""
+    import argparse
+
+    from jax3d.argparse_util import OneLineParser
+
+    p = OneLineParser(prog="launch/evaluate.py", description="Loss and perplexity of a checkpoint over a data set.",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint directory")
+    p.add_argument("--ckpt-step", type=int, default=-1)
+    p.add_argument("--data-path", nargs="+", default=[], help="Megatron .bin/.idx prefix (or weights and prefixes)")
+    p.add_argument("--text-file", default="", help="a UTF-8 text file (GPT), cut into windows of --seq-length")
+    p.add_argument("--split", default=None, help="as in training (default: the checkpoint's run)")
+    p.add_argument("--split-name", choices=SPLITS, default="valid", help="which part of --split to evaluate")
+    p.add_argument("--num-samples", type=int, default=0, help="the first N samples (default: all, one epoch)")
+    p.add_argument("--seed", type=int, default=None, help="sample order seed (default: the checkpoint's run)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--cpu-devices", type=int, default=None, help="emulate N CPU devices (default: 8 without an accelerator)")
+    p.add_argument("--coordinator-address", default="")
+    p.add_argument("--num-processes", type=int, default=0)
+    p.add_argument("--process-id", type=int, default=-1)
+    a = p.parse_args(argv)
+    try:
+        for flag, v in [("--micro-batch-size", a.micro_batch_size), ("--tensor-model-parallel-size",
+                        a.tensor_model_parallel_size), ("--pipeline-model-parallel-size", a.pipeline_model_parallel_size)]:
+            if v < 1:
+                raise ConfigError(f"{flag} {v} must be at least 1")
+        if a.num_samples < 0:
+            raise ConfigError(f"--num-samples {a.num_samples} must not be negative")
+        from jax3d.run import setup_devices
+        setup_devices(a)
+        out = evaluate_checkpoint(a.load, step=a.ckpt_step, data_paths=a.data_path, text_file=a.text_file,
+                                  split=a.split, which=a.split_name, num_samples=a.num_samples,
+                                  micro_batch_size=a.micro_batch_size, tp=a.tensor_model_parallel_size,
+                                  pp=a.pipeline_model_parallel_size, dtype="bfloat16" if a.bf16 else "float32",
+                                  seed=a.seed, progress=not a.no_progress)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0

@@ -1,0 +1,141 @@
+"""`launch/generate.py`: continue prompts with a trained GPT checkpoint, streaming text to stdout."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jax3d.argparse_util import OneLineParser
+
+    p = OneLineParser(prog="launch/generate.py", description="Continue prompts with a jax3d GPT checkpoint (KV cache; "
+                      "tensor parallel with --tensor-model-parallel-size).",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint directory (a --save of train.py, or convert_hf.py import)")
+    p.add_argument("--ckpt-step", type=int, default=-1, help="step to load (default: the latest)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
+    p.add_argument("--prompt-file", default="", help="one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="always the most likely token")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="compute in bfloat16")
+    p.add_argument("--ignore-eod", action="store_true", help="keep going past the end-of-document token")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="shard heads / MLP / vocab over this many devices")
+    p.add_argument("--cpu-devices", type=int, default=None, help="emulate N CPU devices (default: 8 without an accelerator)")
+    p.add_argument("--coordinator-address", default="")
+    p.add_argument("--num-processes", type=int, default=0)
+    p.add_argument("--process-id", type=int, default=-1)
+    return p
+
+
+def load_tokenizer(meta: dict, kind: str):
+    """The tokenizer a checkpoint was trained (or imported) with."""
+    from jax3d import data
+    from jax3d.data.tokenizers import TOKENIZER_TYPES
+
+    tok = meta.get("tokenizer") or {}
+    has_files = any(tok.get(k) for k in ("vocab_file", "merge_file", "tokenizer_file"))
+    if tok.get("type") in TOKENIZER_TYPES and has_files:
+        return data.build_tokenizer(tok["type"], vocab_file=tok.get("vocab_file") or None,
+                                    merge_file=tok.get("merge_file") or None,
+                                    tokenizer_file=tok.get("tokenizer_file") or None)
+    cache = (meta.get("config", {}).get("data", {}) or {}).get("cache_dir") or None
+    return data.default_corpus(cache_dir=cache, kind=kind)[1]
+
+
+def main(argv=None) -> int:
+    from jax3d.config import ConfigError
+    from jax3d.data.indexed import DataError
+    try:
+        return _main(argv)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv) -> int:
+    a = build_parser().parse_args(argv)
+    from jax3d.config import ConfigError
+    prompts = list(a.prompt)
+    if a.prompt_file:
+        try:
+            with open(a.prompt_file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"--prompt-file {a.prompt_file} is unreadable ({e.strerror}); pass a text file") from None
+    if not prompts:
+        raise ConfigError("no prompt given; pass --prompt TEXT or --prompt-file FILE")
+    if a.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {a.max_new_tokens} must be at least 1")
+    if a.tensor_model_parallel_size < 1:
+        raise ConfigError(f"--tensor-model-parallel-size {a.tensor_model_parallel_size} must be at least 1")
+    from jax3d.inference.generate import Sampling
+    sampling = Sampling(greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+    sampling.validate()
+
+    from jax3d.run import setup_devices
+    setup_devices(a)
+    import jax
+    import jax.numpy as jnp
+
+    from jax3d.export import load_params
+    from jax3d.inference.generate import Generator
+    from jax3d.mesh import MeshConfig
+    from jax3d.train.checkpoint import config_from_dict
+
+    params, meta = load_params(a.load, a.ckpt_step)
+    cfg = config_from_dict(meta["config"]).model
+    if cfg.model_type != "gpt":
+        raise ConfigError(f"--load {a.load} holds a {cfg.model_type} checkpoint; generation needs a GPT one")
+    tp = a.tensor_model_parallel_size
+    if tp > jax.device_count():
+        raise ConfigError(f"--tensor-model-parallel-size {tp} exceeds the {jax.device_count()} devices")
+    mesh_cfg = MeshConfig(1, 1, tp)
+    mesh_cfg.validate(cfg, _parallel(tp), _train())
+    tok = load_tokenizer(meta, "gpt")
+    ids = [tok.tokenize(p) for p in prompts]
+    if any(not x for x in ids):
+        raise ConfigError("a prompt tokenizes to nothing; give every prompt some text")
+    longest = max(len(x) for x in ids)
+    if longest + a.max_new_tokens > cfg.max_position_embeddings:
+        raise ConfigError(f"the longest prompt is {longest} tokens; with --max-new-tokens {a.max_new_tokens} that "
+                          f"exceeds the model's {cfg.max_position_embeddings} positions, so shorten it or ask for fewer")
+    gen = Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=len(ids),
+                    max_len=min(cfg.max_position_embeddings, longest + a.max_new_tokens + 16),
+                    dtype=jnp.bfloat16 if a.bf16 else jnp.float32, eod=getattr(tok, "eod", None))
+    eod = None if a.ignore_eod else gen.eod
+    outs = [[] for _ in ids]
+    printed = ""
+    for step_tokens in gen.stream(ids, a.max_new_tokens, sampling, a.seed, stop_at_eod=eod is not None):
+        for row, t in zip(outs, step_tokens):
+            if not (row and row[-1] == eod):
+                row.append(int(t))
+        if len(ids) == 1:  # stream one prompt's text as it grows (a token may not end on a character)
+            text = tok.detokenize([t for t in outs[0] if t != eod])
+            if text.startswith(printed) and not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    if len(ids) == 1:
+        print()
+    else:
+        for p, row in zip(prompts, outs):
+            print(p + tok.detokenize([t for t in row if t != eod]))
+            print()
+    counts = gen.compile_counts()
+    print(f"jax3d: {len(ids)} prompt(s), compiled prefill {counts['prefill']}x and decode {counts['decode']}x",
+          file=sys.stderr)
+    return 0
+
+
+def _parallel(tp):
+    from jax3d.config import ParallelConfig
+    return ParallelConfig(tensor_parallel=tp)
+
+
+def _train():
+    from jax3d.config import TrainConfig
+    return TrainConfig(micro_batch_size=1, global_batch_size=1)

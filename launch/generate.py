@@ -1,0 +1,10 @@
+"""Continue prompts with a trained GPT checkpoint. `python launch/generate.py --help` lists the flags."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jax3d.inference.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Evaluation equals what training logs: the perplexity of a checkpoint over Megatron .bin/.idx samples is
+exp of the mean validation loss launch/train.py logged on the same samples, on two layouts."""
+import json
+import math
+import os
+
+import pytest
+
+from jax3d.data import default_corpus
+from jax3d.evaluate import evaluate_checkpoint, main as evaluate_main
+from jax3d.run import main as train_main
+
+ARGS = ["--seed", "3", "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "2", "--global-batch-size", "16",
+        "--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0", "--no-progress",
+        "--seq-length", "64", "--log-interval", "1", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "1"]
+
+
+def _val(log_dir, step):
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return next(r for r in recs if r.get("step") == step and "val_loss" in r)
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("evalgpt")
+    assert train_main(["--preset", "gpt-tiny", *ARGS, "--save", str(d / "ckpt"), "--log-dir", str(d / "log")]) == 0
+    return d
+
+
+@pytest.mark.parametrize("layout", [dict(tp=1, pp=1), dict(tp=2, pp=2)], ids=["dp8", "dp2-pp2-tp2"])
+def test_gpt_perplexity_equals_exp_of_train_logged_loss(gpt_run, layout):
+    prefix, _ = default_corpus(kind="gpt")
+    logged = _val(str(gpt_run / "log"), 3)
+    out = evaluate_checkpoint(str(gpt_run / "ckpt"), data_paths=[prefix], num_samples=2 * 16, micro_batch_size=2,
+                              progress=False, **layout)
+    assert out["samples"] == 32 and out["tokens"] == 32 * 64
+    assert abs(out["loss"] - logged["val_loss"]) < 1e-5
+    assert abs(out["ppl"] - math.exp(logged["val_loss"])) < 1e-4 * out["ppl"]
+
+
+def test_text_file_and_partial_last_batch(gpt_run, tmp_path):
+    """A text file with a ragged tail: every token predicted once, whatever the batch size."""
+    text = tmp_path / "t.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    a = evaluate_checkpoint(str(gpt_run / "ckpt"), text_file=str(text), micro_batch_size=1, progress=False)
+    b = evaluate_checkpoint(str(gpt_run / "ckpt"), text_file=str(text), micro_batch_size=3, tp=2, progress=False)
+    assert a["tokens"] == b["tokens"] > 64 and abs(a["loss"] - b["loss"]) < 1e-5
+
+
+def test_bad_input(gpt_run, tmp_path, capsys):
+    ck = str(gpt_run / "ckpt")
+    for argv, words in [(["--load", ck], "exactly one of"),
+                        (["--load", str(tmp_path / "no"), "--text-file", "x"], "holds no complete checkpoint"),
+                        (["--load", ck, "--text-file", str(tmp_path / "missing.txt")], "is unreadable")]:
+        assert evaluate_main([*argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, err
