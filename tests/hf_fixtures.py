@@ -30,3 +30,14 @@ def tiny_bert(path, arch, kw, seed=0):
     model = _perturb(getattr(transformers, arch)(cfg), seed)
     model.save_pretrained(path)
     return model
+
+
+def gpt2_folder_with_tokenizer(path, seed=0, **kw):
+    """A tiny random GPT-2 saved with a byte-level BPE vocab.json / merges.txt trained on a little text."""
+    from jax3d.data.tokenizers import build_tokenizer, train_tokenizer
+
+    text = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog\n"] * 50
+    train_tokenizer([], str(path), "bpe", vocab_size=300, min_frequency=1, texts=iter(text))
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(path / "vocab.json"), merge_file=str(path / "merges.txt"))
+    model = tiny_gpt2(str(path), vocab=tok.vocab_size, n_positions=64, seed=seed, **kw)
+    return model, tok

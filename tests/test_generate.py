@@ -93,3 +93,38 @@ def test_prompt_longer_than_context(imported):
         gen.generate([list(range(60))], NEW)
     with pytest.raises(ConfigError, match="longer than the model's 64 positions"):
         Generator(cfg, params, gen.mesh, batch=1, max_len=65)
+
+
+def test_cli_streams_the_greedy_text_with_tp2_and_rejects_bad_input(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.hf_fixtures import gpt2_folder_with_tokenizer, tiny_bert
+    from tests.helpers import ROOT, subprocess_env
+
+    hf, tok = gpt2_folder_with_tokenizer(tmp_path / "hf")
+    hf.generation_config.eos_token_id = None
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    prompt = "def add(a, b):"
+    ids = tok.tokenize(prompt)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = tok.detokenize(out[0, len(ids):].tolist())
+    gen = [sys.executable, f"{ROOT}/launch/generate.py", "--cpu-devices", "2"]
+    r = subprocess.run([*gen, "--load", str(tmp_path / "ckpt"), "--prompt", prompt, "--greedy", "--max-new-tokens", "12",
+                        "--ignore-eod", "--tensor-model-parallel-size", "2"],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.rstrip("\n") == want
+    assert "compiled prefill 1x and decode 1x" in r.stderr
+
+    tiny_bert(str(tmp_path / "bert"), "BertForPreTraining", dict(num_hidden_layers=1, hidden_size=24,
+                                                                 num_attention_heads=3, intermediate_size=40,
+                                                                 vocab_size=99))
+    import_hf(str(tmp_path / "bert"), str(tmp_path / "bert_ckpt"))
+    for argv, words in [(["--load", str(tmp_path / "bert_ckpt"), "--prompt", "x"], "holds a bert checkpoint"),
+                        (["--load", str(tmp_path / "ckpt"), "--prompt", "fox " * 60], "exceeds the model's 64 positions"),
+                        (["--load", str(tmp_path / "ckpt")], "no prompt given")]:
+        r = subprocess.run([*gen, *argv], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+        assert r.returncode == 2 and r.stdout == "", (argv, r.stderr[-500:])
+        assert r.stderr.startswith("error: ") and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

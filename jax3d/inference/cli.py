@@ -119,8 +119,9 @@ def _main(argv) -> int:
                 sys.stdout.write(text[len(printed):])
                 sys.stdout.flush()
                 printed = text
-    if len(ids) == 1:
-        print()
+    if len(ids) == 1:  # whatever was held back waiting for the rest of a character
+        text = tok.detokenize([t for t in outs[0] if t != eod])
+        print(text[len(printed):] if text.startswith(printed) else "\n" + text)
     else:
         for p, row in zip(prompts, outs):
             print(p + tok.detokenize([t for t in row if t != eod]))
