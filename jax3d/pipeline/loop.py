@@ -3,15 +3,21 @@
 Inside `jax.shard_map`, manual over `stage` and `data` (`model` stays automatic, so tensor-parallel
 sharding annotations in the user's functions keep working), each stage runs a `lax.scan` over the
 schedule's ticks. Per tick it runs `lax.switch` over the branches the table uses (idle, and F/B/W at
-the first, middle or last virtual stage), then two `ppermute`s on `stage`: activations forward,
-input grads backward. What arrives is written into buffer slots chosen statically (program.py).
+the first, middle or last virtual stage), then a `ppermute` on `stage` in each direction, skipped on
+ticks where the table says no stage sends that way. What arrives is written into buffer slots chosen
+statically (program.py).
 
-Memory and compute: each stage keeps only the *input* activation of a chunk per live micro-batch
-(and, for split schedules, its output grad between B and W), in buffers sized by the schedule's
-peak occupancy, not by m. B and W recompute the chunk's forward from that input (activation
-checkpointing at chunk granularity): fused schedules cost 2 forwards + 1 backward per chunk and
-micro-batch, ZB-H1 costs 3 forwards + backward-input + backward-weight. Weight grads accumulate in
-one running sum per stage; grads are reduced over `data` once, after the loop.
+Compute: F runs the chunk under `jax.vjp` and stores the residuals that depend on its input in loop
+buffers sized by the schedule's peak occupancy (not by m); B rebuilds the pullback from them and
+never re-runs the forward. What the residuals are is the user's functions' business: layers under
+`jax.checkpoint` store only their inputs and recompute inside the pullback, exactly as they would
+without a pipeline. The loss head's backward runs in the last stage's F, where its seed is known.
+Split schedules (ZB-H1): B keeps the input grad, W the weight grads of the same pullback.
+
+Gradients: one running sum per stage. With ZeRO-2 dims given, each micro-batch's weight grad is
+reduce-scattered over `data` into an accumulator holding 1/data of the stage's grads; otherwise the
+sums are reduced over `data` once, after the loop. With ZeRO-3 the stacked params arrive sharded
+over `data` and each chunk's weights are gathered where they are used.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax3d.pipeline import program as prog_mod
+from jax3d.pipeline import residuals
 from jax3d.pipeline.layout import (PipelineError, dropout_key, from_pipeline_order, layer_keys,
                                    make_layout, to_pipeline_order)
 from jax3d.pipeline.schedules import B, F, IDLE, W, Schedule, ScheduleError, validate
@@ -55,7 +62,8 @@ def _leading(tree, what):
 def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_params, microbatches,
                             *, mesh, schedule: Schedule, layers_per_virtual_stage=None,
                             params_in_pipeline_order=False, rng=None,
-                            grad_dtype=jnp.float32):
+                            grad_dtype=jnp.float32, data_dims=None, shard_grads=False,
+                            gather_stacked=False):
     """Loss, aux and gradients of a layer-stacked model, run as a pipeline over mesh axis `stage`.
 
     Contract of the user functions (all pure; they never see the pipeline):
@@ -85,6 +93,11 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
       keeps each param's dtype.
     rng: optional key; layer l of micro-batch i gets dropout_key(rng, i, l), folded further with the
       `data` index when data > 1 so data shards draw different masks.
+    data_dims: optional pair (stacked_dims, shared_dims) of pytrees like the params, an int per leaf:
+      the dim ZeRO shards over `data`, or -1. With shard_grads (ZeRO-2) the gradient accumulators of
+      leaves with a dim are sharded there over `data` (reduce-scattered per micro-batch) and returned
+      so. With gather_stacked (ZeRO-3) stacked_params arrive sharded there over `data` (the stacked
+      dims must then not be 0) and each chunk is gathered when it runs; needs pipeline order.
 
     Returns (loss_sum, aux_sums, grads_stacked, grads_shared): sums over all micro-batches and data
     shards (divide by the token count yourself); grads_stacked in the order stacked_params came in.
@@ -114,7 +127,14 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     if params_in_pipeline_order and rows != p * v * k:
         raise PipelineError(f"pipeline-ordered params need {p * v * k} stacked rows, got {rows}")
     if not params_in_pipeline_order:
+        if gather_stacked and not layout.is_identity:
+            raise PipelineError("gather_stacked needs params_in_pipeline_order when the layout reorders")
         stacked_params = to_pipeline_order(stacked_params, layout)
+    st_dims, sh_dims = data_dims if data_dims is not None else (None, None)
+    st_dims = _dims(stacked_params, st_dims if (shard_grads or gather_stacked) else None)
+    sh_dims = _dims(shared_params, sh_dims if shard_grads else None)
+    if gather_stacked and any(d == 0 for d in jax.tree.leaves(st_dims)):
+        raise PipelineError("stacked params cannot be sharded over `data` on their layer dim")
     try:
         validate(schedule)
     except ScheduleError as e:
@@ -125,21 +145,42 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
         rng = jax.random.key(0)
 
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
-                             use_rng, dp > 1, p, grad_dtype, layout.num_layers)
+                             use_rng, dp > 1, p, grad_dtype, layout.num_layers, (st_dims, sh_dims),
+                             gather_stacked)
+    st_specs = jax.tree.map(lambda d: _spec(d, "stage"), st_dims)
+    sh_specs = jax.tree.map(lambda d: _spec(d, None), sh_dims)
     run = jax.shard_map(
         body, mesh=mesh, axis_names=set(_MANUAL),
-        in_specs=(P("stage"), P(), P(None, "data"), P(None, "stage"), P("stage"), P()),
-        out_specs=(P(), P(), P("stage"), P()))
+        in_specs=(st_specs if gather_stacked else P("stage"), P(), P(None, "data"), P(None, "stage"),
+                  P(), P("stage"), P()),
+        out_specs=(P(), P(), st_specs if shard_grads else P("stage"), sh_specs if shard_grads else P()))
     loss, aux, g_stacked, g_shared = run(stacked_params, shared_params, microbatches,
-                                         jnp.asarray(program.table), jnp.asarray(layout.rows), rng)
+                                         jnp.asarray(program.table), jnp.asarray(program.sends),
+                                         jnp.asarray(layout.rows), rng)
     if not params_in_pipeline_order:
         g_stacked = from_pipeline_order(g_stacked, layout)
     return loss, aux, g_stacked, g_shared
 
 
+def _dims(params, dims):
+    """The ZeRO dim of every leaf (-1: none), checked against the leaf's shape."""
+    if dims is None:
+        return jax.tree.map(lambda _: -1, params)
+    return jax.tree.map(lambda a, d: d if d is not None and d >= 0 else -1, params, dims)
+
+
+def _spec(d, lead):
+    """PartitionSpec with `lead` on dim 0 and `data` on dim d (d < 0: none)."""
+    if d < 0:
+        return P(lead)
+    parts = [lead] + [None] * (d - 1) + ["data"] if d > 0 else ["data"]
+    return P(*parts)
+
+
 def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_data, p, grad_dtype,
-                num_layers, stacked, shared, mbs, table, layer_rows, rng):
+                num_layers, dims, gather_stacked, stacked, shared, mbs, table, sends, layer_rows, rng):
     """Body of the shard_map: the view of one (data, stage) shard."""
+    st_dims, sh_dims = dims
     stacked, shared = _vary_tree(stacked), _vary_tree(shared)
     rows = layer_rows[0]  # (v, k) logical layer per position of this stage, -1 = padding
     if use_rng and fold_data:
@@ -149,13 +190,17 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), mbs)
 
     def chunk_params(c):
-        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * k, k, 0), stacked)
+        wc = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * k, k, 0), stacked)
+        if gather_stacked:  # ZeRO-3: this chunk's weights, gathered over `data` where they are used
+            wc = jax.tree.map(lambda a, d: a if d < 0 else lax.all_gather(a, "data", axis=d, tiled=True),
+                              wc, st_dims)
+        return wc
 
     def run_chunk(wc, x, mb, i, c):
         ids = rows[c]
         keys = layer_keys(rng, i, ids) if use_rng else None
         if not padded:
-            return stage_fn(wc, x, keys, mb)
+            return _vary(stage_fn(wc, x, keys, mb))
         for j in range(k):  # padded positions run as identity (skipped by cond)
             wj = jax.tree.map(lambda a: a[j:j + 1], wc)
             kj = None if keys is None else keys[j:j + 1]
@@ -163,77 +208,99 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
                          lambda x: _vary(x), x)
         return x
 
-    def chunk_fn(first, last, wc, sh, x, mb, i, c):
-        if first:
-            h = first_fn(sh, mb, dropout_key(rng, i, num_layers) if use_rng else None)
-        else:
-            h = x
-        h = run_chunk(wc, h, mb, i, c)
-        if last:
-            return last_fn(sh, h, mb)
-        return h, {}
+    def chunk_vjp(wc, x, mb, i, c):
+        return jax.vjp(lambda w, x: run_chunk(w, x, mb, i, c), wc, x)
+
+    def first_key(i):
+        return dropout_key(rng, i, num_layers) if use_rng else None
 
     mb0 = microbatch(0)
     x_aval = jax.eval_shape(lambda: first_fn(shared, mb0, None))
     zero_x = _vary(jnp.zeros(x_aval.shape, x_aval.dtype))
     _, aux_aval = jax.eval_shape(lambda: last_fn(shared, zero_x, mb0))
+
+    # What F stores for B: the chunk's vjp residuals that depend on its input (see residuals.py).
+    def residual_leaves(wc, x, mb, i, c):
+        return jax.tree.leaves(chunk_vjp(wc, x, mb, i, c)[1])
+    res_args = (chunk_params(0), zero_x, mb0, jnp.int32(0), jnp.int32(0))
+    res_mask = residuals.input_dependent(residual_leaves, res_args, 1)
+    res_bufs = [_vary(jnp.zeros((program.res_slots,) + a.shape, a.dtype))
+                for a in residuals.stored_avals(residual_leaves, res_args, res_mask)]
     act_buf = _vary(jnp.zeros((program.act_slots,) + x_aval.shape, x_aval.dtype))
     grad_buf = _vary(jnp.zeros((program.grad_slots,) + x_aval.shape, x_aval.dtype))
-    def zeros_grad(a):
-        return jnp.zeros(a.shape, grad_dtype or a.dtype)
 
-    acc0 = (_vary_tree(jax.tree.map(zeros_grad, stacked)),
-            _vary_tree(jax.tree.map(zeros_grad, shared)),
+    def acc_zeros(a, d):
+        shape = list(a.shape)
+        if d >= 0:
+            shape[d] //= lax.axis_size("data")
+        return jnp.zeros(shape, grad_dtype or a.dtype)
+
+    acc0 = (_vary_tree(jax.tree.map(acc_zeros, stacked if not gather_stacked else
+                                    jax.tree.map(lambda a, d: _full_shape(a, d), stacked, st_dims),
+                                    st_dims)),
+            _vary_tree(jax.tree.map(acc_zeros, shared, sh_dims)),
             _vary(jnp.zeros((), jnp.float32)),
             _vary_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_aval)))
 
+    def scatter(g, d):
+        """A micro-batch's grad, reduced over `data` into this shard's part of a ZeRO-2 accumulator."""
+        return g if d < 0 else lax.psum_scatter(g, "data", scatter_dimension=d, tiled=True)
+
+    def add_shared(gs, dsh):
+        return jax.tree.map(lambda g, d, dim: g if d.dtype == jax.dtypes.float0
+                            else g + scatter(d.astype(g.dtype), dim), gs, dsh, sh_dims)
+
     def add_chunk_grad(gw, dwc, c):
-        def upd(g, d):
+        def upd(g, d, dim):
             if d.dtype == jax.dtypes.float0:  # integer leaf: no gradient
                 return g
+            d = scatter(d.astype(g.dtype), dim)
             cur = lax.dynamic_slice_in_dim(g, c * k, k, 0)
-            return lax.dynamic_update_slice_in_dim(g, cur + d.astype(g.dtype), c * k, 0)
-        return jax.tree.map(upd, gw, dwc)
+            return lax.dynamic_update_slice_in_dim(g, cur + d, c * k, 0)
+        return jax.tree.map(upd, gw, dwc, st_dims)
 
     program_split = any(b[0] == W for b in program.branches)
 
     def make_branch(kind, first, last):
-        def branch(act_buf, grad_buf, acc, row):
+        def branch(bufs, acc, row):
+            act_buf, grad_buf, res_bufs = bufs
             gw, gs, loss, aux = acc
             i, c = row[prog_mod.MB], row[prog_mod.CHUNK]
+            res_slot, grad_slot = row[prog_mod.RES_SLOT], row[prog_mod.GRAD_SLOT]
             y_send, dx_send = zero_x, zero_x
             if kind == IDLE:
-                return acc, y_send, dx_send
+                return bufs, acc, y_send, dx_send
             mb, wc = microbatch(i), chunk_params(c)
-            x = zero_x if first else act_buf[row[prog_mod.ACT_SLOT]]
-            f = functools.partial(chunk_fn, first, last)
             if kind == F:
-                out, aux_i = f(wc, shared, x, mb, i, c)
-                if last:
+                x = first_fn(shared, mb, first_key(i)) if first else act_buf[row[prog_mod.ACT_SLOT]]
+                h, pullback = chunk_vjp(wc, _vary(x), mb, i, c)
+                leaves = [a for a, keep in zip(jax.tree.leaves(pullback), res_mask) if keep]
+                res_bufs = [b.at[res_slot].set(_vary(a)) for b, a in zip(res_bufs, leaves)]
+                if last:  # the head's backward runs here: its cotangent is the loss seed
+                    out, head_vjp, aux_i = jax.vjp(lambda sh, h: last_fn(sh, h, mb), shared, h,
+                                                   has_aux=True)
+                    dsh, dh = head_vjp(_vary(jnp.ones_like(out)))
+                    gs = add_shared(gs, dsh)
+                    grad_buf = grad_buf.at[grad_slot].set(_vary(dh))
                     loss = loss + out.astype(jnp.float32)
                     aux = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux, aux_i)
                 else:
-                    y_send = out
+                    y_send = h
             else:
-                if last:
-                    ct = None  # seeded below with ones of the loss
-                else:
-                    ct = grad_buf[row[prog_mod.GRAD_SLOT]]
-                if kind == B and program_split:  # input grad only
-                    out, vjp = jax.vjp(lambda x: f(wc, shared, x, mb, i, c)[0], x)
-                    (dx,) = vjp(_vary(jnp.ones_like(out)) if ct is None else ct)
-                    dx_send = dx
-                else:
-                    wrt_x = kind == B and not first
-                    def fn(wc, sh, x):
-                        return f(wc, sh, x, mb, i, c)[0]
-                    out, vjp = jax.vjp(fn, wc, shared, x)
-                    dwc, dsh, dx = vjp(_vary(jnp.ones_like(out)) if ct is None else ct)
+                ct = grad_buf[grad_slot]
+                _, traced = chunk_vjp(wc, zero_x, mb, i, c)  # its forward is dead code: only its
+                stored = [b[res_slot] for b in res_bufs]      # weight-only leaves are kept
+                dwc, dx = residuals.rebuild(traced, res_mask, stored)(ct)
+                if not (kind == B and program_split):  # fused B, or W: the weight grads
                     gw = add_chunk_grad(gw, dwc, c)
-                    gs = jax.tree.map(_add_grad, gs, dsh)
-                    if wrt_x:
-                        dx_send = dx
-            return (_vary_tree((gw, gs, loss, aux)), _vary(y_send), _vary(dx_send))
+                    if first:
+                        _, embed_vjp = jax.vjp(lambda sh: first_fn(sh, mb, first_key(i)), shared)
+                        (dsh,) = embed_vjp(_vary(dx))
+                        gs = add_shared(gs, dsh)
+                if kind == B and not first:
+                    dx_send = dx
+            return ((act_buf, grad_buf, res_bufs), _vary_tree((gw, gs, loss, aux)), _vary(y_send),
+                    _vary(dx_send))
         return branch
 
     branches = [make_branch(*b) for b in program.branches]
@@ -245,20 +312,35 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
         slot = jnp.maximum(slot, 0)
         return buf.at[slot].set(jnp.where(valid, value, buf[slot]))
 
-    def tick(carry, row):
-        act_buf, grad_buf, acc = carry
+    def send(flag, x, perm):
+        # the table knows statically whether any stage sends in this direction at this tick
+        return lax.cond(flag, lambda x: lax.ppermute(x, "stage", perm), lambda x: x, x)
+
+    def tick(carry, xs):
+        bufs, acc = carry
+        row, flags = xs
         row = row[0]
-        acc, y_send, dx_send = lax.switch(row[prog_mod.BRANCH], branches, act_buf, grad_buf, acc, row)
+        bufs, acc, y_send, dx_send = lax.switch(row[prog_mod.BRANCH], branches, bufs, acc, row)
+        act_buf, grad_buf, res_bufs = bufs
         if p > 1:
-            y_send = lax.ppermute(y_send, "stage", fwd_perm)
-            dx_send = lax.ppermute(dx_send, "stage", bwd_perm)
+            y_send = send(flags[0], y_send, fwd_perm)
+            dx_send = send(flags[1], dx_send, bwd_perm)
         act_buf = write(act_buf, row[prog_mod.RECV_ACT], y_send)
         grad_buf = write(grad_buf, row[prog_mod.RECV_GRAD], dx_send)
-        return (act_buf, grad_buf, acc), None
+        return ((act_buf, grad_buf, res_bufs), acc), None
 
-    (_, _, (gw, gs, loss, aux)), _ = lax.scan(tick, (act_buf, grad_buf, acc0), table)
-    gw = jax.tree.map(lambda g: lax.psum(g, "data"), gw)
-    gs = jax.tree.map(lambda g: lax.psum(g, _MANUAL), gs)
+    (_, (gw, gs, loss, aux)), _ = lax.scan(tick, ((act_buf, grad_buf, res_bufs), acc0), (table, sends))
+    gw = jax.tree.map(lambda g, d: lax.psum(g, "data") if d < 0 else g, gw, st_dims)
+    gs = jax.tree.map(lambda g, d: lax.psum(g, _MANUAL if d < 0 else "stage"), gs, sh_dims)
     loss = lax.psum(loss, _MANUAL)
     aux = jax.tree.map(lambda a: lax.psum(a, _MANUAL), aux)
     return loss, aux, gw, gs
+
+
+def _full_shape(a, d):
+    """Stand-in with the gathered shape of a ZeRO-3 shard (only its shape and dtype are read)."""
+    if d < 0:
+        return a
+    shape = list(a.shape)
+    shape[d] *= lax.axis_size("data")
+    return jax.ShapeDtypeStruct(shape, a.dtype)

@@ -21,17 +21,20 @@ import numpy as np
 from jax3d.pipeline.schedules import IDLE, F, B, W, Schedule
 
 # Columns of Program.table
-BRANCH, MB, CHUNK, ACT_SLOT, GRAD_SLOT, RECV_ACT, RECV_GRAD = range(7)
+BRANCH, MB, CHUNK, ACT_SLOT, GRAD_SLOT, RECV_ACT, RECV_GRAD, RES_SLOT = range(8)
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """Static instructions: table (ticks, stages, 7) int32 and the branch each index stands for."""
+    """Static instructions: table (ticks, stages, 8) int32 and the branch each index stands for;
+    sends (ticks, 2) bool: whether any stage sends forward / backward at the end of each tick."""
 
     table: np.ndarray
     branches: tuple  # (kind, is_first_virtual_stage, is_last_virtual_stage) per branch index
     act_slots: int
     grad_slots: int
+    res_slots: int
+    sends: np.ndarray
 
 
 def _colour(intervals):
@@ -65,23 +68,29 @@ def lower(sched: Schedule) -> Program:
 
     act_iv = [[] for _ in range(p)]
     grad_iv = [[] for _ in range(p)]
+    res_iv = [[] for _ in range(p)]
     for (k, i, vs), t in when.items():
         s = vs % p
         if k == F and vs > 0:  # input arrives from virtual stage vs-1 at the end of its F tick
-            act_iv[s].append((when[(F, i, vs - 1)], when[(release, i, vs)], (i, vs)))
-        if k == B and vs < last_vs:
-            grad_iv[s].append((when[(B, i, vs + 1)], when[(release, i, vs)], (i, vs)))
-    act_slot, grad_slot = [], []
-    n_act = n_grad = 1  # at least one slot so buffers are never empty arrays
+            act_iv[s].append((when[(F, i, vs - 1)], t, (i, vs)))
+        if k == F:
+            res_iv[s].append((t, when[(release, i, vs)], (i, vs)))
+        if k == B:  # the output grad comes from upstream's B, or from this stage's own F at the end
+            start = when[(B, i, vs + 1)] if vs < last_vs else when[(F, i, vs)]
+            grad_iv[s].append((start, when[(release, i, vs)], (i, vs)))
+    act_slot, grad_slot, res_slot = [], [], []
+    n_act = n_grad = n_res = 1  # at least one slot so buffers are never empty arrays
     for s in range(p):
         a, na = _colour(act_iv[s])
         g, ng = _colour(grad_iv[s])
+        r, nr = _colour(res_iv[s])
         act_slot.append(a)
         grad_slot.append(g)
-        n_act, n_grad = max(n_act, na), max(n_grad, ng)
+        res_slot.append(r)
+        n_act, n_grad, n_res = max(n_act, na), max(n_grad, ng), max(n_res, nr)
 
     branches = [(IDLE, False, False)]
-    table = np.full((sched.ticks, p, 7), -1, dtype=np.int32)
+    table = np.full((sched.ticks, p, 8), -1, dtype=np.int32)
     table[..., BRANCH] = 0
     for t in range(sched.ticks):
         for s in range(p):
@@ -97,13 +106,15 @@ def lower(sched: Schedule) -> Program:
                 branches.append(key)
             row = table[t, s]
             row[BRANCH], row[MB], row[CHUNK] = branches.index(key), i, c
-            if not first:
+            if k == F and not first:
                 row[ACT_SLOT] = act_slot[s][(i, vs)]
-            if k != F and not last:
+            row[RES_SLOT] = res_slot[s][(i, vs)]
+            if k != F or last:
                 row[GRAD_SLOT] = grad_slot[s][(i, vs)]
             # what this action sends lands on the neighbour at the end of this tick
             if k == F and not last:
                 table[t, (vs + 1) % p, RECV_ACT] = act_slot[(vs + 1) % p][(i, vs + 1)]
             if k == B and not first:
                 table[t, (vs - 1) % p, RECV_GRAD] = grad_slot[(vs - 1) % p][(i, vs - 1)]
-    return Program(table, tuple(branches), n_act, n_grad)
+    sends = np.stack([(table[..., RECV_ACT] >= 0).any(1), (table[..., RECV_GRAD] >= 0).any(1)], 1)
+    return Program(table, tuple(branches), n_act, n_grad, n_res, sends)
