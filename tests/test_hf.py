@@ -45,6 +45,11 @@ def test_gpt2_logits_and_round_trip(tmp_path, shape):
     with torch.no_grad():
         ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     assert np.max(np.abs(ours - ref)) < TOL
+    # The training loss leaves the vocabulary's padding columns out, so it is HF's loss too.
+    loss, _ = model.loss(params, {"text": tokens})
+    with torch.no_grad():
+        ref_loss = hf(torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(tokens, dtype=torch.long)).loss
+    assert abs(float(loss) - float(ref_loss)) < TOL
 
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     a = read_safetensors_file(str(tmp_path / "hf" / "model.safetensors"))

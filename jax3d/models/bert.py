@@ -84,7 +84,7 @@ class BERT(TransformerLM):
 
     def head_loss(self, params, x_btd, mb):
         logits, sop_logits = self.heads(params, x_btd)
-        mlm_sum, _ = cross_entropy_sum(logits, jnp.maximum(mb["labels"], 0), mb["loss_mask"])
+        mlm_sum, _ = cross_entropy_sum(logits, jnp.maximum(mb["labels"], 0), mb["loss_mask"], self.cfg.unpadded_vocab_size)
         sop_lse = jax.nn.logsumexp(sop_logits, axis=-1)
         target = mb["is_random"].astype(jnp.int32)
         sop_target = jnp.take_along_axis(sop_logits, target[:, None], axis=-1)[:, 0]

@@ -41,7 +41,7 @@ class GPT(TransformerLM):
         logits = vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules,
                                        fp32=not self.cfg.optimised("bf16_logits"))
         targets = mb["text"][:, 1:]
-        loss_sum, _ = cross_entropy_sum(logits, targets, self._loss_mask(mb))
+        loss_sum, _ = cross_entropy_sum(logits, targets, self._loss_mask(mb), self.cfg.unpadded_vocab_size)
         return {"lm": loss_sum}, {}
 
     @staticmethod

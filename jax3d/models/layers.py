@@ -243,15 +243,18 @@ def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules, fp32: bool = Fals
     return rules.constrain(logits, ("batch", "seq", "vocab"))
 
 
-def cross_entropy_sum(logits_btv, targets_bt, mask_bt):
+def cross_entropy_sum(logits_btv, targets_bt, mask_bt, valid_vocab: int = 0):
     """Summed token cross-entropy over vocab-sharded logits, never gathering them on one device.
 
     logsumexp and the target pick are reductions over the sharded vocab dim, so XLA emits partial
     reductions plus an all-reduce of (batch, seq) scalars; the one-hot compare fuses into the reduce.
+    With `valid_vocab` the padding columns past it are left out, as in the unpadded model it came from.
     """
     logits_btv = logits_btv.astype(jnp.float32)  # fuses into the reductions; never stored
-    lse = jax.nn.logsumexp(logits_btv, axis=-1)
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits_btv.shape, 2)
+    if valid_vocab:
+        logits_btv = jnp.where(vocab < valid_vocab, logits_btv, -jnp.inf)
+    lse = jax.nn.logsumexp(logits_btv, axis=-1)
     target_logit = jnp.sum(jnp.where(vocab == targets_bt[..., None], logits_btv, 0.0), axis=-1)
     mask = mask_bt.astype(jnp.float32)
     return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
