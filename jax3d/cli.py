@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def given_flags(argv) -> set[str]:
+    """The argparse dests that `argv` sets explicitly (not left at their defaults)."""
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
 def _override(base, **kw):
     return dataclasses.replace(base, **{k: v for k, v in kw.items() if v is not None})
 

@@ -68,6 +68,10 @@ def _main(argv) -> int:
 
     from jax3d.train.inputs import build_inputs, with_vocab
 
+    if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
+        from jax3d.cli import given_flags
+        from jax3d.train.checkpoint import adopt_saved_model
+        cfg = adopt_saved_model(cfg, args.load, args.ckpt_step, given_flags(argv))
     num_devices = jax.device_count()
     cfg = choose_layout(cfg, launcher, num_devices)
     mesh_cfg = MeshConfig.from_parallel(cfg.parallel, num_devices)

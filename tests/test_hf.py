@@ -186,3 +186,43 @@ def test_export_of_inexpressible_model_names_the_field():
         hf_config_from_model(tiny_model(post_layernorm=True))
     with pytest.raises(ConfigError, match="embedding_layernorm"):
         hf_config_from_model(tiny_model(model_type="bert", embedding_layernorm=True))
+
+
+def test_train_py_fine_tunes_an_import_from_transformers_loss(tmp_path):
+    """train.py --load of an imported GPT-2 (no shape flags) starts at exactly transformers' loss on its first
+    batch, at (data, stage, model) = (4, 1, 2), and its checkpoint exports again."""
+    import json as _json
+
+    from jax3d.data import build_gpt_datasets
+    from jax3d.data.indexed import IndexedDatasetBuilder
+    from jax3d.run import main as train_main
+    from tests.hf_fixtures import gpt2_folder_with_tokenizer
+
+    hf, tok = gpt2_folder_with_tokenizer(tmp_path / "hf", act="gelu")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    prefix = str(tmp_path / "data")
+    b = IndexedDatasetBuilder(prefix, np.uint16)
+    rs = np.random.RandomState(0)
+    for _ in range(40):
+        b.add_item(rs.randint(0, tok.vocab_size, rs.randint(20, 60)))
+        b.end_document()
+    b.finalize()
+    td = str(tmp_path / "ckpt" / "tokenizer")
+    argv = ["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "tuned"), "--data-path", prefix,
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f"{td}/vocab.json", "--merge-file", f"{td}/merges.txt",
+            "--train-iters", "2", "--global-batch-size", "8", "--micro-batch-size", "1", "--seq-length", "32",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2",
+            "--pipeline-model-parallel-size", "1", "--eval-interval", "0", "--log-interval", "1", "--no-progress",
+            "--log-dir", str(tmp_path / "log")]
+    assert train_main(argv) == 0
+    with open(tmp_path / "log" / "metrics.jsonl") as f:
+        first = next(r for r in map(_json.loads, f) if r.get("step") == 1)
+    ds = build_gpt_datasets([prefix], "969,30,1", 32, (16, 0, 0), 1234)[0]
+    text = torch.tensor(np.stack([ds[i]["text"] for i in range(8)]), dtype=torch.long)
+    with torch.no_grad():
+        ref = float(hf(text, labels=text).loss)
+    assert abs(first["loss"] - ref) < TOL
+    _, _, cfg = _jax3d_model(str(tmp_path / "tuned"))
+    assert cfg.activation == "gelu_erf" and cfg.unpadded_vocab_size == tok.vocab_size
+    export_hf(str(tmp_path / "tuned"), str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "merges.txt", "model.safetensors", "vocab.json"]

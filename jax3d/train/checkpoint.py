@@ -30,7 +30,10 @@ from jax3d.config import (Config, ConfigError, DataConfig, ModelConfig, OptimCon
 FORMAT_VERSION = 1
 # Model fields that don't change the parameters and may differ between the saved run and this one.
 FREE_MODEL_FIELDS = frozenset({"hidden_dropout", "attention_dropout", "recompute", "scan_layers",
-                               "attention_impl", "init_method_std"})
+                               "attention_impl", "init_method_std", "seq_length"})
+# Command-line flags (argparse dests) -> the model fields each one sets explicitly.
+_FLAG_FIELDS = {"preset": ("model_type", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"),
+                "model": ("model_type",), "layernorm_epsilon": ("layernorm_epsilon",)}
 
 
 class TrainingInterrupted(Exception):
@@ -85,7 +88,8 @@ def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> Non
     """Raises ConfigError naming the first shape-defining model field that differs from the checkpoint."""
     cur = dataclasses.asdict(current)
     for field, value in cur.items():
-        if field in FREE_MODEL_FIELDS or field not in saved or saved[field] == value:
+        # JSON gave tuple fields back as lists
+        if field in FREE_MODEL_FIELDS or field not in saved or _as_tuple(saved[field]) == _as_tuple(value):
             continue
         hint = ""
         if field == "vocab_size":
@@ -94,6 +98,32 @@ def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> Non
                     f"{saved[field]} to match the checkpoint)")
         raise ConfigError(f"checkpoint {where} was saved with {_flag(field)} {saved[field]} but this run has "
                           f"{_flag(field)} {value}{hint}; use the checkpoint's model shape or another --load")
+
+
+def _as_tuple(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[str]) -> Config:
+    """`cfg` with the model of checkpoint `load_dir` wherever the command line did not set that field.
+
+    So `train.py --load CKPT` fine-tunes an imported model without restating its shape (and fields such
+    as `activation` that have no flag); a flag given explicitly still has to match the checkpoint.
+    """
+    found = list_steps(load_dir)
+    if not found:
+        return cfg
+    saved = read_meta(load_dir, resolve_step(load_dir, found, step))["config"]["model"]
+    explicit = set(FREE_MODEL_FIELDS) | {"ablate"}
+    for flag in given_flags:
+        explicit.update(_FLAG_FIELDS.get(flag, (flag,)))
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in names and k not in explicit}
+    model = dataclasses.replace(cfg.model, **kw)
+    if "seq_length" not in given_flags and "preset" not in given_flags:
+        model = dataclasses.replace(model, seq_length=min(saved.get("seq_length", model.seq_length),
+                                                          model.max_position_embeddings))
+    return dataclasses.replace(cfg, model=model)
 
 
 def restore_targets(abstract_tree, shardings):
