@@ -90,6 +90,22 @@ def read_hf_folder(hf_dir: str, divisible_by: int = 128):
     return cfg, hf, _weight_files(hf_dir)
 
 
+def load_hf_params(hf_dir: str, divisible_by: int = 128, into: dict | None = None):
+    """(jax3d ModelConfig, numpy fp32 parameter tree) of an HF folder, with no checkpoint in between.
+
+    `into` supplies values for parameters the HF class lacks (default: zeros)."""
+    cfg, _, files = read_hf_folder(hf_dir, divisible_by)
+    tensors = {}
+    for p in files:
+        tensors.update(read_safetensors_file(p))
+    if into is None:
+        import jax
+
+        from jax3d.export import abstract_params
+        into = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), abstract_params(cfg))
+    return cfg, from_hf(tensors, cfg, into)
+
+
 def _tokenizer_of(hf_dir: str, model_type: str) -> tuple[dict, list[str]]:
     """(DataConfig tokenizer fields, files to copy) for the tokenizer files in `hf_dir` (may be none)."""
     have = [p for p in _TOKENIZER_FILES if os.path.exists(os.path.join(hf_dir, p))]
