@@ -57,3 +57,18 @@ def test_bad_input(gpt_run, tmp_path, capsys):
         assert evaluate_main([*argv, "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bert_mlm_and_sentence_order_equal_train_logged(tmp_path):
+    """One validation batch (BERT batches differ in masked-token counts, and training averages batch means)."""
+    args = list(ARGS)
+    args[args.index("--eval-iters") + 1] = "1"
+    assert train_main(["--preset", "bert-tiny", *args, "--save", str(tmp_path / "ckpt"),
+                       "--log-dir", str(tmp_path / "log")]) == 0
+    logged = _val(str(tmp_path / "log"), 3)
+    prefix, _ = default_corpus(kind="bert")
+    out = evaluate_checkpoint(str(tmp_path / "ckpt"), data_paths=[prefix], num_samples=16, micro_batch_size=4,
+                              tp=2, progress=False)
+    assert abs(out["mlm_loss"] - logged["val_lm_loss"]) < 1e-5
+    assert abs(out["sop_loss"] - logged["val_sop_loss"]) < 1e-5
+    assert abs(out["sop_acc"] - logged["val_sop_acc"]) < 1e-6
