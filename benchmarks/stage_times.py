@@ -1,16 +1,24 @@
-"""Times one pipeline stage's work on the current device: T_F, T_B (input grad) and T_W (weight grad).
+"""Times one pipeline stage's work on the current device with the loop's own pass functions.
 
-The stage runs `--num-layers / --stages` blocks of the preset on one micro-batch. The pipeline loop
-recomputes a chunk's forward inside B and W, so the raw costs it pays are F, F+B and F+W (F+B+W for
-fused schedules); T_B and T_W below are those minus T_F.
+The stage runs `--num-layers / --stages` blocks of the preset on one micro-batch. Timed, each jitted
+alone: F (`passes.forward`: the chunk under vjp, keeping its input-dependent residuals), the fused
+backward of 1F1B-family schedules (`passes.backward`), ZB-H1's B and W (`passes.split`: the
+pullback cut into input-grad and weight-grad halves), and, as the reference, the chunk's plain
+forward + backward (`jax.vjp` then its pullback, what the unpipelined step pays). HLO dot / GEMM
+counts come from each compiled program.
 
     python benchmarks/stage_times.py --preset gpt-1.3b --stages 4 --micro-batch-size 4 --bf16
+
+With --api-check it also times the public `pipeline_value_and_grad` at p = 1 (one stage, 1F1B over
+--microbatches micro-batches of the same layer stack) against per-micro-batch value-and-grad
+accumulated in a scan, the unpipelined step's way, and checks they agree.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import re
 import time
 
 import jax
@@ -18,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax3d.models import build_model, get_preset
+from jax3d.pipeline import make_schedule, passes, pipeline_value_and_grad
 
 
 def _time(fn, *args, reps=10):
-    out = fn(*args)
-    jax.block_until_ready(out)
+    jax.block_until_ready(fn(*args))
     for _ in range(2):
         jax.block_until_ready(fn(*args))
     times = []
@@ -33,16 +41,80 @@ def _time(fn, *args, reps=10):
     return float(np.median(times))
 
 
+def _gemms(fn, *args) -> int:
+    """Matrix multiplies in the compiled program (XLA dots, or GEMM custom calls on the GPU)."""
+    text = fn.lower(*args).compile().as_text()
+    return len(re.findall(r"= [^=]*\bdot\(", text)) + len(re.findall(r'custom_call_target="__cublas', text))
+
+
+def stage_passes(run, blocks, x):
+    """The jitted pass functions the loop runs, for one chunk `run(blocks, x)`."""
+    g = jnp.ones_like(x)
+    zero_x = jnp.zeros_like(x)
+    mask = passes.residual_mask(run, blocks, x)
+    fwd = jax.jit(lambda w, x: passes.forward(run, w, x, mask))
+    stored = fwd(blocks, x)[1]
+    sp = passes.split(run, blocks, zero_x, mask, stored, g)
+
+    def leaves(w, stored):
+        return jax.tree.leaves(passes.pullback(run, w, zero_x, mask, stored))
+
+    fused = jax.jit(lambda w, s, g: passes.backward(run, w, zero_x, mask, s, g))
+    b = jax.jit(lambda w, s, g: sp.b(leaves(w, s), g))
+    cut = b(blocks, stored, g)[1]
+    w_pass = jax.jit(lambda w, s, g, cut: sp.w(leaves(w, s), g, cut))
+    plain = jax.jit(lambda w, x, g: jax.vjp(run, w, x)[1](g))
+    return {"F": (fwd, (blocks, x)), "BW_fused": (fused, (blocks, stored, g)),
+            "B": (b, (blocks, stored, g)), "W": (w_pass, (blocks, stored, g, cut)),
+            "plain_fwd_bwd": (plain, (blocks, x, g))}, stored, cut
+
+
+def api_check(model, blocks, x_shape, dtype, m):
+    """p = 1 through the public API against scan-accumulated value-and-grad; (ms, ms, max rel err)."""
+    mesh = jax.make_mesh((1, 1, 1), ("data", "stage", "model"), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mbs = {"x": jax.random.normal(jax.random.key(2), (m, *x_shape), dtype),
+           "t": jax.random.normal(jax.random.key(3), (m, *x_shape), dtype)}
+
+    def stage_fn(w, x, keys, mb):
+        return model.run_blocks(w, x)
+
+    def last_fn(shared, h, mb):
+        return jnp.mean(jnp.square(h.astype(jnp.float32) - mb["t"])) * shared["s"], {}
+
+    shared = {"s": jnp.float32(1.0)}
+    sched = make_schedule("1f1b", 1, m)
+    piped = jax.jit(lambda w, mbs: pipeline_value_and_grad(
+        lambda sh, mb, key: mb["x"], stage_fn, last_fn, w, shared, mbs, mesh=mesh, schedule=sched)[::2])
+
+    def ref(w, mbs):
+        def body(acc, mb):
+            loss, g = jax.value_and_grad(lambda w: last_fn(shared, stage_fn(w, mb["x"], None, mb), mb)[0])(w)
+            return (acc[0] + loss, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[1], g)), None
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), w)
+        return jax.lax.scan(body, (jnp.float32(0), zeros), mbs)[0]
+    ref = jax.jit(ref)
+    with jax.set_mesh(mesh):
+        (l1, g1), (l2, g2) = piped(blocks, mbs), ref(blocks, mbs)
+        err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+                  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)))
+        return _time(piped, blocks, mbs, reps=5) * 1e3, _time(ref, blocks, mbs, reps=5) * 1e3, err
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt-1.3b")
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=0)
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--api-check", action="store_true")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--reps", type=int, default=10)
     a = p.parse_args()
     cfg, _ = get_preset(a.preset)
-    cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
+    cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0, recompute=a.recompute,
                               seq_length=a.seq_length or cfg.seq_length)
     layers = cfg.num_layers // a.stages
     model = build_model(cfg)
@@ -52,19 +124,23 @@ def main():
     blocks = jax.tree.map(lambda w: w.value.astype(dtype) if hasattr(w, "value") else w.astype(dtype), blocks,
                           is_leaf=lambda w: hasattr(w, "value"))
     x = jax.random.normal(jax.random.key(1), (a.micro_batch_size, cfg.seq_length, cfg.hidden_size), dtype)
-    g = jnp.ones_like(x)
-    run = lambda w, x: model.run_blocks(w, x)
-    fwd = jax.jit(run)
-    f_b = jax.jit(lambda w, x, g: jax.vjp(lambda x: run(w, x), x)[1](g))
-    f_w = jax.jit(lambda w, x, g: jax.vjp(lambda w: run(w, x), w)[1](g))
-    f_bw = jax.jit(lambda w, x, g: jax.vjp(run, w, x)[1](g))
-    t_f, t_fb, t_fw, t_fbw = (_time(fwd, blocks, x), _time(f_b, blocks, x, g), _time(f_w, blocks, x, g),
-                              _time(f_bw, blocks, x, g))
+    fns, stored, cut = stage_passes(lambda w, x: model.run_blocks(w, x), blocks, x)
+    ms = {k: _time(fn, *args, reps=a.reps) * 1e3 for k, (fn, args) in fns.items()}
+    gemms = {k: _gemms(fn, *args) for k, (fn, args) in fns.items()}
+    nbytes = lambda tree: sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(tree))  # noqa: E731
+    plain = ms["plain_fwd_bwd"]
     out = {"device": jax.devices()[0].device_kind, "preset": a.preset, "layers_per_stage": layers,
            "micro_batch": a.micro_batch_size, "seq": cfg.seq_length, "dtype": str(jnp.dtype(dtype)),
-           "T_F_ms": t_f * 1e3, "T_F_plus_B_ms": t_fb * 1e3, "T_F_plus_W_ms": t_fw * 1e3,
-           "T_F_plus_BW_ms": t_fbw * 1e3, "T_B_ms": (t_fb - t_f) * 1e3, "T_W_ms": (t_fw - t_f) * 1e3,
-           "T_BW_fused_ms": (t_fbw - t_f) * 1e3}
+           "recompute": a.recompute, **{f"T_{k}_ms": v for k, v in ms.items()},
+           "gemms": gemms, "residual_mib": nbytes(stored) / 2**20, "cut_mib": nbytes(cut) / 2**20,
+           "1f1b_F_plus_fused_over_plain": (ms["F"] + ms["BW_fused"]) / plain,
+           "zbh1_F_B_W_over_plain": (ms["F"] + ms["B"] + ms["W"]) / plain,
+           "B_plus_W_over_fused": (ms["B"] + ms["W"]) / ms["BW_fused"],
+           "fused_over_F": ms["BW_fused"] / ms["F"]}
+    if a.api_check:
+        t_pipe, t_ref, err = api_check(model, blocks, x.shape, dtype, a.microbatches)
+        out.update({"api_p1_pipelined_ms": t_pipe, "api_p1_accumulated_ms": t_ref,
+                    "api_p1_ratio": t_pipe / t_ref, "api_p1_max_rel_grad_err": err})
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))
 
 

@@ -160,6 +160,38 @@ def test_invalid_table_refused():
                                 mesh=mesh, schedule=broken)
 
 
+def test_zero2_accumulators_sharded_over_data_and_zero3_gathers_per_chunk():
+    """With data dims the grads come back sharded over `data` (reduce-scattered per micro-batch, not
+    all-reduced at the end) and equal the sequential model's; ZeRO-3 params go in sharded."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = _mesh((2, 2, 2))
+    stacked, shared = toy.init(jax.random.key(1), layers=4)
+    mbs = toy.microbatches(jax.random.key(2), m=4, batch=4, seq=8)
+    dims = ({"w1": 1, "w2": 2}, {"embed": 1, "scale": 0})
+    ref = jax.jit(jax.value_and_grad(lambda a, b: toy.sequential_loss(a, b, mbs)[0], argnums=(0, 1)))
+    st_sh, sh_sh = toy.param_shardings(mesh)
+    for gather in (False, True):
+        if gather:
+            st_sh = {"w1": NamedSharding(mesh, P("stage", "data", "model")),
+                     "w2": NamedSharding(mesh, P("stage", "model", "data"))}
+        fn = jax.jit(lambda a, b, c: pipeline_value_and_grad(
+            toy.first_fn, toy.stage_fn, toy.last_fn, a, b, c, mesh=mesh,
+            schedule=make_schedule("zb-h1", 2, 4), data_dims=dims, shard_grads=True,
+            gather_stacked=gather), in_shardings=(st_sh, sh_sh, NamedSharding(mesh, P(None, "data"))))
+        with jax.set_mesh(mesh):
+            compiled = fn.lower(stacked, shared, mbs).compile()
+            _, _, g_st, g_sh = compiled(stacked, shared, mbs)
+            _, (r_st, r_sh) = ref(stacked, shared)
+        assert compiled.output_shardings[2]["w1"].spec == P("stage", "data", "model")
+        assert compiled.output_shardings[3]["embed"].spec == P(None, "data")
+        assert "reduce-scatter" in compiled.as_text()
+        if gather:
+            assert "all-gather" in compiled.as_text()
+        for got, want in ((g_st, r_st), (g_sh, r_sh)):
+            for key in want:
+                assert _rel(got[key], want[key]) < RTOL, (gather, key, _rel(got[key], want[key]))
+
+
 def test_bf16_params_accumulate_float32_grads():
     mesh = _mesh((1, 2, 1))
     stacked, shared = toy.init(jax.random.key(1), layers=4)
@@ -171,3 +203,43 @@ def test_bf16_params_accumulate_float32_grads():
             lambda a, b: toy.sequential_loss(a, b, mbs)[0], argnums=(0, 1)))(stacked, shared)
     assert g_st["w1"].dtype == jnp.float32 and g_sh["embed"].dtype == jnp.float32
     assert _rel(g_st["w1"], r_st["w1"]) < 5e-2  # bf16 forward, fp32 sums
+
+
+def _dots(fn, *args):
+    return fn.lower(*args).compile().as_text().count(" dot(")
+
+
+def test_backward_reads_stored_residuals_and_splits_without_overlap():
+    """F runs the chunk's forward once; the fused backward, B and W run no forward, and B + W do the
+    fused backward's matmuls with no overlap: W is one matmul per weight."""
+    from jax3d.pipeline import passes
+    with jax.set_mesh(jax.make_mesh((1, 1, 1), ("data", "stage", "model"), devices=jax.devices()[:1],
+                                    axis_types=(jax.sharding.AxisType.Auto,) * 3)):
+        _check_passes(passes)
+
+
+def _check_passes(passes):
+    stacked, _ = toy.init(jax.random.key(1), layers=3)
+    x = jax.random.normal(jax.random.key(2), (2, 4, 16))
+    run = lambda w, x: toy.stage_fn(w, x, None)  # noqa: E731
+    zero_x, g = jnp.zeros_like(x), jnp.ones_like(x)
+    mask = passes.residual_mask(run, stacked, x)
+    fwd = jax.jit(lambda w, x: passes.forward(run, w, x, mask))
+    y, stored = fwd(stacked, x)
+    sp = passes.split(run, stacked, zero_x, mask, stored, g)
+
+    def leaves(w, s):
+        return jax.tree.leaves(passes.pullback(run, w, zero_x, mask, s))
+    fused = jax.jit(lambda w, s, g: passes.backward(run, w, zero_x, mask, s, g))
+    b = jax.jit(lambda w, s, g: sp.b(leaves(w, s), g))
+    dx, cut = b(stacked, stored, g)
+    w_pass = jax.jit(lambda w, s, g, cut: sp.w(leaves(w, s), g, cut))
+    dw = w_pass(stacked, stored, g, cut)
+    ref_dw, ref_dx = jax.vjp(run, stacked, x)[1](g)
+    assert _rel(dx, ref_dx) < RTOL and all(_rel(dw[k], ref_dw[k]) < RTOL for k in dw)
+    assert not any(a is stacked["w1"] for a in stored)  # weights are not stored per micro-batch
+    n_f = _dots(fwd, stacked, x)
+    n_fused, n_b = _dots(fused, stacked, stored, g), _dots(b, stacked, stored, g)
+    n_w = _dots(w_pass, stacked, stored, g, cut)
+    assert n_f == 6 and n_w == 6  # 2 weights x 3 layers
+    assert n_b + n_w == n_fused == 12

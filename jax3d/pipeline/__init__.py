@@ -14,10 +14,13 @@ _EXPORTS = {
     "bubble_fraction": "schedules", "live_activations": "schedules", "make_schedule": "schedules",
     "simulate": "schedules", "validate": "schedules",
 }
+_MODULES = ("passes", "program", "residuals", "toy", "loop", "layout", "schedules")
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
     if name in _EXPORTS:
         return getattr(importlib.import_module(f"jax3d.pipeline.{_EXPORTS[name]}"), name)
+    if name in _MODULES:
+        return importlib.import_module(f"jax3d.pipeline.{name}")
     raise AttributeError(f"module 'jax3d.pipeline' has no attribute {name!r}")

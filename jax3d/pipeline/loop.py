@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax3d.pipeline import program as prog_mod
-from jax3d.pipeline import residuals
+from jax3d.pipeline import passes
 from jax3d.pipeline.layout import (PipelineError, dropout_key, from_pipeline_order, layer_keys,
                                    make_layout, to_pipeline_order)
 from jax3d.pipeline.schedules import B, F, IDLE, W, Schedule, ScheduleError, validate
@@ -97,7 +97,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
       the dim ZeRO shards over `data`, or -1. With shard_grads (ZeRO-2) the gradient accumulators of
       leaves with a dim are sharded there over `data` (reduce-scattered per micro-batch) and returned
       so. With gather_stacked (ZeRO-3) stacked_params arrive sharded there over `data` (the stacked
-      dims must then not be 0) and each chunk is gathered when it runs; needs pipeline order.
+      dims must then not be 0) and each chunk is gathered when it runs.
 
     Returns (loss_sum, aux_sums, grads_stacked, grads_shared): sums over all micro-batches and data
     shards (divide by the token count yourself); grads_stacked in the order stacked_params came in.
@@ -127,9 +127,8 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     if params_in_pipeline_order and rows != p * v * k:
         raise PipelineError(f"pipeline-ordered params need {p * v * k} stacked rows, got {rows}")
     if not params_in_pipeline_order:
-        if gather_stacked and not layout.is_identity:
-            raise PipelineError("gather_stacked needs params_in_pipeline_order when the layout reorders")
         stacked_params = to_pipeline_order(stacked_params, layout)
+    shard_grads = shard_grads or gather_stacked
     st_dims, sh_dims = data_dims if data_dims is not None else (None, None)
     st_dims = _dims(stacked_params, st_dims if (shard_grads or gather_stacked) else None)
     sh_dims = _dims(shared_params, sh_dims if shard_grads else None)
@@ -163,10 +162,17 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
 
 
 def _dims(params, dims):
-    """The ZeRO dim of every leaf (-1: none), checked against the leaf's shape."""
+    """The ZeRO dim of every leaf (-1: none); `dims` may be a prefix tree (one int for a subtree)."""
     if dims is None:
         return jax.tree.map(lambda _: -1, params)
-    return jax.tree.map(lambda a, d: d if d is not None and d >= 0 else -1, params, dims)
+
+    def expand(d, sub):
+        d = -1 if d is None or d < 0 else int(d)
+        for a in jax.tree.leaves(sub):
+            if d >= a.ndim:
+                raise PipelineError(f"data dim {d} is out of range for a leaf of shape {tuple(a.shape)}")
+        return jax.tree.map(lambda _: d, sub)
+    return jax.tree.map(expand, dims, params, is_leaf=lambda d: d is None or isinstance(d, int))
 
 
 def _spec(d, lead):
@@ -185,6 +191,8 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
     rows = layer_rows[0]  # (v, k) logical layer per position of this stage, -1 = padding
     if use_rng and fold_data:
         rng = jax.random.fold_in(rng, lax.axis_index("data") + 1_000_003)  # keeps data=1 keys equal
+
+    program_split = any(b[0] == W for b in program.branches)
 
     def microbatch(i):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), mbs)
@@ -208,8 +216,8 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
                          lambda x: _vary(x), x)
         return x
 
-    def chunk_vjp(wc, x, mb, i, c):
-        return jax.vjp(lambda w, x: run_chunk(w, x, mb, i, c), wc, x)
+    def chunk_of(mb, i, c):
+        return lambda w, x: run_chunk(w, x, mb, i, c)
 
     def first_key(i):
         return dropout_key(rng, i, num_layers) if use_rng else None
@@ -220,24 +228,24 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
     _, aux_aval = jax.eval_shape(lambda: last_fn(shared, zero_x, mb0))
 
     # What F stores for B: the chunk's vjp residuals that depend on its input (see residuals.py).
-    def residual_leaves(wc, x, mb, i, c):
-        return jax.tree.leaves(chunk_vjp(wc, x, mb, i, c)[1])
-    res_args = (chunk_params(0), zero_x, mb0, jnp.int32(0), jnp.int32(0))
-    res_mask = residuals.input_dependent(residual_leaves, res_args, 1)
-    res_bufs = [_vary(jnp.zeros((program.res_slots,) + a.shape, a.dtype))
-                for a in residuals.stored_avals(residual_leaves, res_args, res_mask)]
+    chunk0, wc0 = chunk_of(mb0, jnp.int32(0), jnp.int32(0)), chunk_params(0)
+    res_mask = passes.residual_mask(chunk0, wc0, zero_x)
+    res_avals = jax.eval_shape(lambda: passes.forward(chunk0, wc0, zero_x, res_mask)[1])
+    res_bufs = [_vary(jnp.zeros((program.res_slots,) + a.shape, a.dtype)) for a in res_avals]
+    cut_bufs, sp = [], None
+    if program_split:  # B and W share one cut of the pullback, traced once here
+        sp = passes.split(chunk0, wc0, zero_x, res_mask, [b[0] for b in res_bufs], zero_x)
+        cut_bufs = [_vary(jnp.zeros((program.cut_slots,) + a.shape, a.dtype)) for a in sp.cut_avals()]
     act_buf = _vary(jnp.zeros((program.act_slots,) + x_aval.shape, x_aval.dtype))
     grad_buf = _vary(jnp.zeros((program.grad_slots,) + x_aval.shape, x_aval.dtype))
 
-    def acc_zeros(a, d):
+    def acc_zeros(a, d, arrives_sharded=False):
         shape = list(a.shape)
-        if d >= 0:
+        if d >= 0 and not arrives_sharded:
             shape[d] //= lax.axis_size("data")
         return jnp.zeros(shape, grad_dtype or a.dtype)
 
-    acc0 = (_vary_tree(jax.tree.map(acc_zeros, stacked if not gather_stacked else
-                                    jax.tree.map(lambda a, d: _full_shape(a, d), stacked, st_dims),
-                                    st_dims)),
+    acc0 = (_vary_tree(jax.tree.map(lambda a, d: acc_zeros(a, d, gather_stacked), stacked, st_dims)),
             _vary_tree(jax.tree.map(acc_zeros, shared, sh_dims)),
             _vary(jnp.zeros((), jnp.float32)),
             _vary_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_aval)))
@@ -259,11 +267,9 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
             return lax.dynamic_update_slice_in_dim(g, cur + d, c * k, 0)
         return jax.tree.map(upd, gw, dwc, st_dims)
 
-    program_split = any(b[0] == W for b in program.branches)
-
     def make_branch(kind, first, last):
         def branch(bufs, acc, row):
-            act_buf, grad_buf, res_bufs = bufs
+            act_buf, grad_buf, res_bufs, cut_bufs = bufs
             gw, gs, loss, aux = acc
             i, c = row[prog_mod.MB], row[prog_mod.CHUNK]
             res_slot, grad_slot = row[prog_mod.RES_SLOT], row[prog_mod.GRAD_SLOT]
@@ -271,11 +277,11 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
             if kind == IDLE:
                 return bufs, acc, y_send, dx_send
             mb, wc = microbatch(i), chunk_params(c)
+            chunk = chunk_of(mb, i, c)
             if kind == F:
                 x = first_fn(shared, mb, first_key(i)) if first else act_buf[row[prog_mod.ACT_SLOT]]
-                h, pullback = chunk_vjp(wc, _vary(x), mb, i, c)
-                leaves = [a for a, keep in zip(jax.tree.leaves(pullback), res_mask) if keep]
-                res_bufs = [b.at[res_slot].set(_vary(a)) for b, a in zip(res_bufs, leaves)]
+                h, stored = passes.forward(chunk, wc, _vary(x), res_mask)
+                res_bufs = [b.at[res_slot].set(_vary(a)) for b, a in zip(res_bufs, stored)]
                 if last:  # the head's backward runs here: its cotangent is the loss seed
                     out, head_vjp, aux_i = jax.vjp(lambda sh, h: last_fn(sh, h, mb), shared, h,
                                                    has_aux=True)
@@ -286,21 +292,30 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
                     aux = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux, aux_i)
                 else:
                     y_send = h
-            else:
-                ct = grad_buf[grad_slot]
-                _, traced = chunk_vjp(wc, zero_x, mb, i, c)  # its forward is dead code: only its
-                stored = [b[res_slot] for b in res_bufs]      # weight-only leaves are kept
-                dwc, dx = residuals.rebuild(traced, res_mask, stored)(ct)
-                if not (kind == B and program_split):  # fused B, or W: the weight grads
-                    gw = add_chunk_grad(gw, dwc, c)
-                    if first:
-                        _, embed_vjp = jax.vjp(lambda sh: first_fn(sh, mb, first_key(i)), shared)
-                        (dsh,) = embed_vjp(_vary(dx))
-                        gs = add_shared(gs, dsh)
-                if kind == B and not first:
+                return ((act_buf, grad_buf, res_bufs, cut_bufs), _vary_tree((gw, gs, loss, aux)),
+                        _vary(y_send), _vary(dx_send))
+            ct = grad_buf[grad_slot]
+            stored = [b[res_slot] for b in res_bufs]
+            pullback = passes.pullback(chunk, wc, zero_x, res_mask, stored)
+            if sp is not None and not first:  # split schedule, B or W on the two sides of the cut
+                leaves = jax.tree.leaves(pullback)
+                if kind == B:
+                    dx_send, cut = sp.b(leaves, ct)
+                    cut_bufs = [b.at[row[prog_mod.CUT_SLOT]].set(_vary(a)) for b, a in zip(cut_bufs, cut)]
+                else:
+                    cut = [b[row[prog_mod.CUT_SLOT]] for b in cut_bufs]
+                    gw = add_chunk_grad(gw, sp.w(leaves, ct, cut), c)
+            else:  # fused backward (at the first virtual stage of a split schedule, W does it all)
+                dwc, dx = pullback(ct)
+                gw = add_chunk_grad(gw, dwc, c)
+                if first:
+                    _, embed_vjp = jax.vjp(lambda sh: first_fn(sh, mb, first_key(i)), shared)
+                    (dsh,) = embed_vjp(_vary(dx))
+                    gs = add_shared(gs, dsh)
+                else:
                     dx_send = dx
-            return ((act_buf, grad_buf, res_bufs), _vary_tree((gw, gs, loss, aux)), _vary(y_send),
-                    _vary(dx_send))
+            return ((act_buf, grad_buf, res_bufs, cut_bufs), _vary_tree((gw, gs, loss, aux)),
+                    _vary(y_send), _vary(dx_send))
         return branch
 
     branches = [make_branch(*b) for b in program.branches]
@@ -321,26 +336,19 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
         row, flags = xs
         row = row[0]
         bufs, acc, y_send, dx_send = lax.switch(row[prog_mod.BRANCH], branches, bufs, acc, row)
-        act_buf, grad_buf, res_bufs = bufs
+        act_buf, grad_buf, res_bufs, cut_bufs = bufs
         if p > 1:
             y_send = send(flags[0], y_send, fwd_perm)
             dx_send = send(flags[1], dx_send, bwd_perm)
         act_buf = write(act_buf, row[prog_mod.RECV_ACT], y_send)
         grad_buf = write(grad_buf, row[prog_mod.RECV_GRAD], dx_send)
-        return ((act_buf, grad_buf, res_bufs), acc), None
+        return ((act_buf, grad_buf, res_bufs, cut_bufs), acc), None
 
-    (_, (gw, gs, loss, aux)), _ = lax.scan(tick, ((act_buf, grad_buf, res_bufs), acc0), (table, sends))
+    bufs0 = (act_buf, grad_buf, res_bufs, cut_bufs)
+    (_, (gw, gs, loss, aux)), _ = lax.scan(tick, (bufs0, acc0), (table, sends))
     gw = jax.tree.map(lambda g, d: lax.psum(g, "data") if d < 0 else g, gw, st_dims)
     gs = jax.tree.map(lambda g, d: lax.psum(g, _MANUAL if d < 0 else "stage"), gs, sh_dims)
     loss = lax.psum(loss, _MANUAL)
     aux = jax.tree.map(lambda a: lax.psum(a, _MANUAL), aux)
     return loss, aux, gw, gs
 
-
-def _full_shape(a, d):
-    """Stand-in with the gathered shape of a ZeRO-3 shard (only its shape and dtype are read)."""
-    if d < 0:
-        return a
-    shape = list(a.shape)
-    shape[d] *= lax.axis_size("data")
-    return jax.ShapeDtypeStruct(shape, a.dtype)

@@ -21,12 +21,12 @@ import numpy as np
 from jax3d.pipeline.schedules import IDLE, F, B, W, Schedule
 
 # Columns of Program.table
-BRANCH, MB, CHUNK, ACT_SLOT, GRAD_SLOT, RECV_ACT, RECV_GRAD, RES_SLOT = range(8)
+BRANCH, MB, CHUNK, ACT_SLOT, GRAD_SLOT, RECV_ACT, RECV_GRAD, RES_SLOT, CUT_SLOT = range(9)
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """Static instructions: table (ticks, stages, 8) int32 and the branch each index stands for;
+    """Static instructions: table (ticks, stages, 9) int32 and the branch each index stands for;
     sends (ticks, 2) bool: whether any stage sends forward / backward at the end of each tick."""
 
     table: np.ndarray
@@ -34,6 +34,7 @@ class Program:
     act_slots: int
     grad_slots: int
     res_slots: int
+    cut_slots: int
     sends: np.ndarray
 
 
@@ -69,6 +70,7 @@ def lower(sched: Schedule) -> Program:
     act_iv = [[] for _ in range(p)]
     grad_iv = [[] for _ in range(p)]
     res_iv = [[] for _ in range(p)]
+    cut_iv = [[] for _ in range(p)]
     for (k, i, vs), t in when.items():
         s = vs % p
         if k == F and vs > 0:  # input arrives from virtual stage vs-1 at the end of its F tick
@@ -78,19 +80,23 @@ def lower(sched: Schedule) -> Program:
         if k == B:  # the output grad comes from upstream's B, or from this stage's own F at the end
             start = when[(B, i, vs + 1)] if vs < last_vs else when[(F, i, vs)]
             grad_iv[s].append((start, when[(release, i, vs)], (i, vs)))
-    act_slot, grad_slot, res_slot = [], [], []
-    n_act = n_grad = n_res = 1  # at least one slot so buffers are never empty arrays
+        if k == B and sched.split_backward and vs > 0:  # what W reads from B's side of the cut
+            cut_iv[s].append((t, when[(W, i, vs)], (i, vs)))
+    act_slot, grad_slot, res_slot, cut_slot = [], [], [], []
+    n_act = n_grad = n_res = n_cut = 1  # at least one slot so buffers are never empty arrays
     for s in range(p):
         a, na = _colour(act_iv[s])
         g, ng = _colour(grad_iv[s])
         r, nr = _colour(res_iv[s])
+        u, nu = _colour(cut_iv[s])
         act_slot.append(a)
         grad_slot.append(g)
         res_slot.append(r)
-        n_act, n_grad, n_res = max(n_act, na), max(n_grad, ng), max(n_res, nr)
+        cut_slot.append(u)
+        n_act, n_grad, n_res, n_cut = max(n_act, na), max(n_grad, ng), max(n_res, nr), max(n_cut, nu)
 
     branches = [(IDLE, False, False)]
-    table = np.full((sched.ticks, p, 8), -1, dtype=np.int32)
+    table = np.full((sched.ticks, p, 9), -1, dtype=np.int32)
     table[..., BRANCH] = 0
     for t in range(sched.ticks):
         for s in range(p):
@@ -109,6 +115,8 @@ def lower(sched: Schedule) -> Program:
             if k == F and not first:
                 row[ACT_SLOT] = act_slot[s][(i, vs)]
             row[RES_SLOT] = res_slot[s][(i, vs)]
+            if (i, vs) in cut_slot[s] and k != F:
+                row[CUT_SLOT] = cut_slot[s][(i, vs)]
             if k != F or last:
                 row[GRAD_SLOT] = grad_slot[s][(i, vs)]
             # what this action sends lands on the neighbour at the end of this tick
@@ -117,4 +125,4 @@ def lower(sched: Schedule) -> Program:
             if k == B and not first:
                 table[t, (vs - 1) % p, RECV_GRAD] = grad_slot[(vs - 1) % p][(i, vs - 1)]
     sends = np.stack([(table[..., RECV_ACT] >= 0).any(1), (table[..., RECV_GRAD] >= 0).any(1)], 1)
-    return Program(table, tuple(branches), n_act, n_grad, n_res, sends)
+    return Program(table, tuple(branches), n_act, n_grad, n_res, n_cut, sends)
