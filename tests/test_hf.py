@@ -226,3 +226,33 @@ def test_train_py_fine_tunes_an_import_from_transformers_loss(tmp_path):
     assert cfg.activation == "gelu_erf" and cfg.unpadded_vocab_size == tok.vocab_size
     export_hf(str(tmp_path / "tuned"), str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "merges.txt", "model.safetensors", "vocab.json"]
+
+
+def test_jax3d_bert_exports_to_megatron_bert(tmp_path):
+    """jax3d's own pre-LN BERT, saved from (data, stage, model) = (2, 1, 4), is MegatronBertForPreTraining."""
+    import jax
+
+    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.train.step import build_steps
+    from tests.helpers import tiny_config
+
+    cfg, mesh_cfg, mesh = tiny_config(data=2, model=4, micro=2, global_batch=4,
+                                      model_kw=dict(model_type="bert", num_layers=3))
+    cfg = cfg.replace(train={"save": str(tmp_path / "ckpt")})
+    steps = build_steps(cfg, mesh_cfg, mesh)
+    state = steps.init_state(5)
+    # Random biases and norms too, so a misplaced tensor shows.
+    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape), state.params)
+    Checkpointer(cfg).save(1, state.replace(params=params), {"consumed_samples": 4}, wait=True)
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    hf, info = transformers.MegatronBertForPreTraining.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model, params, _ = _jax3d_model(str(tmp_path / "ckpt"))
+    mb = _bert_batch(cfg.model.vocab_size, s=16)
+    mlm, sop = (np.asarray(x) for x in model.forward(params, mb))
+    with torch.no_grad():
+        out = hf.eval()(input_ids=torch.tensor(mb["text"], dtype=torch.long),
+                        token_type_ids=torch.tensor(mb["types"], dtype=torch.long),
+                        attention_mask=torch.tensor(mb["padding_mask"], dtype=torch.long))
+    assert np.max(np.abs(mlm - out.prediction_logits.numpy())) < TOL
+    assert np.max(np.abs(sop - out.seq_relationship_logits.numpy())) < TOL
