@@ -160,11 +160,15 @@ def main(argv=None) -> int:
     if a.peer_only:
         print("RESULT " + json.dumps(profile_peer(a.shape, a.batch, a.steps, a.peer)))
         return 0
-    recs = [profile_jax3d(Run(a.shape, a.batch, ablate=tuple(a.ablate)), a.steps)]
-    if a.peer:  # in its own process: JAX holds most of the device memory in this one
+    recs = []
+    if a.peer:  # first, in its own process: once JAX starts here it holds most of the device memory
         cmd = [sys.executable, os.path.abspath(__file__), "--peer-only", "--peer", a.peer, "--shape", a.shape,
                "--batch", str(a.batch), "--steps", str(a.steps)]
         recs.append(_child(cmd, dict(os.environ), "peer profile"))
+    # Command buffers (CUDA graphs) hide which fusion each kernel ran for; the trace then names only
+    # the buffer. Profile without them, so every kernel keeps its HLO name and name scope.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    recs.insert(0, profile_jax3d(Run(a.shape, a.batch, ablate=tuple(a.ablate)), a.steps))
     for r in recs:
         print(json.dumps(r), flush=True)
         if a.out:
