@@ -178,7 +178,7 @@ def _dims(params, dims):
 def _spec(d, lead):
     """PartitionSpec with `lead` on dim 0 and `data` on dim d (d < 0: none)."""
     if d < 0:
-        return P(lead)
+        return P(lead) if lead else P()
     parts = [lead] + [None] * (d - 1) + ["data"] if d > 0 else ["data"]
     return P(*parts)
 

@@ -3,11 +3,16 @@
 The model's three pieces become the pipeline's functions: `embed` at the first stage, a slice of
 `run_blocks` per stage, and the head with its normalised loss at the last. The loss normalisers and the
 fp16 loss scale ride along in the shared (stage-replicated) tree so that no value is closed over.
+
+ZeRO: the dims the state's specs shard over `data` go to the loop. ZeRO-2 accumulates the gradients there,
+reduce-scattered per micro-batch; ZeRO-3 also passes the layer stack in still sharded, and the loop gathers
+one chunk at a time (the embedding and head, used at the ends only, are gathered before the loop).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jax3d.config import Config
 from jax3d.pipeline import make_schedule
@@ -20,12 +25,33 @@ def layer_counts(cfg: Config):
     return list(cfg.parallel.pipeline_layout) or None
 
 
+def data_dim(spec) -> int:
+    """The dim a PartitionSpec shards over `data`, or -1."""
+    for d, part in enumerate(spec):
+        if part == "data" or (isinstance(part, tuple) and "data" in part):
+            return d
+    return -1
+
+
+def _zero_dims(specs, zero_stage):
+    """(stacked, shared) dims for the loop's `data_dims`; a layer-dim ZeRO shard (an uneven layout that
+    leaves `layers` unsharded) stays whole in the loop and is resharded after it."""
+    grads = specs["grads"]
+    dims = jax.tree.map(data_dim, grads, is_leaf=lambda s: isinstance(s, P))
+    stacked = jax.tree.map(lambda d: d if d > 0 else -1, dims["blocks"])
+    shared = {k: v for k, v in dims.items() if k != "blocks"}
+    shared["_norms"], shared["_scale"] = -1, -1
+    return stacked, shared
+
+
 def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
-    from jax3d.train.step import cast_for_compute
+    from jax3d.train.step import _constrain_tree, cast_for_compute
 
     par = cfg.parallel
     deterministic = cfg.model.deterministic
     stages = mesh.shape["stage"]
+    zero = par.zero_stage if mesh.shape["data"] > 1 else 0
+    stacked_dims, shared_dims = _zero_dims(specs, zero)
 
     def first_fn(shared, mb, key):
         return model.embed(shared, mb, key, deterministic)
@@ -40,13 +66,18 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
     def grads_fn(params, batch, rng, scale, norms):
         accum = jax.tree.leaves(batch)[0].shape[0]
         schedule = make_schedule(par.pipeline_schedule, stages, accum, par.virtual_stages)
-        p = cast_for_compute(params, dtype, specs)
-        stacked = p["blocks"]
-        shared = {k: v for k, v in p.items() if k != "blocks"}
+        ends = {k: v for k, v in params.items() if k != "blocks"}
+        shared = cast_for_compute(ends, dtype, {"compute": {k: specs["compute"][k] for k in ends}})
+        if zero >= 3:  # stays sharded over `data`; the loop gathers each chunk where it runs
+            stacked = _constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params["blocks"]),
+                                      specs["params"]["blocks"])
+        else:
+            stacked = cast_for_compute(params["blocks"], dtype, {"compute": specs["compute"]["blocks"]})
         shared["_norms"], shared["_scale"] = norms, jnp.asarray(scale, jnp.float32)
         loss, aux, g_stacked, g_shared = pipeline_value_and_grad(
             first_fn, stage_fn, last_fn, stacked, shared, batch, mesh=mesh, schedule=schedule,
-            layers_per_virtual_stage=layer_counts(cfg), rng=None if deterministic else rng)
+            layers_per_virtual_stage=layer_counts(cfg), rng=None if deterministic else rng,
+            data_dims=(stacked_dims, shared_dims), shard_grads=zero >= 2, gather_stacked=zero >= 3)
         grads = {k: v for k, v in g_shared.items() if k not in ("_norms", "_scale")}
         grads["blocks"] = g_stacked
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
