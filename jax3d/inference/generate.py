@@ -91,6 +91,7 @@ class Generator:
         self.cache_sharding = [{"k": kv, "v": kv} for _ in range(cfg.num_layers)]
         self._repl = NamedSharding(mesh, self.rules.spec(()))
         self._jits: dict = {}
+        self._traces = {"prefill": 0, "decode": 0}  # a trace is a compile: jit caches by shape
 
     # ---- the model with a cache ---------------------------------------------------------------
     def _forward(self, params, cache, tokens_bt, positions_bt, mask_b1tT, index):
@@ -118,6 +119,7 @@ class Generator:
 
     def _prefill(self, sampling: Sampling):
         def prefill(params, tokens_bt, valid_bt, key):
+            self._traces["prefill"] += 1
             b, t = tokens_bt.shape
             cache = [{"k": jnp.zeros((b, self.max_len, self.cfg.num_attention_heads, self.cfg.head_dim), self.dtype),
                       "v": jnp.zeros((b, self.max_len, self.cfg.num_attention_heads, self.cfg.head_dim), self.dtype)}
@@ -134,6 +136,7 @@ class Generator:
 
     def _decode(self, sampling: Sampling):
         def decode(params, state, token_b, key):
+            self._traces["decode"] += 1
             slot = state["slot"]
             valid = jax.lax.dynamic_update_slice_in_dim(state["valid"], jnp.ones((token_b.shape[0], 1), bool), slot, 1)
             logits, cache = self._forward(params, state["cache"], token_b[:, None], state["position"][:, None],
@@ -151,9 +154,9 @@ class Generator:
         return self._jits[sampling]
 
     def compile_counts(self) -> dict:
-        """How many times prefill and decode were compiled (each should be 1 per sampling setting)."""
-        return {"prefill": sum(p._cache_size() for p, _ in self._jits.values()),
-                "decode": sum(d._cache_size() for _, d in self._jits.values())}
+        """How many times prefill and decode were traced and compiled (1 each per sampling setting and
+        prompt bucket; decode never again per token)."""
+        return dict(self._traces)
 
     # ---- driving it ---------------------------------------------------------------------------
     def left_pad(self, prompts: list[list[int]], length: int = 0, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
