@@ -206,6 +206,8 @@ def _eod(cfg, tok: dict):
 def _copy_tokenizer(tok: dict, hf_dir: str, model_type: str) -> list[str]:
     """Copies the run's tokenizer files under HF's names (and any HF tokenizer files beside them)."""
     copied = []
+    if tok.get("note") and not any(tok.get(k) for k in ("vocab_file", "merge_file", "tokenizer_file")):
+        tok = {**tok, **_default_corpus_files(model_type)}  # the bundled corpus's tokenizer, from its cache
     for key, hf_name in (("vocab_file", "vocab.txt" if model_type == "bert" else "vocab.json"),
                          ("merge_file", "merges.txt"), ("tokenizer_file", "tokenizer.json")):
         src = tok.get(key)
@@ -252,3 +254,14 @@ def main(argv=None) -> int:
         return 2
     print(json.dumps(summary))
     return 0
+
+
+def _default_corpus_files(model_type: str) -> dict:
+    from jax3d.data.default_corpus import default_corpus_dir
+
+    d = default_corpus_dir(kind=model_type)
+    try:
+        with open(os.path.join(d, "meta.json")) as f:
+            return {k: os.path.join(d, v) for k, v in json.load(f)["tokenizer_files"].items()}
+    except (OSError, ValueError, KeyError):
+        return {}

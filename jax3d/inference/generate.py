@@ -208,9 +208,15 @@ class Generator:
 
 
 def greedy_without_cache(model, params, prompt: list[int], max_new_tokens: int, vocab: int) -> list[int]:
-    """Reference continuation: the training forward pass over the whole sequence for every token."""
-    seq = list(prompt)
-    for _ in range(max_new_tokens):
-        logits = np.asarray(model.logits(params, np.asarray([seq], np.int32)))[0, -1, :vocab]
-        seq.append(int(np.argmax(logits)))
-    return seq[len(prompt):]
+    """Reference continuation: the training forward pass over the whole sequence for every token.
+
+    The sequence is right-padded to its final length (causal attention never looks right), so the
+    forward pass compiles once.
+    """
+    total = len(prompt) + max_new_tokens
+    logits_fn = jax.jit(model.logits)
+    seq = np.zeros((1, total), np.int32)
+    seq[0, :len(prompt)] = prompt
+    for n in range(len(prompt), total):
+        seq[0, n] = int(np.argmax(np.asarray(logits_fn(params, seq))[0, n - 1, :vocab]))
+    return [int(t) for t in seq[0, len(prompt):]]
