@@ -1,7 +1,6 @@
 """Generation with a KV cache against transformers' greedy `generate` on an imported tiny GPT-2, against
 jax3d's own forward pass without a cache, and with tensor parallelism."""
 import jax
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -22,7 +22,6 @@ from jax.sharding import NamedSharding
 
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.models import build_model
-from jax3d.models.layers import vocab_parallel_logits
 from jax3d.models.transformer import unstack_layers
 from jax3d.sharding import ShardingRules, named_shardings, tree_specs
 
@@ -97,14 +96,12 @@ class Generator:
     def _forward(self, params, cache, tokens_bt, positions_bt, mask_b1tT, index):
         """Logits (batch, seq, vocab) fp32 of tokens written at cache slot `index`, and the new cache."""
         m = self.model
-        emb, final_norm = m._modules()
-        x = emb.apply({"params": params["embed"]}, tokens_bt, None, None, True, positions_bt)
+        x = m.embed_at(params, tokens_bt, positions_bt)
         new_cache = []
         for p, c in zip(unstack_layers(params["blocks"], self.cfg.num_layers), cache):
             x, c = m.block.apply({"params": p}, x, mask_b1tT, None, True, {**c, "index": index})
             new_cache.append({"k": c["k"], "v": c["v"]})
-        x = final_norm.apply({"params": params["final_norm"]}, x)
-        logits = vocab_parallel_logits(x, params["embed"]["word"], self.rules).astype(jnp.float32)
+        logits = m.final_logits(params, x)
         col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
         return jnp.where(col < self.vocab, logits, -jnp.inf), new_cache
 

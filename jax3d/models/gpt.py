@@ -33,8 +33,16 @@ class GPT(TransformerLM):
         """Full logits (batch, seq, vocab) in fp32, for evaluation and generation."""
         x = self.embed(params, {"text": jnp.pad(tokens_bt, ((0, 0), (0, 1)))})
         x = self.run_blocks(params["blocks"], x)
-        x = self._modules()[1].apply({"params": params["final_norm"]}, x)
-        return vocab_parallel_logits(x, params["embed"]["word"], self.rules).astype(jnp.float32)
+        return self.final_logits(params, x)
+
+    def embed_at(self, params, tokens_bt, positions_bt):
+        """Embeddings of tokens at explicit positions (generation: left-padded rows, cached steps)."""
+        return self._modules()[0].apply({"params": params["embed"]}, tokens_bt, None, None, True, positions_bt)
+
+    def final_logits(self, params, x_btd):
+        """fp32 logits (batch, seq, vocab) of the last block's output."""
+        x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
+        return vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules).astype(jnp.float32)
 
     def head_loss(self, params, x_btd, mb):
         x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
