@@ -101,6 +101,19 @@ def test_bert_logits_and_round_trip(tmp_path, case):
     assert np.max(np.abs(mlm[..., :v] - ref_mlm)) < TOL
     if arch != "BertForMaskedLM":
         assert np.max(np.abs(sop - out.seq_relationship_logits.numpy())) < TOL
+        # The training objective (MLM over masked positions + sentence order) equals HF's pre-training loss.
+        rs = np.random.RandomState(2)
+        loss_mask = (rs.rand(*mb["text"].shape) < 0.3).astype(np.int32) * mb["padding_mask"]
+        labels = rs.randint(0, v, mb["text"].shape).astype(np.int32)
+        is_random = np.array([0, 1, 1], np.int32)
+        loss, _ = model.loss(params, {**mb, "labels": labels, "loss_mask": loss_mask, "is_random": is_random})
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor(mb["text"], dtype=torch.long),
+                     token_type_ids=torch.tensor(mb["types"], dtype=torch.long),
+                     attention_mask=torch.tensor(mb["padding_mask"], dtype=torch.long),
+                     labels=torch.tensor(np.where(loss_mask == 1, labels, -100), dtype=torch.long),
+                     next_sentence_label=torch.tensor(is_random, dtype=torch.long)).loss
+        assert abs(float(loss) - float(ref)) < TOL
 
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     a = read_safetensors_file(str(tmp_path / "hf" / "model.safetensors"))
