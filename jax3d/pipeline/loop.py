@@ -17,7 +17,7 @@ Split schedules (ZB-H1): B keeps the input grad, W the weight grads of the same 
 Gradients: one running sum per stage. With ZeRO-2 dims given, each micro-batch's weight grad is
 reduce-scattered over `data` into an accumulator holding 1/data of the stage's grads; otherwise the
 sums are reduced over `data` once, after the loop. With ZeRO-3 the stacked params arrive sharded
-over `data` and each chunk's weights are gathered where they are used.
+over `data` and each layer's weights are gathered where they are used.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
       the dim ZeRO shards over `data`, or -1. With shard_grads (ZeRO-2) the gradient accumulators of
       leaves with a dim are sharded there over `data` (reduce-scattered per micro-batch) and returned
       so. With gather_stacked (ZeRO-3) stacked_params arrive sharded there over `data` (the stacked
-      dims must then not be 0) and each chunk is gathered when it runs.
+      dims must then not be 0) and each layer is gathered when it runs.
 
     Returns (loss_sum, aux_sums, grads_stacked, grads_shared): sums over all micro-batches and data
     shards (divide by the token count yourself); grads_stacked in the order stacked_params came in.
@@ -198,20 +198,26 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), mbs)
 
     def chunk_params(c):
-        wc = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * k, k, 0), stacked)
-        if gather_stacked:  # ZeRO-3: this chunk's weights, gathered over `data` where they are used
-            wc = jax.tree.map(lambda a, d: a if d < 0 else lax.all_gather(a, "data", axis=d, tiled=True),
-                              wc, st_dims)
-        return wc
+        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * k, k, 0), stacked)
+
+    def gather(wj):
+        # ZeRO-3: one layer's weights, gathered over `data` just before it runs (B gathers again:
+        # weights are never stored as residuals)
+        return jax.tree.map(lambda a, d: a if d < 0 else lax.all_gather(a, "data", axis=d, tiled=True),
+                            wj, st_dims)
 
     def run_chunk(wc, x, mb, i, c):
         ids = rows[c]
         keys = layer_keys(rng, i, ids) if use_rng else None
-        if not padded:
+        if not padded and not gather_stacked:
             return _vary(stage_fn(wc, x, keys, mb))
-        for j in range(k):  # padded positions run as identity (skipped by cond)
+        for j in range(k):  # layer by layer; padded positions run as identity (skipped by cond)
             wj = jax.tree.map(lambda a: a[j:j + 1], wc)
+            wj = gather(wj) if gather_stacked else wj
             kj = None if keys is None else keys[j:j + 1]
+            if not padded:
+                x = _vary(stage_fn(wj, x, kj, mb))
+                continue
             x = lax.cond(ids[j] >= 0, lambda x, wj=wj, kj=kj: _vary(stage_fn(wj, x, kj, mb)),
                          lambda x: _vary(x), x)
         return x
@@ -262,7 +268,8 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
         def upd(g, d, dim):
             if d.dtype == jax.dtypes.float0:  # integer leaf: no gradient
                 return g
-            d = scatter(d.astype(g.dtype), dim)
+            # under ZeRO-3 the vjp of the gather already reduce-scattered the grad over `data`
+            d = d.astype(g.dtype) if gather_stacked else scatter(d.astype(g.dtype), dim)
             cur = lax.dynamic_slice_in_dim(g, c * k, k, 0)
             return lax.dynamic_update_slice_in_dim(g, cur + d, c * k, 0)
         return jax.tree.map(upd, gw, dwc, st_dims)

@@ -34,10 +34,9 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    # The pipeline accumulates a step's gradients unsharded over `data` and reduces them once at the end,
-    # so with stages the per-device gradient memory is the compute layout's, whatever the ZeRO stage.
-    grad_specs = steps.specs["compute"] if mesh_cfg.stage > 1 else steps.specs["grads"]
-    grad_shardings = named_shardings(mesh, grad_specs)
+    # With stages the gradient accumulators live in the pipeline loop, laid out like the grads specs: ZeRO-2/3
+    # shard them over `data` there too (pipelined.py).
+    grad_shardings = named_shardings(mesh, steps.specs["grads"])
     params = per_device_bytes(state.params, steps.state_shardings.params)
     opt = per_device_bytes(state.opt_state, steps.state_shardings.opt_state)
     grads = per_device_bytes(state.params, grad_shardings)  # fp32, like the params
@@ -47,7 +46,7 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     # upper bound that holds everywhere.
     peak = max(int(getattr(mem, "peak_memory_in_bytes", 0) or 0), args + out - alias + temp)
     report = {
-        "model": cfg.model.model_type, "num_params": cfg.model.num_params(),
+        "model": cfg.model.model_type, "num_params": steps.model.num_params(),
         "mesh": {"data": mesh_cfg.data, "stage": mesh_cfg.stage, "model": mesh_cfg.model},
         "zero_stage": cfg.parallel.zero_stage, "dtype": cfg.precision.dtype,
         "micro_batches": steps.accum_steps, "scan_layers": cfg.model.scan_layers,
