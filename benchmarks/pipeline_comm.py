@@ -1,0 +1,98 @@
+"""Collective-permutes the compiled pipeline executes per step, per schedule, read from the compiled HLO.
+
+Compiles the toy pipeline (jax3d.pipeline.toy) on emulated CPU devices and counts `collective-permute`
+instructions where they sit: outside the tick loop (run once), in the loop body (run every tick), or in
+a conditional inside the body (run on the ticks the schedule table says something is sent in that
+direction). Direction comes from each instruction's source-target pairs.
+
+    python benchmarks/pipeline_comm.py --stages 4 --microbatches 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from jax3d.mesh import emulate_cpu_devices
+
+
+def _computations(text):
+    """{name: body text} of an HLO module's computations."""
+    out, name, lines = {}, None, []
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m and not line.startswith(" "):
+            name, lines = m.group(1), []
+        elif line.startswith("}") and name:
+            out[name] = "\n".join(lines)
+            name = None
+        elif name:
+            lines.append(line)
+    return out
+
+
+def count_permutes(text, ticks, sends_fwd, sends_bwd):
+    """(static count, executed count per step, outside-the-loop count) of collective-permutes, and
+    {kind: count} of other collectives outside the loop."""
+    comps = _computations(text)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    branches = set()
+    for body in bodies:
+        for m in re.finditer(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)|"
+                             r"false_computation=%?([\w.\-]+))", comps.get(body, "")):
+            for group in m.groups():
+                if group:
+                    branches.update(n.strip().lstrip("%") for n in group.split(","))
+    static = executed = outside = 0
+    others = {}  # other collectives outside the loop (a parameter reorder shows up here)
+    for name, body in comps.items():
+        for line in body.splitlines():
+            kind = re.search(r"\b(all-to-all|all-gather|all-reduce|reduce-scatter)(-start)?\(", line)
+            if kind and name not in bodies and name not in branches:
+                others[kind.group(1)] = others.get(kind.group(1), 0) + 1
+            if not re.search(r"collective-permute(-start)?\(", line):
+                continue
+            static += 1
+            forward = bool(re.search(r"source_target_pairs=\{\{0,1\}", line))
+            if name in bodies:
+                executed += ticks
+            elif name in branches:
+                executed += sends_fwd if forward else sends_bwd
+            else:
+                executed += 1
+                outside += 1
+    return static, executed, outside, others
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    a = p.parse_args()
+    emulate_cpu_devices(a.stages)
+    import jax
+
+    from jax3d.pipeline import make_schedule, program, toy
+    mesh = jax.make_mesh((1, a.stages, 1), ("data", "stage", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    for name in a.schedules:
+        v = 2 if name == "interleaved" else 1
+        sched = make_schedule(name, a.stages, a.microbatches, v)
+        st, sh = jax.eval_shape(lambda: toy.init(jax.random.key(0), layers=2 * a.stages))
+        mbs = jax.eval_shape(lambda: toy.microbatches(jax.random.key(0), m=a.microbatches, batch=4, seq=8))
+        with jax.set_mesh(mesh):
+            text = toy.pipelined(mesh, sched).lower(st, sh, mbs, None).compile().as_text()
+        prog = program.lower(sched)
+        sends = getattr(prog, "sends", None)
+        fwd = int(sends[:, 0].sum()) if sends is not None else sched.ticks
+        bwd = int(sends[:, 1].sum()) if sends is not None else sched.ticks
+        static, executed, outside, others = count_permutes(text, sched.ticks, fwd, bwd)
+        print(json.dumps({"schedule": name, "stages": a.stages, "microbatches": a.microbatches, "ticks": sched.ticks,
+                          "static_permutes": static, "outside_loop": outside, "executed_per_step": executed,
+                          "ticks_sending_fwd": fwd, "ticks_sending_bwd": bwd,
+                          "other_collectives_outside_loop": others}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
