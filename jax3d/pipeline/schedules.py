@@ -12,9 +12,12 @@ Every schedule is first built as one ordered list of actions per stage; a unit-t
 places each action at the earliest tick its dependencies allow. The same orders, replayed with costs
 (T_F, T_B, T_W), give the bubble figures. Orders do not depend on the costs.
 
-Live activations: a micro-batch is live on a stage from its F until the pass that last needs the
-stage's saved input: its B for fused schedules, its W for split ones (W recomputes the chunk from the
-saved input and also needs the output grad, so both stay until W).
+Live activations: a micro-batch is live on a stage from its F until the pass that last reads the
+residuals F stored: its B for fused schedules, its W for split ones (W reads the stored linear inputs
+and what B left it, so both stay until W).
+
+Costs: the loop does what `simulate` charges. F runs the forward once and stores residuals, a fused B
+is the backward alone (T_B + T_W), a split B the input-grad half (T_B) and W the weight-grad half (T_W).
 """
 from __future__ import annotations
 
