@@ -115,7 +115,9 @@ def evaluate_params(steps, params, dataset, count: int, progress: bool = True) -
         batch = {k: np.stack([np.asarray(r[k]) for r in rows]).reshape(accum, gb // accum, *np.shape(rows[0][k]))
                  for k in rows[0]}
         n_lm = float(np.sum(batch["loss_mask"]))
-        metrics = jax.device_get(steps.eval_step(params, jax.device_put(batch, sharding)))
+        # Every process builds the same host batch and hands each local device its slice of it.
+        arrays = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
+        metrics = jax.device_get(steps.eval_step(params, arrays))
         if kind == "bert":
             n_sop = float(np.sum(batch["sop_weight"]))
             sums["lm"] += float(metrics["lm_loss"]) * max(n_lm, 1.0)
