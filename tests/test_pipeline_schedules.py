@@ -113,9 +113,10 @@ def test_bad_arguments_refused():
 def test_buffer_slots_do_not_grow_with_m():
     for name in ("1f1b", "zb-h1"):
         a, b = lower(S.make_schedule(name, 4, 8)), lower(S.make_schedule(name, 4, 64))
-        assert (a.act_slots, a.grad_slots) == (b.act_slots, b.grad_slots)
-        assert a.act_slots <= 4
-    assert lower(S.make_schedule("gpipe", 4, 16)).act_slots == 16
+        slots = lambda x: (x.act_slots, x.grad_slots, x.res_slots, x.cut_slots)  # noqa: E731
+        assert slots(a) == slots(b)
+        assert a.res_slots <= 4 and a.act_slots <= 2  # an input turns into residuals at its F
+    assert lower(S.make_schedule("gpipe", 4, 16)).res_slots == 16
 
 
 def test_cli_prints_timeline_and_json():
