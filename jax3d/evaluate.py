@@ -165,7 +165,7 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     mesh_cfg = MeshConfig(dp, pp, tp)
     mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
     if tokenizer is None:
-        from jax3d.inference.cli import load_tokenizer
+        from jax3d.inference.generate import load_tokenizer
         tokenizer = load_tokenizer(meta, cfg.model.model_type)
     split = saved.data.split if split is None else split  # by default the samples training validated on
     dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples)

@@ -115,6 +115,8 @@ def test_cli_streams_the_greedy_text_with_tp2_and_rejects_bad_input(tmp_path):
                        capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.rstrip("\n") == want
+    from jax3d.inference import generate_text
+    assert generate_text(str(tmp_path / "ckpt"), [prompt], 12) == [want]
     assert "compiled prefill 1x and decode 1x" in r.stderr
 
     tiny_bert(str(tmp_path / "bert"), "BertForPreTraining", dict(num_hidden_layers=1, hidden_size=24,

@@ -31,21 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_tokenizer(meta: dict, kind: str):
-    """The tokenizer a checkpoint was trained (or imported) with."""
-    from jax3d import data
-    from jax3d.data.tokenizers import TOKENIZER_TYPES
-
-    tok = meta.get("tokenizer") or {}
-    has_files = any(tok.get(k) for k in ("vocab_file", "merge_file", "tokenizer_file"))
-    if tok.get("type") in TOKENIZER_TYPES and has_files:
-        return data.build_tokenizer(tok["type"], vocab_file=tok.get("vocab_file") or None,
-                                    merge_file=tok.get("merge_file") or None,
-                                    tokenizer_file=tok.get("tokenizer_file") or None)
-    cache = (meta.get("config", {}).get("data", {}) or {}).get("cache_dir") or None
-    return data.default_corpus(cache_dir=cache, kind=kind)[1]
-
-
 def main(argv=None) -> int:
     from jax3d.config import ConfigError
     from jax3d.data.indexed import DataError
@@ -78,34 +63,14 @@ def _main(argv) -> int:
 
     from jax3d.run import setup_devices
     setup_devices(a)
-    import jax
     import jax.numpy as jnp
 
-    from jax3d.export import load_params
-    from jax3d.inference.generate import Generator
-    from jax3d.mesh import MeshConfig
-    from jax3d.train.checkpoint import config_from_dict
+    from jax3d.inference.generate import generator_for, load_gpt_checkpoint
 
-    params, meta = load_params(a.load, a.ckpt_step)
-    cfg = config_from_dict(meta["config"]).model
-    if cfg.model_type != "gpt":
-        raise ConfigError(f"--load {a.load} holds a {cfg.model_type} checkpoint; generation needs a GPT one")
-    tp = a.tensor_model_parallel_size
-    if tp > jax.device_count():
-        raise ConfigError(f"--tensor-model-parallel-size {tp} exceeds the {jax.device_count()} devices")
-    mesh_cfg = MeshConfig(1, 1, tp)
-    mesh_cfg.validate(cfg, _parallel(tp), _train())
-    tok = load_tokenizer(meta, "gpt")
+    cfg, params, tok = load_gpt_checkpoint(a.load, a.ckpt_step)
     ids = [tok.tokenize(p) for p in prompts]
-    if any(not x for x in ids):
-        raise ConfigError("a prompt tokenizes to nothing; give every prompt some text")
-    longest = max(len(x) for x in ids)
-    if longest + a.max_new_tokens > cfg.max_position_embeddings:
-        raise ConfigError(f"the longest prompt is {longest} tokens; with --max-new-tokens {a.max_new_tokens} that "
-                          f"exceeds the model's {cfg.max_position_embeddings} positions, so shorten it or ask for fewer")
-    gen = Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=len(ids),
-                    max_len=min(cfg.max_position_embeddings, longest + a.max_new_tokens + 16),
-                    dtype=jnp.bfloat16 if a.bf16 else jnp.float32, eod=getattr(tok, "eod", None))
+    gen = generator_for(cfg, params, tok, ids, a.max_new_tokens, tp=a.tensor_model_parallel_size,
+                        dtype=jnp.bfloat16 if a.bf16 else jnp.float32)
     eod = None if a.ignore_eod else gen.eod
     outs = [[] for _ in ids]
     printed = ""
@@ -130,13 +95,3 @@ def _main(argv) -> int:
     print(f"jax3d: {len(ids)} prompt(s), compiled prefill {counts['prefill']}x and decode {counts['decode']}x",
           file=sys.stderr)
     return 0
-
-
-def _parallel(tp):
-    from jax3d.config import ParallelConfig
-    return ParallelConfig(tensor_parallel=tp)
-
-
-def _train():
-    from jax3d.config import TrainConfig
-    return TrainConfig(micro_batch_size=1, global_batch_size=1)

@@ -217,3 +217,64 @@ def greedy_without_cache(model, params, prompt: list[int], max_new_tokens: int, 
     for n in range(len(prompt), total):
         seq[0, n] = int(np.argmax(np.asarray(logits_fn(params, seq))[0, n - 1, :vocab]))
     return [int(t) for t in seq[0, len(prompt):]]
+
+
+def load_tokenizer(meta: dict, kind: str):
+    """The tokenizer a checkpoint was trained (or imported) with (its metadata `meta`)."""
+    from jax3d import data
+    from jax3d.data.tokenizers import TOKENIZER_TYPES
+
+    tok = meta.get("tokenizer") or {}
+    has_files = any(tok.get(k) for k in ("vocab_file", "merge_file", "tokenizer_file"))
+    if tok.get("type") in TOKENIZER_TYPES and has_files:
+        return data.build_tokenizer(tok["type"], vocab_file=tok.get("vocab_file") or None,
+                                    merge_file=tok.get("merge_file") or None,
+                                    tokenizer_file=tok.get("tokenizer_file") or None)
+    cache = (meta.get("config", {}).get("data", {}) or {}).get("cache_dir") or None
+    return data.default_corpus(cache_dir=cache, kind=kind)[1]
+
+
+def load_gpt_checkpoint(load: str, step: int = -1):
+    """(ModelConfig, numpy fp32 params, tokenizer) of a GPT checkpoint; ConfigError for any other."""
+    from jax3d.export import load_params
+    from jax3d.train.checkpoint import config_from_dict
+
+    params, meta = load_params(load, step)
+    cfg = config_from_dict(meta["config"]).model
+    if cfg.model_type != "gpt":
+        raise ConfigError(f"--load {load} holds a {cfg.model_type} checkpoint; generation needs a GPT one")
+    return cfg, params, load_tokenizer(meta, "gpt")
+
+
+def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
+                  tp: int = 1, dtype=jnp.float32) -> Generator:
+    """A Generator sized for these token prompts, tensor parallel over the first `tp` devices."""
+    from jax3d.config import ParallelConfig, TrainConfig
+    from jax3d.mesh import MeshConfig
+
+    if tp < 1 or tp > jax.device_count():
+        raise ConfigError(f"--tensor-model-parallel-size {tp} must be between 1 and the {jax.device_count()} devices")
+    mesh_cfg = MeshConfig(1, 1, tp)
+    mesh_cfg.validate(cfg, ParallelConfig(tensor_parallel=tp), TrainConfig(micro_batch_size=1, global_batch_size=1))
+    if any(not p for p in prompts):
+        raise ConfigError("a prompt tokenizes to nothing; give every prompt some text")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ConfigError(f"the longest prompt is {longest} tokens; with --max-new-tokens {max_new_tokens} that "
+                          f"exceeds the model's {cfg.max_position_embeddings} positions, so shorten it or ask for fewer")
+    return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=len(prompts), dtype=dtype,
+                     max_len=min(cfg.max_position_embeddings, longest + max_new_tokens + PROMPT_BUCKET),
+                     eod=getattr(tokenizer, "eod", None))
+
+
+def generate_text(load: str, prompts: list[str], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True), *,
+                  tp: int = 1, dtype=jnp.float32, seed: int = 0, step: int = -1) -> list[str]:
+    """The continuation of each text prompt by checkpoint `load` (up to the end-of-document token)."""
+    cfg, params, tok = load_gpt_checkpoint(load, step)
+    ids = [tok.tokenize(p) for p in prompts]
+    gen = generator_for(cfg, params, tok, ids, max_new_tokens, tp=tp, dtype=dtype)
+    out = []
+    for row in gen.generate(ids, max_new_tokens, sampling, seed):
+        cut = row.index(gen.eod) if gen.eod in row else len(row)
+        out.append(tok.detokenize(row[:cut]))
+    return out
