@@ -88,7 +88,7 @@ def main():
     ok = np.array_equal(jax.device_get(restored.params["blocks"]["mlp"]["up_kernel"][0, :4, :4]), probe)
     shutil.rmtree(a.dir, ignore_errors=True)
     print(json.dumps({
-        "model": "gpt-350m shape", "params": model.num_params(), "devices": a.devices,
+        "model": "gpt-350m shape", "params": steps.model.num_params(), "devices": a.devices,
         "save_layout": {"dsm": a.layout, "zero": a.zero},
         "restore_layout": {"dsm": a.restore_layout, "zero": a.restore_zero},
         "state_bytes": state_bytes, "disk_bytes": disk,

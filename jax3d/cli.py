@@ -7,99 +7,133 @@ import dataclasses
 from jax3d.argparse_util import OneLineParser
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig)
+from jax3d.data.tokenizers import TOKENIZER_TYPES
 from jax3d.models.presets import get_preset, preset_names
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Prints a flag's default once: after its help, unless the help already speaks of it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, "", False, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return f"{text} (default: {default})"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="launch/train.py", description=(
         "Train a GPT or BERT model with tensor, pipeline and ZeRO data parallelism. Flags follow "
-        "Megatron-DeepSpeed; shape flags override the --preset."), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "Megatron-DeepSpeed; shape flags override the --preset."), formatter_class=HelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=["gpt", "bert"], default=None, help="model family (default: the preset's)")
-    g.add_argument("--preset", default=None, help=f"named shape: {', '.join(preset_names())} (default gpt-tiny / bert-tiny)")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
-                 "--max-position-embeddings"):
-        g.add_argument(flag, type=int, default=None, help="overrides the preset")
-    g.add_argument("--vocab-size", type=int, default=0, help="force the model vocabulary (default: tokenizer's, padded)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--model", choices=["gpt", "bert"], default=None,
+                   help="model family (default: the preset's, gpt without one)")
+    g.add_argument("--preset", default=None, metavar="NAME",
+                   help=f"named shape, one of: {', '.join(preset_names())} (default: gpt-tiny, or bert-tiny with --model bert)")
+    for flag, what in (("--num-layers", "transformer blocks"), ("--hidden-size", "model width d"),
+                       ("--num-attention-heads", "attention heads"),
+                       ("--ffn-hidden-size", "MLP width (default: 4 x --hidden-size)"),
+                       ("--seq-length", "tokens per sample"),
+                       ("--max-position-embeddings", "learned positions (default: --seq-length)")):
+        g.add_argument(flag, type=int, default=None, help=what if "default" in what else f"{what} (default: the preset's)")
+    g.add_argument("--vocab-size", type=int, default=0,
+                   help="model vocabulary (default: the tokenizer's, padded to --make-vocab-size-divisible-by)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="pad the vocabulary to a multiple of this")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout on the residual stream")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="dropout on attention probabilities")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal weight init")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="layer-norm epsilon")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
-                   help="activation recompute policy")
+                   help="activation recompute in the backward pass (default: none)")
     g.add_argument("--recompute-granularity", choices=["selective", "full"], default=None,
                    help="Megatron's spelling of --recompute")
     g.add_argument("--checkpoint-activations", action="store_true", help="same as --recompute full")
     g.add_argument("--scan-layers", action="store_true", help="lax.scan over blocks (faster compiles of deep models)")
-    g.add_argument("--attention-impl", choices=["auto", "xla", "cudnn"], default="auto")
+    g.add_argument("--attention-impl", choices=["auto", "xla", "cudnn"], default="auto",
+                   help="attention kernel; auto is cuDNN flash attention on GPUs in bf16/fp16, else XLA")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="mesh axis `model` (default: auto)")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="mesh axis `stage` (default: auto)")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--zero-stage", type=int, default=None, help="0-3: shard optimizer state / grads / params over `data`")
-    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default="1f1b")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--pipeline-model-parallel-layout", default="", help="layers per stage, e.g. 3,5,5,3")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="mesh axis `model` (default: with --pipeline-model-parallel-size, the most parallel "
+                        "layout that fits; else 1)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="mesh axis `stage` (default: chosen with the tensor size, as above)")
+    g.add_argument("--sequence-parallel", action="store_true", help="shard layer-norm and dropout activations over sequence")
+    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="shard optimizer state (1), also grads (2), also params (3) over `data` "
+                        "(default: 1 with data parallelism, else 0)")
+    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default="1f1b",
+                   help="pipeline schedule")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk, for the interleaved schedule")
+    g.add_argument("--pipeline-model-parallel-layout", default="", metavar="N,N,...",
+                   help="layers per (virtual) stage when they don't divide evenly, e.g. 3,5,5,3")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=200)
+    g.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch per data-parallel rank "
+                   "(default: the preset's)")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per step = micro x accumulation x data (default: the preset's)")
+    g.add_argument("--train-iters", type=int, default=200, help="train steps")
     g.add_argument("--exit-interval", type=int, default=0, help="stop at the next multiple of this many iterations")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--seed", type=int, default=1234, help="seed of the init, data order and dropout")
+    g.add_argument("--log-interval", type=int, default=10, help="steps between metric lines")
+    g.add_argument("--eval-interval", type=int, default=100, help="steps between validations (0: none)")
+    g.add_argument("--eval-iters", type=int, default=4, help="global batches per validation")
     g.add_argument("--log-dir", default="runs/latest", help="metrics.jsonl and TensorBoard events go here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per log interval instead")
     g.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: by device kind)")
     g.add_argument("--dry-run", action="store_true", help="compile the step from abstract shapes and report memory")
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="start even when the compiled step's memory exceeds what the devices have")
 
-    g = p.add_argument_group("optimizer")
-    g.add_argument("--lr", type=float, default=6e-4)
-    g.add_argument("--min-lr", type=float, default=6e-5)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=0, help="default: --train-iters")
-    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g = p.add_argument_group("optimizer (AdamW)")
+    g.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=6e-5, help="learning rate at the end of the decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
+    g.add_argument("--lr-decay-iters", type=int, default=0, help="decay steps (default: --train-iters)")
+    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine",
+                   help="learning-rate decay")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: none)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
 
     g = p.add_argument_group("precision")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true", help="compute in bfloat16 (fp32 master weights)")
+    g.add_argument("--fp16", action="store_true", help="compute in float16 with loss scaling (fp32 master weights)")
     g.add_argument("--loss-scale", type=float, default=0.0, help="static fp16 loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="first dynamic fp16 loss scale")
+    g.add_argument("--loss-scale-window", type=int, default=1000, help="good steps before the scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the scale halves")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="smallest dynamic fp16 loss scale")
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=[], help="prefix, or weights and prefixes: 0.3 A 0.7 B")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-type", default="")
-    g.add_argument("--vocab-file", default="")
-    g.add_argument("--merge-file", default="")
-    g.add_argument("--tokenizer-file", default="")
-    g.add_argument("--data-cache-path", default="")
+    g.add_argument("--data-path", nargs="+", default=[], metavar="PATH",
+                   help="Megatron .bin/.idx prefix, or weights and prefixes: 0.3 A 0.7 B (default: the bundled corpus)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
+    g.add_argument("--tokenizer-type", default="", choices=["", *TOKENIZER_TYPES], metavar="TYPE",
+                   help=f"one of: {', '.join(TOKENIZER_TYPES)}")
+    g.add_argument("--vocab-file", default="", help="GPT-2 vocab.json or BERT vocab.txt")
+    g.add_argument("--merge-file", default="", help="GPT-2 merges.txt")
+    g.add_argument("--tokenizer-file", default="", help="a Hugging Face tokenizer.json (HFTokenizer)")
+    g.add_argument("--data-cache-path", default="", help="where sample indices are cached (default: beside the data)")
 
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--save", default="")
-    g.add_argument("--save-interval", type=int, default=0)
-    g.add_argument("--load", default="")
-    g.add_argument("--ckpt-step", type=int, default=-1)
-    g.add_argument("--keep-checkpoints", type=int, default=0)
+    g.add_argument("--save", default="", help="checkpoint directory to write")
+    g.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--load", default="", help="checkpoint directory to resume or fine-tune from")
+    g.add_argument("--ckpt-step", type=int, default=-1, help="step to load (default: the latest)")
+    g.add_argument("--keep-checkpoints", type=int, default=0, help="keep only the newest N (0: all)")
 
     g = p.add_argument_group("devices")
     g.add_argument("--cpu-devices", type=int, default=None,
                    help="emulate N CPU devices (default: 8 when no accelerator is present)")
-    g.add_argument("--coordinator-address", default="")
-    g.add_argument("--num-processes", type=int, default=0)
-    g.add_argument("--process-id", type=int, default=-1)
+    g.add_argument("--coordinator-address", default="", help="HOST:PORT of process 0, for several hosts")
+    g.add_argument("--num-processes", type=int, default=0, help="processes in a multi-host run")
+    g.add_argument("--process-id", type=int, default=-1, help="this process's index in a multi-host run")
     return p
 
 
@@ -115,8 +149,8 @@ def _override(base, **kw):
     return dataclasses.replace(base, **{k: v for k, v in kw.items() if v is not None})
 
 
-def config_from_args(a: argparse.Namespace) -> tuple[Config, dict]:
-    """The Config a parsed command line describes, plus launcher-only settings."""
+def config_from_args(a: argparse.Namespace) -> Config:
+    """The Config a parsed command line describes; fields it leaves to `jax3d.plan.resolve` are None or 0."""
     preset = a.preset or ("bert-tiny" if a.model == "bert" else "gpt-tiny")
     model, batch = get_preset(preset)
     if a.model and a.model != model.model_type:
@@ -131,27 +165,17 @@ def config_from_args(a: argparse.Namespace) -> tuple[Config, dict]:
                       scan_layers=a.scan_layers, attention_impl=a.attention_impl)
     model = dataclasses.replace(model, ffn_hidden_size=a.ffn_hidden_size or 4 * model.hidden_size,
                                 max_position_embeddings=a.max_position_embeddings or model.seq_length)
-    if a.vocab_size:
-        model = dataclasses.replace(model, vocab_size=a.vocab_size)
+    # 0: the tokenizer's vocabulary, padded (jax3d.plan.resolve)
+    model = dataclasses.replace(model, vocab_size=a.vocab_size, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     try:
         layout = tuple(int(x) for x in a.pipeline_model_parallel_layout.split(",") if x.strip())
     except ValueError:
         raise ConfigError(f"--pipeline-model-parallel-layout {a.pipeline_model_parallel_layout!r} must be "
                           "comma-separated layer counts, e.g. 3,5,5,3") from None
-    pp = a.pipeline_model_parallel_size or 1
-    virtual = 1
-    if a.num_layers_per_virtual_pipeline_stage:
-        if a.pipeline_model_parallel_size is None:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs an explicit "
-                              "--pipeline-model-parallel-size")
-        per_stage = model.num_layers // max(pp, 1)
-        if per_stage % a.num_layers_per_virtual_pipeline_stage:
-            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} "
-                              f"does not divide the {per_stage} layers of each stage")
-        virtual = per_stage // a.num_layers_per_virtual_pipeline_stage
-    parallel = ParallelConfig(tensor_parallel=a.tensor_model_parallel_size or 1, pipeline_parallel=pp,
-                              zero_stage=a.zero_stage or 0, sequence_parallel=a.sequence_parallel,
-                              pipeline_schedule=a.pipeline_schedule, virtual_stages=virtual,
+    parallel = ParallelConfig(tensor_parallel=a.tensor_model_parallel_size,
+                              pipeline_parallel=a.pipeline_model_parallel_size, zero_stage=a.zero_stage,
+                              sequence_parallel=a.sequence_parallel, pipeline_schedule=a.pipeline_schedule,
+                              layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage or 0,
                               pipeline_layout=layout)
     optim = OptimConfig(lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
                         lr_decay_iters=a.lr_decay_iters, lr_decay_style=a.lr_decay_style,
@@ -181,7 +205,4 @@ def config_from_args(a: argparse.Namespace) -> tuple[Config, dict]:
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{flag} {v} must be in [0, 1)")
     cfg = Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
-    launcher = {"auto_tp": a.tensor_model_parallel_size is None, "auto_pp": a.pipeline_model_parallel_size is None,
-                "auto_zero": a.zero_stage is None, "forced_vocab": a.vocab_size,
-                "divisible_by": a.make_vocab_size_divisible_by}
-    return cfg, launcher
+    return cfg

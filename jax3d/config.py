@@ -32,7 +32,8 @@ class ModelConfig:
     hidden_size: int = 128
     num_attention_heads: int = 4
     ffn_hidden_size: int = 0
-    vocab_size: int = 4096
+    vocab_size: int = 4096  # 0: the tokenizer's, padded (jax3d.plan.resolve)
+    make_vocab_size_divisible_by: int = 128
     seq_length: int = 128
     max_position_embeddings: int = 0
     hidden_dropout: float = 0.1
@@ -75,28 +76,20 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def num_params(self) -> int:
-        """Parameter count (tied embeddings counted once)."""
-        d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
-        block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
-        emb = v * d + self.max_position_embeddings * d + (0 if self.post_layernorm else 2 * d)
-        emb += 2 * d if self.embedding_layernorm else 0
-        if self.model_type == "bert":
-            emb += self.num_tokentypes * d + d * d + d + 2 * d + v + d * d + d + 2 * d + 2
-        return self.num_layers * block + emb
-
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """The (data, stage, model) layout and how the optimizer state is spread over `data`."""
 
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    # None in both: the most parallel layout that fits (jax3d.plan.resolve); None in one: 1.
+    tensor_parallel: int | None = 1
+    pipeline_parallel: int | None = 1
     data_parallel: int = 0  # 0: devices / (tp * pp)
-    zero_stage: int = 0
+    zero_stage: int | None = 0  # None: ZeRO-1 when there is data parallelism, else 0
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1
+    layers_per_virtual_stage: int = 0  # when set, resolve derives virtual_stages from it
     pipeline_layout: tuple[int, ...] = ()  # layers per stage, when they don't divide evenly
 
 

@@ -1,7 +1,6 @@
 """The (data, stage, model) device mesh: layout validation, building, CPU emulation, multi-host init."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -85,53 +84,8 @@ class MeshConfig:
         return cls(data=dp, stage=pp, model=tp)
 
     def validate(self, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
-        """Checks every divisibility rule up front, one sentence per violated rule."""
-        tp, pp, dp = self.model, self.stage, self.data
-        errors = []
-        for name, flag, value in [
-            ("heads", "--num-attention-heads", model.num_attention_heads),
-            ("hidden size", "--hidden-size", model.hidden_size),
-            ("FFN size", "--ffn-hidden-size", model.ffn_hidden_size),
-            ("vocabulary", "--vocab-size (padded)", model.vocab_size),
-        ]:
-            if value % tp:
-                errors.append(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}")
-        if model.hidden_size % model.num_attention_heads:
-            errors.append(f"--hidden-size {model.hidden_size} is not divisible by "
-                          f"--num-attention-heads {model.num_attention_heads}")
-        v = parallel.virtual_stages
-        if v < 1:
-            errors.append(f"virtual pipeline stages {v} must be at least 1")
-        elif parallel.pipeline_layout:
-            if len(parallel.pipeline_layout) != pp * v or sum(parallel.pipeline_layout) != model.num_layers:
-                errors.append(f"--pipeline-model-parallel-layout {','.join(map(str, parallel.pipeline_layout))} "
-                              f"must list {pp * v} (virtual) stage sizes that sum to --num-layers {model.num_layers}")
-        elif model.num_layers % (pp * v):
-            errors.append(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
-                          f"{pp} x virtual stages {v}; change them or give --pipeline-model-parallel-layout")
-        if model.seq_length > model.max_position_embeddings:
-            errors.append(f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
-                          f"{model.max_position_embeddings}")
-        if parallel.sequence_parallel and model.seq_length % tp:
-            errors.append(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
-                          f"{tp}, which --sequence-parallel needs")
-        mb, gb = train.micro_batch_size, train.global_batch_size
-        if gb % (mb * dp):
-            errors.append(f"--global-batch-size {gb} is not divisible by --micro-batch-size {mb} x data-parallel "
-                          f"size {dp} = {mb * dp}")
-        elif pp > 1 and gb // (mb * dp) < pp:
-            errors.append(f"{gb // (mb * dp)} micro-batches per step is fewer than --pipeline-model-parallel-size "
-                          f"{pp}; raise --global-batch-size to at least {mb * dp * pp}")
-        elif pp > 1 and parallel.pipeline_schedule == "interleaved" and (gb // (mb * dp)) % pp:
-            errors.append(f"{gb // (mb * dp)} micro-batches per step is not divisible by "
-                          f"--pipeline-model-parallel-size {pp}, which the interleaved schedule needs")
-        if parallel.pipeline_schedule == "interleaved" and pp > 1 and v < 2:
-            errors.append("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
-                          "(at least 2 chunks per stage)")
-        elif parallel.pipeline_schedule != "interleaved" and v > 1:
-            errors.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
-        if parallel.zero_stage not in (0, 1, 2, 3):
-            errors.append(f"--zero-stage {parallel.zero_stage} must be 0, 1, 2 or 3")
+        """Checks every rule of the layout up front; one message lists every violated rule."""
+        errors = layout_errors(self, model, parallel, train)
         if errors:
             raise ConfigError("; ".join(errors))
 
@@ -147,19 +101,60 @@ class MeshConfig:
                              axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
-def most_parallel_layout(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                         num_devices: int) -> tuple[int, int]:
-    """(tp, pp) for the main job when no layout is given: on 8 devices (data, stage, model) = (2, 2, 2)."""
-    best = (1, 1)
-    for tp in (2, 1):
-        for pp in (2, 1):
-            if num_devices % (tp * pp):
-                continue
-            cfg = MeshConfig(num_devices // (tp * pp), pp, tp)
-            try:
-                cfg.validate(model, dataclasses.replace(parallel, tensor_parallel=tp, pipeline_parallel=pp), train)
-            except ConfigError:
-                continue
-            if tp * pp > best[0] * best[1]:
-                best = (tp, pp)
-    return best
+def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> list[str]:
+    """Every rule a (data, stage, model) layout must meet for this model and batch: one sentence per broken rule.
+
+    The pipeline-shape rules (layers per stage and virtual stage, micro-batches per stage, which schedule
+    takes virtual stages) all live here.
+    """
+    tp, pp, dp = mesh.model, mesh.stage, mesh.data
+    errors = []
+    for name, flag, value in [
+        ("heads", "--num-attention-heads", model.num_attention_heads),
+        ("hidden size", "--hidden-size", model.hidden_size),
+        ("FFN size", "--ffn-hidden-size", model.ffn_hidden_size),
+        ("vocabulary", "--vocab-size (padded)", model.vocab_size),
+    ]:
+        if value % tp:
+            errors.append(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}")
+    if model.hidden_size % model.num_attention_heads:
+        errors.append(f"--hidden-size {model.hidden_size} is not divisible by "
+                      f"--num-attention-heads {model.num_attention_heads}")
+    v = parallel.virtual_stages
+    lpvs = parallel.layers_per_virtual_stage
+    if lpvs and (model.num_layers // pp) % lpvs:
+        errors.append(f"--num-layers-per-virtual-pipeline-stage {lpvs} does not divide the "
+                      f"{model.num_layers // pp} layers of each of the {pp} pipeline stages")
+    elif v < 1:
+        errors.append(f"virtual pipeline stages {v} must be at least 1")
+    elif parallel.pipeline_layout:
+        if len(parallel.pipeline_layout) != pp * v or sum(parallel.pipeline_layout) != model.num_layers:
+            errors.append(f"--pipeline-model-parallel-layout {','.join(map(str, parallel.pipeline_layout))} "
+                          f"must list {pp * v} (virtual) stage sizes that sum to --num-layers {model.num_layers}")
+    elif model.num_layers % (pp * v):
+        errors.append(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
+                      f"{pp} x virtual stages {v}; change them or give --pipeline-model-parallel-layout")
+    if model.seq_length > model.max_position_embeddings:
+        errors.append(f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
+                      f"{model.max_position_embeddings}")
+    if parallel.sequence_parallel and model.seq_length % tp:
+        errors.append(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
+                      f"{tp}, which --sequence-parallel needs")
+    mb, gb = train.micro_batch_size, train.global_batch_size
+    if gb % (mb * dp):
+        errors.append(f"--global-batch-size {gb} is not divisible by --micro-batch-size {mb} x data-parallel "
+                      f"size {dp} = {mb * dp}")
+    elif pp > 1 and gb // (mb * dp) < pp:
+        errors.append(f"{gb // (mb * dp)} micro-batches per step is fewer than --pipeline-model-parallel-size "
+                      f"{pp}; raise --global-batch-size to at least {mb * dp * pp}")
+    elif pp > 1 and parallel.pipeline_schedule == "interleaved" and (gb // (mb * dp)) % pp:
+        errors.append(f"{gb // (mb * dp)} micro-batches per step is not divisible by "
+                      f"--pipeline-model-parallel-size {pp}, which the interleaved schedule needs")
+    if parallel.pipeline_schedule == "interleaved" and pp > 1 and v < 2:
+        errors.append("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
+                      "(at least 2 chunks per stage)")
+    elif parallel.pipeline_schedule != "interleaved" and v > 1:
+        errors.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
+    if parallel.zero_stage not in (None, 0, 1, 2, 3):
+        errors.append(f"--zero-stage {parallel.zero_stage} must be 0, 1, 2 or 3")
+    return errors

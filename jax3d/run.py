@@ -1,15 +1,14 @@
 """`python launch/train.py`: flags -> config -> devices and mesh -> data -> train (or --dry-run)."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import os
 import sys
 
 from jax3d.cli import build_parser, config_from_args
-from jax3d.config import Config, ConfigError
-from jax3d.mesh import MeshConfig, emulate_cpu_devices, init_distributed, most_parallel_layout
+from jax3d.config import ConfigError
+from jax3d.mesh import emulate_cpu_devices, init_distributed
 
 
 def _accelerator_installed() -> bool:
@@ -28,17 +27,6 @@ def setup_devices(args) -> None:
     elif not _accelerator_installed():
         emulate_cpu_devices(8)
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)
-
-
-def choose_layout(cfg: Config, launcher: dict, num_devices: int) -> Config:
-    """Fills in tp / pp / ZeRO that the user left unset: the most parallel layout that fits."""
-    par = cfg.parallel
-    if launcher["auto_tp"] and launcher["auto_pp"] and num_devices > 1:
-        tp, pp = most_parallel_layout(cfg.model, par, cfg.train, num_devices)
-        par = dataclasses.replace(par, tensor_parallel=tp, pipeline_parallel=pp)
-    if launcher["auto_zero"] and num_devices // (par.tensor_parallel * par.pipeline_parallel) > 1:
-        par = dataclasses.replace(par, zero_stage=1)
-    return dataclasses.replace(cfg, parallel=par)
 
 
 def main(argv=None) -> int:
@@ -60,46 +48,47 @@ def main(argv=None) -> int:
         raise
 
 
+def header(plan, num_params: int) -> str:
+    """The run's first line: model, size, layout (and how it was chosen), ZeRO, dtype, batch."""
+    cfg, mesh = plan.cfg, plan.mesh
+    m, tr = cfg.model, cfg.train
+    return (f"jax3d: {m.model_type} {m.num_layers}L d{m.hidden_size} ({num_params / 1e6:.1f}M params) on "
+            f"(data, stage, model) = ({mesh.data}, {mesh.stage}, {mesh.model}), {plan.layout_note}; "
+            f"ZeRO-{cfg.parallel.zero_stage}, {cfg.precision.dtype}, "
+            f"global batch {tr.global_batch_size} x {m.seq_length} tokens")
+
+
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
-    cfg, launcher = config_from_args(args)
+    cfg = config_from_args(args)
     setup_devices(args)
     import jax
 
-    from jax3d.train.inputs import build_inputs, with_vocab
+    from jax3d.models import build_model
+    from jax3d.plan import resolve
+    from jax3d.train.inputs import build_inputs, tokenizer_and_paths
 
     if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
         from jax3d.cli import given_flags
         from jax3d.train.checkpoint import adopt_saved_model
         cfg = adopt_saved_model(cfg, args.load, args.ckpt_step, given_flags(argv))
-    num_devices = jax.device_count()
-    cfg = choose_layout(cfg, launcher, num_devices)
-    mesh_cfg = MeshConfig.from_parallel(cfg.parallel, num_devices)
+    # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it.
+    tok, paths = tokenizer_and_paths(cfg)
+    plan = resolve(cfg, jax.device_count(), tok.vocab_size)
+    cfg, mesh_cfg = plan.cfg, plan.mesh
+    if jax.process_index() == 0:
+        print(header(plan, build_model(cfg.model).num_params()), file=sys.stderr)
     if args.dry_run:
-        if launcher["forced_vocab"]:
-            cfg = with_vocab(cfg, cfg.model.vocab_size, 1, forced=launcher["forced_vocab"])
-        mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
         from jax3d.train.dry_run import dry_run
-        report = dry_run(cfg, mesh_cfg, mesh_cfg.build())
-        print(json.dumps(report))
+        print(json.dumps(dry_run(cfg, mesh_cfg, mesh_cfg.build())))
         return 0
-    # Check the layout before any data work, with the vocabulary the run will pad to.
-    mesh_cfg.validate(dataclasses.replace(cfg.model, vocab_size=cfg.parallel.tensor_parallel), cfg.parallel, cfg.train)
     tr = cfg.train
     n_train = tr.train_iters * tr.global_batch_size
     # Every evaluation reads the same first eval_iters batches of the validation split, so the curve
     # compares like with like.
     n_valid = tr.eval_iters * tr.global_batch_size if tr.eval_interval else 0
-    inputs = build_inputs(cfg, n_train, n_valid)
-    cfg = with_vocab(cfg, inputs.vocab_size, launcher["divisible_by"], launcher["forced_vocab"])
-    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    inputs = build_inputs(cfg, n_train, n_valid, tok, paths)
     mesh = mesh_cfg.build()
-    if jax.process_index() == 0:
-        m = cfg.model
-        print(f"jax3d: {m.model_type} {m.num_layers}L d{m.hidden_size} ({m.num_params() / 1e6:.1f}M params) on "
-              f"(data, stage, model) = ({mesh_cfg.data}, {mesh_cfg.stage}, {mesh_cfg.model}), "
-              f"ZeRO-{cfg.parallel.zero_stage}, {cfg.precision.dtype}, "
-              f"global batch {tr.global_batch_size} x {m.seq_length} tokens", file=sys.stderr)
     checkpointer = None
     if tr.save or tr.load:
         from jax3d.train.checkpoint import Checkpointer
@@ -108,7 +97,8 @@ def _main(argv) -> int:
     from jax3d.train.checkpoint import TrainingInterrupted
     from jax3d.train.loop import train
     try:
-        last = train(cfg, mesh_cfg, mesh, inputs, progress=not args.no_progress, checkpointer=checkpointer)
+        last = train(cfg, mesh_cfg, mesh, inputs, progress=not args.no_progress, checkpointer=checkpointer,
+                     memory_check=not args.no_memory_check)
     except TrainingInterrupted as e:
         print(f"jax3d: {e}", file=sys.stderr)
         return e.exit_code  # 143 for SIGTERM, 130 for SIGINT

@@ -8,6 +8,8 @@ models but ran slower on GPU).
 """
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -84,6 +86,10 @@ class TransformerLM:
     def init(self, rng):
         """fp32 parameters. Jit it with `out_shardings` to create them already sharded."""
         return unbox(self._boxed_init(rng))
+
+    def num_params(self) -> int:
+        """Parameter count, read off the abstract parameter tree (nothing is allocated)."""
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(jax.eval_shape(self.init, jax.random.key(0))))
 
     # ---- forward ------------------------------------------------------------------------------
     def run_blocks(self, blocks, x, rng=None, deterministic=True, mask=None, layer_offset=0, keys=None):

@@ -11,7 +11,8 @@ import numpy as np
 from jax3d.config import Config
 from jax3d.mesh import MeshConfig
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, peak_tflops
-from jax3d.train.step import Steps, build_steps
+from jax3d.train.memory import check_fits
+from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps
 
 
 # Steps queued ahead of the device. Two keep it busy, and more gain nothing. An unbounded queue (up
@@ -59,8 +60,13 @@ def evaluate(steps: Steps, params, valid, eval_iters: int) -> dict:
     return out
 
 
-def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None) -> dict:
-    """Runs `cfg.train.train_iters` steps (or until `--exit-interval`); returns the last logged record."""
+def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None,
+          memory_check: bool = True) -> dict:
+    """Runs `cfg.train.train_iters` steps (or until `--exit-interval`); returns the last logged record.
+
+    With `memory_check`, a step whose compiled peak exceeds the local devices' memory raises ConfigError
+    before the state is allocated.
+    """
     from jax3d.data import BatchLoader
 
     tr = cfg.train
@@ -68,9 +74,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     state, consumed = None, 0
     if checkpointer is not None:
         state, consumed = checkpointer.restore(steps)
-    if state is None:
-        state = steps.init_state(tr.seed)
-    start = int(state.step)
+    start = int(state.step) if state is not None else 0
     end = tr.train_iters
     if tr.exit_interval:
         end = min(end, (start // tr.exit_interval + 1) * tr.exit_interval)
@@ -78,6 +82,15 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         print(f"jax3d: nothing to do: the state is already at step {start} of {end}", file=sys.stderr)
         return {}
     chief = jax.process_index() == 0
+    # Compiled from abstract shapes before a fresh state is allocated, so a step that cannot fit stops here.
+    t0 = time.perf_counter()
+    train_step = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
+    if chief and progress:
+        print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if memory_check:
+        check_fits(train_step)
+    if state is None:
+        state = steps.init_state(tr.seed)
     flops_tok = model_flops_per_token(cfg.model)
     peak = peak_tflops(tr.peak_tflops)
     n_dev = jax.device_count()
@@ -89,10 +102,6 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         # A fresh run starts a fresh log; a resumed one appends to it.
         writer = MetricsWriter(tr.log_dir, enabled=chief, truncate=start == 0)
         first_batch = next(loader)
-        t0 = time.perf_counter()
-        train_step = steps.train_step.lower(state, first_batch).compile()  # compile outside the timed steps
-        if chief and progress:
-            print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         bar = _progress(end, start, progress and chief)
         last, pending = {}, []
         t_last, steps_since = time.perf_counter(), 0

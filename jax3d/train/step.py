@@ -224,6 +224,12 @@ class _with_mesh:
             return self.fn.lower(*args)
 
 
+def abstract_state(steps: Steps) -> TrainState:
+    """ShapeDtypeStructs of the train state, carrying its shardings: compiles the step without allocating it."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        steps.abstract_state, steps.state_shardings)
+
+
 def abstract_batch(steps: Steps, batch_keys: dict) -> dict:
     """ShapeDtypeStructs of one global batch, given {key: (per-sample shape, dtype)}."""
     rows = steps.cfg.train.global_batch_size // steps.accum_steps

@@ -1,0 +1,95 @@
+"""From a parsed configuration to a runnable one, in one step.
+
+A `Config` may leave some fields to be decided here ("auto"): `tensor_parallel` and `pipeline_parallel`
+None picks the most parallel layout that the devices and the batch allow, `zero_stage` None is ZeRO-1
+when there is data parallelism, and `vocab_size` 0 is the tokenizer's vocabulary padded to a multiple of
+`make_vocab_size_divisible_by`. `resolve` fills them in and checks every rule once, reporting all that
+fail in one message. Training, `--dry-run`, evaluation and export all start from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from jax3d.config import Config, ConfigError
+from jax3d.mesh import MeshConfig, layout_errors
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated configuration and the mesh it runs on, with why that layout was chosen."""
+
+    cfg: Config
+    mesh: MeshConfig
+    layout_note: str  # e.g. "chosen automatically: the most parallel layout that fits"
+
+
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """The vocabulary padded to a multiple of `divisible_by` (and of tp, when tp does not divide that).
+
+    Megatron pads to divisible_by x tp, which makes the padded size depend on the layout; here it does
+    not, so a checkpoint restores onto any tensor-parallel size without a vocabulary change.
+    """
+    m = divisible_by if divisible_by % tp == 0 else divisible_by * tp
+    return ((vocab + m - 1) // m) * m
+
+
+def _with_vocab(cfg: Config, tokenizer_vocab: int | None) -> Config:
+    model, tp = cfg.model, cfg.parallel.tensor_parallel
+    if model.vocab_size:
+        if tokenizer_vocab and model.vocab_size < tokenizer_vocab:
+            raise ConfigError(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's "
+                              f"{tokenizer_vocab} tokens; raise it or leave it out")
+        return cfg
+    if not tokenizer_vocab:
+        raise ConfigError("the vocabulary size is unknown: give a tokenizer (--tokenizer-type ...) or --vocab-size")
+    vocab = padded_vocab(tokenizer_vocab, model.make_vocab_size_divisible_by, tp)
+    return dataclasses.replace(cfg, model=dataclasses.replace(model, vocab_size=vocab))
+
+
+def _with_layout(cfg: Config, tp: int, pp: int) -> Config:
+    """`cfg` at tensor size tp and pipeline size pp, with virtual stages derived from layers per virtual stage."""
+    par = cfg.parallel
+    virtual = par.virtual_stages
+    lpvs = par.layers_per_virtual_stage
+    if lpvs and (cfg.model.num_layers // pp) % lpvs == 0:
+        virtual = cfg.model.num_layers // pp // lpvs
+    return cfg.replace(parallel={"tensor_parallel": tp, "pipeline_parallel": pp, "virtual_stages": virtual})
+
+
+def _candidates(num_devices: int):
+    """(tp, pp) to try when the layout is automatic, most parallel first: (2, 2, 2) on 8 devices."""
+    return [(tp, pp) for tp, pp in ((2, 2), (2, 1), (1, 2), (1, 1)) if num_devices % (tp * pp) == 0]
+
+
+def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None) -> Plan:
+    """The runnable `Config` and `MeshConfig` for `num_devices`, auto fields filled in, every rule checked.
+
+    `tokenizer_vocab` is the tokenizer's vocabulary size; it is needed when `cfg.model.vocab_size` is 0.
+    Raises ConfigError naming every violated rule.
+    """
+    par = cfg.parallel
+    auto_layout = par.tensor_parallel is None and par.pipeline_parallel is None
+    if auto_layout:
+        tried = []
+        for tp, pp in _candidates(num_devices):
+            trial = _with_vocab(_with_layout(cfg, tp, pp), tokenizer_vocab)
+            mesh = MeshConfig.from_parallel(trial.parallel, num_devices)
+            errors = layout_errors(mesh, trial.model, trial.parallel, trial.train)
+            if not errors:
+                break
+            tried.append(f"({mesh.data}, {mesh.stage}, {mesh.model}) failed: {errors[0]}")
+        else:
+            raise ConfigError("no (data, stage, model) layout fits; " + "; ".join(tried))
+        cfg = trial
+        note = "chosen automatically, the most parallel that fits"
+        if tried:
+            note += " (" + "; ".join(tried) + ")"
+    else:
+        cfg = _with_vocab(_with_layout(cfg, par.tensor_parallel or 1, par.pipeline_parallel or 1), tokenizer_vocab)
+        note = "as given"
+    mesh = MeshConfig.from_parallel(cfg.parallel, num_devices)
+    if cfg.parallel.zero_stage is None:
+        cfg = cfg.replace(parallel={"zero_stage": 1 if mesh.data > 1 else 0})
+    mesh.validate(cfg.model, cfg.parallel, cfg.train)
+    return Plan(cfg, mesh, note)
