@@ -140,6 +140,11 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     from jax3d.train.step import build_steps
 
     tok_kw, tok_files = _tokenizer_of(hf_dir, cfg_m.model_type)
+    tokenizer = None
+    if tok_kw:  # built from the source folder first, so a bad tokenizer fails before anything is written
+        from jax3d.data import build_tokenizer
+        src = {k: os.path.join(hf_dir, v) for k, v in tok_kw.items() if k.endswith("_file")}
+        tokenizer = build_tokenizer(tok_kw["tokenizer_type"], **src)
     tok_dir = os.path.join(os.path.abspath(save), "tokenizer")
     tok_kw = {k: (os.path.join(tok_dir, v) if k.endswith("_file") else v) for k, v in tok_kw.items()}
     cfg = Config(model=cfg_m, data=DataConfig(**tok_kw),
@@ -153,11 +158,6 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     os.makedirs(tok_dir, exist_ok=True)
     for p in tok_files:
         shutil.copy(os.path.join(hf_dir, p), os.path.join(tok_dir, p))
-    tokenizer = None
-    if tok_kw:
-        from jax3d.data import build_tokenizer
-        tokenizer = build_tokenizer(tok_kw["tokenizer_type"], vocab_file=tok_kw.get("vocab_file"),
-                                    merge_file=tok_kw.get("merge_file"), tokenizer_file=tok_kw.get("tokenizer_file"))
     ck = Checkpointer(cfg, tokenizer=tokenizer, async_save=False)
     ck.save(0, state, {"consumed_samples": 0}, wait=True)
     ck.close()
