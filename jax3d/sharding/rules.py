@@ -90,3 +90,8 @@ def named_shardings(mesh, spec_tree) -> object:
     """Maps a pytree of PartitionSpecs to NamedShardings on `mesh`."""
     return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), spec_tree,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def constrain_tree(tree, spec_tree):
+    """`with_sharding_constraint` on every leaf of `tree`, with the matching PartitionSpec of `spec_tree`."""
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, spec_tree)

@@ -18,6 +18,7 @@ from jax3d.config import Config
 from jax3d.pipeline import make_schedule
 from jax3d.pipeline.loop import pipeline_value_and_grad
 from jax3d.pipeline.schedules import summary
+from jax3d.sharding import cast_for_compute, constrain_tree
 
 
 def layer_counts(cfg: Config):
@@ -45,7 +46,6 @@ def _zero_dims(specs, zero_stage):
 
 
 def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
-    from jax3d.train.step import _constrain_tree, cast_for_compute
 
     par = cfg.parallel
     deterministic = cfg.model.deterministic
@@ -69,7 +69,7 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
         ends = {k: v for k, v in params.items() if k != "blocks"}
         shared = cast_for_compute(ends, dtype, {"compute": {k: specs["compute"][k] for k in ends}})
         if zero >= 3:  # stays sharded over `data`; the loop gathers each chunk where it runs
-            stacked = _constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params["blocks"]),
+            stacked = constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params["blocks"]),
                                       specs["params"]["blocks"])
         else:
             stacked = cast_for_compute(params["blocks"], dtype, {"compute": specs["compute"]["blocks"]})

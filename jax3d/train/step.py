@@ -20,8 +20,10 @@ from jax.sharding import PartitionSpec as P
 from jax3d.config import Config
 from jax3d.mesh import MeshConfig
 from jax3d.models import build_model
-from jax3d.sharding import ShardingRules, named_shardings, state_specs, tree_specs
+from jax3d.sharding import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
+                            tree_specs)
 from jax3d.train.optimizer import lr_schedule, make_optimizer
+from jax3d.train.pipelined import pipeline_grads_fn
 from jax3d.train.state import TrainState, initial_loss_scale, update_loss_scale
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -29,10 +31,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 def _where_tree(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
-
-
-def _constrain_tree(tree, specs):
-    return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs)
 
 
 def _is_spec(x):
@@ -76,13 +74,13 @@ def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     accum = jax.tree.leaves(batch)[0].shape[0]
-    zeros = _constrain_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params), specs["grads"])
+    zeros = constrain_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params), specs["grads"])
 
     def body(carry, xs):
         g_acc, obj_acc, aux_acc = carry
         i, mb = xs
         (_, (obj, aux)), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
-        g_acc = _constrain_tree(jax.tree.map(jnp.add, g_acc, g), specs["grads"])
+        g_acc = constrain_tree(jax.tree.map(jnp.add, g_acc, g), specs["grads"])
         return (g_acc, obj_acc + obj, jax.tree.map(jnp.add, aux_acc, aux)), None
 
     aux0 = _zero_aux(model, params, batch, norms)
@@ -95,11 +93,6 @@ def _zero_aux(model, params, batch, norms):
     mb0 = jax.tree.map(lambda a: a[0], batch)
     aux = jax.eval_shape(lambda: model.loss(params, mb0, None, True, norms)[1])
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
-
-
-def cast_for_compute(params32, dtype, specs):
-    """Compute-dtype copy of the parameters, gathered to their compute specs (the ZeRO-3 all-gather)."""
-    return _constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params32), specs["compute"])
 
 
 def loss_metrics(obj, aux, norms) -> dict:
@@ -157,7 +150,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         with jax.named_scope("forward_backward"):
             grads, obj, aux = grads_fn(state.params, batch, rng, scale, norms)
         with jax.named_scope("optimizer"):  # the scope profiles class the update by
-            grads = _constrain_tree(jax.tree.map(lambda g: g / scale, grads), specs["grads"])
+            grads = constrain_tree(jax.tree.map(lambda g: g / scale, grads), specs["grads"])
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(grad_norm)
             updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
@@ -186,7 +179,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     def loss_and_grads(params, batch):
         rng = jax.random.key(0)
         grads, obj, _ = grads_fn(params, batch, rng, jnp.float32(1.0), model.normalizers(batch))
-        return obj, _constrain_tree(grads, specs["grads"])
+        return obj, constrain_tree(grads, specs["grads"])
 
     with jax.set_mesh(mesh):
         init_jit = jax.jit(init_fn, static_argnums=0, out_shardings=state_shardings)
@@ -201,7 +194,6 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
 
 def _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype):
     if mesh_cfg.stage > 1:
-        from jax3d.train.pipelined import pipeline_grads_fn
         return pipeline_grads_fn(cfg, mesh, model, specs, dtype)
 
     def grads_fn(params, batch, rng, scale, norms):

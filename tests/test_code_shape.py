@@ -1,0 +1,98 @@
+"""Properties of the code itself: no import cycles in jax3d/, a readable --help."""
+import argparse
+import ast
+import os
+
+from jax3d.cli import HelpFormatter, build_parser
+from tests.helpers import ROOT
+
+PKG = os.path.join(ROOT, "jax3d")
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def import_graph() -> dict:
+    """jax3d module -> the jax3d modules it imports, anywhere in its source (functions included)."""
+    modules = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                modules[_module_name(os.path.join(dirpath, f))] = os.path.join(dirpath, f)
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                continue
+            for t in targets:
+                while t and t not in modules:  # `from pkg import name` names a module or something in pkg
+                    t = t.rsplit(".", 1)[0] if "." in t else ""
+                if t and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph: dict):
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        state[n] = 2
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_finder_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_jax3d_has_no_import_cycle():
+    graph = import_graph()
+    assert "jax3d.train.step" in graph and "jax3d.config" in graph["jax3d.train.step"]
+    # A package's __init__ re-exporting its own modules is not a cycle of ideas; leave those edges out.
+    graph = {n: {m for m in deps if not n.startswith(m + ".")} for n, deps in graph.items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_help_has_a_line_for_every_flag_and_each_default_once():
+    parser = build_parser()
+    fmt = HelpFormatter("launch/train.py")
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or "-h" in action.option_strings:
+            continue
+        text = fmt._get_help_string(action)
+        assert action.help, f"{action.option_strings[0]} has no help line"
+        assert text.count("default") <= 1, f"{action.option_strings[0]}: {text}"
+        if action.choices and action.metavar:  # argparse prints the choices only without a metavar
+            assert all(str(c) in text for c in action.choices if c), action.option_strings[0]
+    text = parser.format_help()
+    assert "(default: the preset's) (default: None)" not in text and "--tokenizer-type" in text
