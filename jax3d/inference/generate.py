@@ -190,12 +190,17 @@ class Generator:
             tok, state = prefill(self.params, tokens, valid, jax.random.fold_in(key, 0))
             done = np.zeros(len(prompts), bool)
             for i in range(max_new_tokens):
+                # The next step is dispatched before this token is copied to the host, so the device
+                # never waits on Python (at worst one step runs past the end-of-document).
+                nxt = None
+                if i + 1 < max_new_tokens:
+                    nxt, state = decode(self.params, state, tok, jax.random.fold_in(key, i + 1))
                 host = np.asarray(tok)
                 yield host
                 done |= host[:len(prompts)] == self.eod
-                if i + 1 == max_new_tokens or (stop_at_eod and done.all()):
+                if stop_at_eod and done.all():
                     return
-                tok, state = decode(self.params, state, tok, jax.random.fold_in(key, i + 1))
+                tok = nxt
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
                  seed: int = 0) -> list[list[int]]:
