@@ -89,7 +89,8 @@ def _cli(*args):
 
 def test_cli_one_sentence_errors(corpus):
     d, _, spec = corpus
-    common = ["--output-prefix", str(d / "cli"), "--tokenizer-type", "GPT2BPETokenizer",
+    # The output folder does not exist yet: preprocessing creates it, as the README's command expects.
+    common = ["--output-prefix", str(d / "new" / "cli"), "--tokenizer-type", "GPT2BPETokenizer",
               "--vocab-file", spec.vocab_file, "--merge-file", spec.merge_file, "--no-progress"]
     r = _cli("--input", str(_bad_file(d)), *common)
     assert r.returncode != 0 and "Traceback" not in r.stderr
@@ -97,6 +98,7 @@ def test_cli_one_sentence_errors(corpus):
     assert "line 2: invalid JSON" in r.stderr
     r = _cli("--input", str(_bad_file(d)), *common, "--on-bad-line", "skip")
     assert r.returncode == 0 and "line 3" in r.stderr and "2 bad lines skipped" in r.stderr
+    assert os.path.exists(d / "new" / "cli_text_document.idx")
     r = _cli("--input", str(d / "missing.jsonl"), *common)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "missing.jsonl does not exist" in r.stderr
     bad_vocab = [a if a != spec.vocab_file else str(d / "nope.json") for a in common]

@@ -172,8 +172,10 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
     if not os.path.isfile(input_path):
         raise DataError(f"--input {input_path} does not exist or is not a file.")
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    if not os.path.isdir(out_dir):
-        raise DataError(f"--output-prefix {output_prefix}: directory {out_dir} does not exist.")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--output-prefix {output_prefix}: cannot create directory {out_dir} ({e.strerror}).") from None
     json_keys = list(json_keys)
     tok = tokenizer.build()  # fail here, once, on bad vocab files; also fixes the dtype
     if append_eod and tok.eod is None:
