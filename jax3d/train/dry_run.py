@@ -5,19 +5,27 @@ No parameter is allocated: the state and the batch are ShapeDtypeStructs carryin
 """
 from __future__ import annotations
 
+import math
 import time
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
 
 from jax3d.config import Config
 from jax3d.mesh import MeshConfig
 from jax3d.sharding import named_shardings
 from jax3d.train.metrics import model_flops_per_token
-from jax3d.train.step import abstract_batch, build_steps, per_device_bytes
+from jax3d.train.memory import step_peak_bytes
+from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
 
-def _with_shardings(abstract, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+def per_device_bytes(abstract_tree, shardings) -> int:
+    """Bytes one device holds of a sharded tree (the largest shard of each leaf)."""
+    total = 0
+    for a, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))):
+        total += math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+    return total
 
 
 def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
@@ -26,7 +34,7 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
         # An unrolled deep stack compiles for minutes on a laptop; the scanned one in seconds.
         cfg = cfg.replace(model={"scan_layers": True})
     steps = build_steps(cfg, mesh_cfg, mesh)
-    state = _with_shardings(steps.abstract_state, steps.state_shardings)
+    state = abstract_state(steps)
     batch = abstract_batch(steps, steps.model.sample_shapes())
     t0 = time.perf_counter()
     compiled = steps.train_step.lower(state, batch).compile()
@@ -41,10 +49,8 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     opt = per_device_bytes(state.opt_state, steps.state_shardings.opt_state)
     grads = per_device_bytes(state.params, grad_shardings)  # fp32, like the params
     temp = int(mem.temp_size_in_bytes)
-    args, out, alias = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
-    # The compiler's own peak figure is not filled in on every backend; arguments + outputs + temp is an
-    # upper bound that holds everywhere.
-    peak = max(int(getattr(mem, "peak_memory_in_bytes", 0) or 0), args + out - alias + temp)
+    args = int(mem.argument_size_in_bytes)
+    peak = step_peak_bytes(compiled)  # the figure the train loop's memory guard checks
     report = {
         "model": cfg.model.model_type, "num_params": steps.model.num_params(),
         "mesh": {"data": mesh_cfg.data, "stage": mesh_cfg.stage, "model": mesh_cfg.model},

@@ -6,13 +6,11 @@ the pipeline when the mesh has more than one stage.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -228,11 +226,3 @@ def abstract_batch(steps: Steps, batch_keys: dict) -> dict:
     sharding = steps.batch_sharding()
     return {k: jax.ShapeDtypeStruct((steps.accum_steps, rows, *shape), dt, sharding=sharding)
             for k, (shape, dt) in batch_keys.items()}
-
-
-def per_device_bytes(abstract_tree, shardings) -> int:
-    """Bytes one device holds of a sharded tree (the largest shard of each leaf)."""
-    total = 0
-    for a, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))):
-        total += math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
-    return total
