@@ -70,7 +70,7 @@ def test_tensor_parallel_2_same_tokens(imported):
     hf, params, cfg = imported
     single = _gen(cfg, params, batch=4).generate(PROMPTS, NEW)
     tp = _gen(cfg, params, batch=4, tp=2)
-    assert tp.params["blocks"]["attn"]["qkv_kernel"].sharding.spec[3] == "model"
+    assert tp.params["blocks"][0]["attn"]["qkv_kernel"].sharding.spec[2] == "model"
     assert tp.generate(PROMPTS, NEW) == single
 
 

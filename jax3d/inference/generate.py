@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.models import build_model
-from jax3d.models.transformer import unstack_layers
 from jax3d.sharding import ShardingRules, named_shardings, tree_specs
 
 _CACHE_AXES = ("batch", "seq", "heads", "kv")
@@ -84,8 +84,16 @@ class Generator:
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size
         specs = tree_specs(self.rules, self.model.logical_axes())
-        self.param_shardings = named_shardings(mesh, specs)
-        self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dtype), params), self.param_shardings)
+        # Blocks are kept as one tree per layer: decode reads each weight once per token, and slicing a
+        # stack inside the step could cost a copy of it.
+        layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), specs.pop("blocks"), is_leaf=lambda x: isinstance(x, P))
+        layer_sh = named_shardings(mesh, layer_specs)
+        ends = {k: v for k, v in params.items() if k != "blocks"}
+        self.params = jax.device_put(jax.tree.map(lambda a: np.asarray(a).astype(dtype), ends),
+                                     named_shardings(mesh, specs))
+        self.params["blocks"] = [jax.device_put(jax.tree.map(lambda a, i=i: np.asarray(a[i]).astype(dtype),
+                                                             params["blocks"]), layer_sh)
+                                 for i in range(cfg.num_layers)]
         kv = NamedSharding(mesh, self.rules.spec(_CACHE_AXES))
         self.cache_sharding = [{"k": kv, "v": kv} for _ in range(cfg.num_layers)]
         self._repl = NamedSharding(mesh, self.rules.spec(()))
@@ -98,7 +106,7 @@ class Generator:
         m = self.model
         x = m.embed_at(params, tokens_bt, positions_bt)
         new_cache = []
-        for p, c in zip(unstack_layers(params["blocks"], self.cfg.num_layers), cache):
+        for p, c in zip(params["blocks"], cache):
             x, c = m.block.apply({"params": p}, x, mask_b1tT, None, True, {**c, "index": index})
             new_cache.append({"k": c["k"], "v": c["v"]})
         logits = m.final_logits(params, x)
