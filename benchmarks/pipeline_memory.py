@@ -21,6 +21,8 @@ def main():
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="what F stores for B (ModelConfig.recompute: jax.checkpoint policy per layer)")
     a = p.parse_args()
     emulate_cpu_devices(a.stages)
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
@@ -32,14 +34,14 @@ def main():
         for sched in a.schedules:
             cfg = Config(model=ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=8,
                                            seq_length=a.seq_length, vocab_size=1024, hidden_dropout=0.0,
-                                           attention_dropout=0.0),
+                                           attention_dropout=0.0, recompute=a.recompute),
                          parallel=ParallelConfig(pipeline_parallel=a.stages, pipeline_schedule=sched),
                          train=TrainConfig(micro_batch_size=a.micro_batch_size,
                                            global_batch_size=a.micro_batch_size * m))
             mesh_cfg = MeshConfig(1, a.stages, 1)
             mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
             r = dry_run(cfg, mesh_cfg, mesh_cfg.build())
-            row = {"schedule": sched, "microbatches": m, "temp_mib": round(r["temp"] / 2**20, 1),
+            row = {"schedule": sched, "microbatches": m, "recompute": a.recompute, "temp_mib": round(r["temp"] / 2**20, 1),
                    "peak_mib": round(r["peak"] / 2**20, 1), "peak_live_activations": r["peak_live_activations"],
                    "bubble_fraction": r["bubble_fraction"], "ticks": r["ticks"]}
             print(json.dumps(row), flush=True)

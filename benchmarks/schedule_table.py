@@ -37,7 +37,7 @@ def main():
     a = p.parse_args()
     if a.stage_times:
         with open(a.stage_times) as f:
-            st = json.loads(f.read().strip().splitlines()[-1])
+            st = next(json.loads(line) for line in f if '"T_F_ms"' in line)
         costs = (st["T_F_ms"], st["T_B_ms"], st["T_W_ms"])
     else:
         costs = tuple(float(c) for c in a.costs.split(","))

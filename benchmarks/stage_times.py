@@ -41,10 +41,12 @@ def _time(fn, *args, reps=10):
     return float(np.median(times))
 
 
-def _gemms(fn, *args) -> int:
-    """Matrix multiplies in the compiled program (XLA dots, or GEMM custom calls on the GPU)."""
+def _gemms(fn, *args) -> tuple[int, int]:
+    """Matrix multiplies (XLA dots, or GEMM custom calls on the GPU) and fused-attention calls in the
+    compiled program: a dead forward that XLA failed to remove would show up here."""
     text = fn.lower(*args).compile().as_text()
-    return len(re.findall(r"= [^=]*\bdot\(", text)) + len(re.findall(r'custom_call_target="__cublas', text))
+    gemms = len(re.findall(r"= [^=]*\bdot\(", text)) + len(re.findall(r'custom_call_target="__cublas', text))
+    return gemms, len(re.findall(r'custom_call_target="__cudnn\$fmha', text))
 
 
 def stage_passes(run, blocks, x):
@@ -126,22 +128,25 @@ def main():
     x = jax.random.normal(jax.random.key(1), (a.micro_batch_size, cfg.seq_length, cfg.hidden_size), dtype)
     fns, stored, cut = stage_passes(lambda w, x: model.run_blocks(w, x), blocks, x)
     ms = {k: _time(fn, *args, reps=a.reps) * 1e3 for k, (fn, args) in fns.items()}
-    gemms = {k: _gemms(fn, *args) for k, (fn, args) in fns.items()}
+    counts = {k: _gemms(fn, *args) for k, (fn, args) in fns.items()}
+    gemms = {k: c[0] for k, c in counts.items()}
+    attention_calls = {k: c[1] for k, c in counts.items()}
     nbytes = lambda tree: sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(tree))  # noqa: E731
     plain = ms["plain_fwd_bwd"]
     out = {"device": jax.devices()[0].device_kind, "preset": a.preset, "layers_per_stage": layers,
            "micro_batch": a.micro_batch_size, "seq": cfg.seq_length, "dtype": str(jnp.dtype(dtype)),
            "recompute": a.recompute, **{f"T_{k}_ms": v for k, v in ms.items()},
-           "gemms": gemms, "residual_mib": nbytes(stored) / 2**20, "cut_mib": nbytes(cut) / 2**20,
+           "gemms": gemms, "attention_calls": attention_calls, "residual_mib": nbytes(stored) / 2**20, "cut_mib": nbytes(cut) / 2**20,
            "1f1b_F_plus_fused_over_plain": (ms["F"] + ms["BW_fused"]) / plain,
            "zbh1_F_B_W_over_plain": (ms["F"] + ms["B"] + ms["W"]) / plain,
            "B_plus_W_over_fused": (ms["B"] + ms["W"]) / ms["BW_fused"],
            "fused_over_F": ms["BW_fused"] / ms["F"]}
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
     if a.api_check:
         t_pipe, t_ref, err = api_check(model, blocks, x.shape, dtype, a.microbatches)
-        out.update({"api_p1_pipelined_ms": t_pipe, "api_p1_accumulated_ms": t_ref,
-                    "api_p1_ratio": t_pipe / t_ref, "api_p1_max_rel_grad_err": err})
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))
+        print(json.dumps({"api_p1_microbatches": a.microbatches, "api_p1_pipelined_ms": round(t_pipe, 3),
+                          "api_p1_accumulated_ms": round(t_ref, 3), "api_p1_ratio": round(t_pipe / t_ref, 3),
+                          "api_p1_max_rel_grad_err": err}))
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ def _eval(eqns, env):
             _eval(jaxpr.eqns, inner)
             outs = [v.val if isinstance(v, Literal) else inner[v] for v in jaxpr.outvars]
         else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            subfuns, params = params if isinstance(params, tuple) else ((), params)  # older JAX: a pair
             with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
+                outs = eqn.primitive.bind(*subfuns, *vals, **params)
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return env
