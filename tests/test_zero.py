@@ -49,3 +49,18 @@ def test_dry_run_bytes_follow_zero_stage():
     assert abs(z3["opt_state"] / (z0["opt_state"] / 8) - 1) < 0.05
     assert z1["params"] == z0["params"]
     assert abs(z3["params"] / (z0["params"] / 8) - 1) < 0.05
+
+
+@pytest.mark.slow
+def test_dry_run_zero_under_pipelining_shards_grads_and_params():
+    """(data, stage, model) = (4, 2, 1): ZeRO-2's gradient accumulators are a quarter of ZeRO-1's and the
+    compiled peak falls by at least half of that saving; ZeRO-3 quarters the parameters too."""
+    reports = {}
+    for zero in (1, 2, 3):
+        cfg, mesh_cfg, mesh = tiny_config(data=4, stage=2, zero=zero, micro=1, global_batch=8,
+                                          model_kw=dict(hidden_size=256, vocab_size=2048, num_layers=4))
+        reports[zero] = dry_run(cfg, mesh_cfg, mesh)
+    z1, z2, z3 = reports[1], reports[2], reports[3]
+    assert z2["grads"] <= z1["grads"] / 2 and z3["params"] <= z2["params"] / 2
+    assert z1["peak"] - z2["peak"] >= (z1["grads"] - z2["grads"]) / 2
+    assert z3["peak"] < z2["peak"]
