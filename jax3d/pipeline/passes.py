@@ -8,9 +8,11 @@ depend on x (residuals.py); every backward rebuilds the pullback from them and r
 
 The split: the pullback, traced to a jaxpr and flattened (calls and `jax.checkpoint` regions inlined),
 is cut in two. B is every equation the input grad needs; W is what only the weight grads need (in a
-transformer: one GEMM per weight, bias and layer-norm reductions). What W reads from B's side of the
-cut (each linear's output cotangent, mostly) is B's second output, kept until W. Neither half
-repeats the other's work, so T_B + T_W is the fused backward's cost. Equations that compute both
+transformer: one GEMM per weight, bias and layer-norm reductions). The cotangents W reads from B's
+side of the cut (each linear's output cotangent, mostly) are B's second output, kept until W. Values
+computed from the residuals alone W recomputes (elementwise, unless --recompute left a layer's forward
+to the backward, which W then repeats). Without recompute neither half repeats the other's matmuls,
+so T_B + T_W is the fused backward's cost. Equations that compute both
 kinds of grad at once (a `scan` or `cond` over layers) stay whole in B, which is still correct.
 """
 from __future__ import annotations
@@ -148,15 +150,26 @@ def split(chunk, wc, zero_x, mask, stored, ct) -> Split:
     eqns = jaxpr.eqns
     in_b = _needed(eqns, jaxpr.outvars[-1:])
     in_w = _needed(eqns, jaxpr.outvars[:-1]) - in_b
+    # Values B computes from the residuals alone (a layer's forward, recomputed inside the backward under
+    # --recompute, or a layer norm's normalised input) are recomputed by W too rather than kept across
+    # the cut: the cut then holds cotangents only, and recompute saves memory in ZB-H1 as it does in 1F1B.
+    from_ct = {jaxpr.invars[-1]}
+    for eqn in eqns:
+        if any(not isinstance(v, Literal) and v in from_ct for v in eqn.invars):
+            from_ct.update(eqn.outvars)
     defined_in_b = {v for n in in_b for v in eqns[n].outvars}
+    wanted = [v for n in sorted(in_w) for v in eqns[n].invars] + list(jaxpr.outvars[:-1])
+    wanted = [v for v in wanted if not isinstance(v, Literal) and v in defined_in_b]
+    in_w |= _needed(eqns, [v for v in wanted if v not in from_ct])
+    defined_in_w = {v for n in in_w for v in eqns[n].outvars}
     cut, seen = [], set()
     for n in sorted(in_w):
         for v in eqns[n].invars:
-            if not isinstance(v, Literal) and v in defined_in_b and v not in seen:
+            if not isinstance(v, Literal) and v in defined_in_b and v not in defined_in_w and v not in seen:
                 seen.add(v)
                 cut.append(v)
     for v in jaxpr.outvars[:-1]:  # a weight grad B computes whole
-        if not isinstance(v, Literal) and v in defined_in_b and v not in seen:
+        if not isinstance(v, Literal) and v in defined_in_b and v not in defined_in_w and v not in seen:
             seen.add(v)
             cut.append(v)
     return Split(jaxpr, list(closed.consts), [eqns[n] for n in sorted(in_b)], [eqns[n] for n in sorted(in_w)], cut,
