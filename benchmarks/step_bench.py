@@ -68,12 +68,11 @@ def build(run: Run):
     import jax
     import numpy as np
 
-    from jax3d.mesh import MeshConfig
+    from jax3d.plan import resolve
     from jax3d.train.step import abstract_batch, build_steps
 
     cfg = config_for(run)
-    mesh_cfg = MeshConfig(1, 1, 1)
-    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    mesh_cfg = resolve(cfg, 1).mesh
     steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[:1]))
     state = steps.init_state(cfg.train.seed)
     shapes = abstract_batch(steps, steps.model.sample_shapes())

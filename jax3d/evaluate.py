@@ -142,7 +142,7 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                         pp: int = 1, dp: int = 0, dtype: str = "float32", seed: int | None = None,
                         tokenizer=None, progress: bool = True) -> dict:
     """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices."""
-    from jax3d.mesh import MeshConfig
+    from jax3d.plan import resolve
     from jax3d.train.checkpoint import config_from_dict, list_steps, read_meta, restore_arrays, restore_targets, resolve_step
     from jax3d.train.step import build_steps
 
@@ -162,8 +162,7 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                  precision=PrecisionConfig(dtype=dtype), data=saved.data,
                  train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * dp * pp,
                                    seed=saved.train.seed if seed is None else seed))
-    mesh_cfg = MeshConfig(dp, pp, tp)
-    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    mesh_cfg = resolve(cfg, dp * pp * tp).mesh
     if tokenizer is None:
         from jax3d.inference.generate import load_tokenizer
         tokenizer = load_tokenizer(meta, cfg.model.model_type)

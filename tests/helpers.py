@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from jax3d.mesh import MeshConfig
+from jax3d.plan import resolve
 
 
 def tiny_model(**kw) -> ModelConfig:
@@ -22,8 +22,7 @@ def tiny_config(data=1, stage=1, model=1, zero=0, micro=2, global_batch=16, mode
     cfg = Config(model=tiny_model(**(model_kw or {})),
                  parallel=ParallelConfig(tensor_parallel=model, pipeline_parallel=stage, zero_stage=zero, **parallel),
                  train=TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, train_iters=10))
-    mesh_cfg = MeshConfig(data, stage, model)
-    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    mesh_cfg = resolve(cfg, data * stage * model).mesh
     return cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size])
 
 

@@ -262,13 +262,13 @@ def load_gpt_checkpoint(load: str, step: int = -1):
 def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
                   tp: int = 1, dtype=jnp.float32) -> Generator:
     """A Generator sized for these token prompts, tensor parallel over the first `tp` devices."""
-    from jax3d.config import ParallelConfig, TrainConfig
-    from jax3d.mesh import MeshConfig
+    from jax3d.config import Config, ParallelConfig, TrainConfig
+    from jax3d.plan import resolve
 
     if tp < 1 or tp > jax.device_count():
         raise ConfigError(f"--tensor-model-parallel-size {tp} must be between 1 and the {jax.device_count()} devices")
-    mesh_cfg = MeshConfig(1, 1, tp)
-    mesh_cfg.validate(cfg, ParallelConfig(tensor_parallel=tp), TrainConfig(micro_batch_size=1, global_batch_size=1))
+    mesh_cfg = resolve(Config(model=cfg, parallel=ParallelConfig(tensor_parallel=tp),
+                              train=TrainConfig(micro_batch_size=1, global_batch_size=1)), tp).mesh
     if any(not p for p in prompts):
         raise ConfigError("a prompt tokenizes to nothing; give every prompt some text")
     longest = max(len(p) for p in prompts)
