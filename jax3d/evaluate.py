@@ -143,16 +143,12 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                         tokenizer=None, progress: bool = True) -> dict:
     """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices."""
     from jax3d.plan import resolve
-    from jax3d.train.checkpoint import config_from_dict, list_steps, read_meta, restore_arrays, restore_targets, resolve_step
+    from jax3d.train.checkpoint import config_from_dict, restore_arrays, restore_targets, saved_step_meta
     from jax3d.train.step import build_steps
 
     if bool(data_paths) == bool(text_file):
         raise ConfigError("pass exactly one of --data-path PREFIX and --text-file FILE")
-    found = list_steps(load)
-    if not found:
-        raise ConfigError(f"--load {load} holds no complete checkpoint; pass a directory written by --save")
-    step = resolve_step(load, found, step)
-    meta = read_meta(load, step)
+    step, meta = saved_step_meta(load, step)
     saved = config_from_dict(meta["config"])
     n_dev = jax.device_count()
     dp = dp or n_dev // (tp * pp)

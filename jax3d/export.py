@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jax3d.config import ConfigError
-from jax3d.train.checkpoint import config_from_dict, list_steps, read_meta, resolve_step, restore_arrays
+from jax3d.train.checkpoint import config_from_dict, restore_arrays, saved_step_meta
 
 FORMATS = ("safetensors", "orbax")
 
@@ -36,11 +36,7 @@ def abstract_params(model_cfg):
 
 def load_params(load_dir: str, step: int = -1, device=None):
     """(params as numpy fp32 arrays, checkpoint metadata) of `step` (default: latest) in `load_dir`."""
-    found = list_steps(load_dir)
-    if not found:
-        raise ConfigError(f"--load {load_dir} holds no complete checkpoint; pass a directory written by --save")
-    step = resolve_step(load_dir, found, step)
-    meta = read_meta(load_dir, step)
+    step, meta = saved_step_meta(load_dir, step)
     cfg = config_from_dict(meta["config"])
     device = device or jax.devices("cpu")[0]
     sharding = jax.sharding.SingleDeviceSharding(device)

@@ -162,6 +162,15 @@ def resolve_step(directory: str, steps: list[int], want: int) -> int:
     return steps[-1]
 
 
+def saved_step_meta(directory: str, want: int = -1) -> tuple[int, dict]:
+    """(step, metadata) of checkpoint step `want` (the latest when -1) in `directory`; ConfigError if none."""
+    found = list_steps(directory)
+    if not found:
+        raise ConfigError(f"--load {directory} holds no complete checkpoint; pass a directory written by --save")
+    step = resolve_step(directory, found, want)
+    return step, read_meta(directory, step)
+
+
 def read_meta(directory: str, step: int) -> dict:
     """The JSON metadata of one checkpoint step; ConfigError when it can't be read."""
     ocp = _ocp()
