@@ -12,7 +12,8 @@ buffers sized by the schedule's peak occupancy (not by m); B rebuilds the pullba
 never re-runs the forward. What the residuals are is the user's functions' business: layers under
 `jax.checkpoint` store only their inputs and recompute inside the pullback, exactly as they would
 without a pipeline. The loss head's backward runs in the last stage's F, where its seed is known.
-Split schedules (ZB-H1): B keeps the input grad, W the weight grads of the same pullback.
+Split schedules (ZB-H1): the pullback is cut in two (passes.split); B computes the input grad and
+the cotangents W needs, W only the weight grads, and neither repeats the other's matmuls.
 
 Gradients: one running sum per stage. With ZeRO-2 dims given, each micro-batch's weight grad is
 reduce-scattered over `data` into an accumulator holding 1/data of the stage's grads; otherwise the
@@ -46,10 +47,6 @@ def _vary(x):
 
 def _vary_tree(tree):
     return jax.tree.map(_vary, tree)
-
-
-def _add_grad(acc, g):
-    return acc if g.dtype == jax.dtypes.float0 else acc + g.astype(acc.dtype)
 
 
 def _leading(tree, what):
@@ -96,8 +93,9 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     data_dims: optional pair (stacked_dims, shared_dims) of pytrees like the params, an int per leaf:
       the dim ZeRO shards over `data`, or -1. With shard_grads (ZeRO-2) the gradient accumulators of
       leaves with a dim are sharded there over `data` (reduce-scattered per micro-batch) and returned
-      so. With gather_stacked (ZeRO-3) stacked_params arrive sharded there over `data` (the stacked
-      dims must then not be 0) and each layer is gathered when it runs.
+      so (stacked dims must not be 0, the layer dim). With gather_stacked (ZeRO-3, implies
+      shard_grads) stacked_params arrive sharded there over `data` and each layer is gathered when
+      it runs.
 
     Returns (loss_sum, aux_sums, grads_stacked, grads_shared): sums over all micro-batches and data
     shards (divide by the token count yourself); grads_stacked in the order stacked_params came in.
@@ -132,8 +130,9 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     st_dims, sh_dims = data_dims if data_dims is not None else (None, None)
     st_dims = _dims(stacked_params, st_dims if (shard_grads or gather_stacked) else None)
     sh_dims = _dims(shared_params, sh_dims if shard_grads else None)
-    if gather_stacked and any(d == 0 for d in jax.tree.leaves(st_dims)):
-        raise PipelineError("stacked params cannot be sharded over `data` on their layer dim")
+    if shard_grads and any(d == 0 for d in jax.tree.leaves(st_dims)):
+        raise PipelineError("data_dims cannot shard stacked params over `data` on their layer dim, "
+                            "which `stage` splits")
     try:
         validate(schedule)
     except ScheduleError as e:

@@ -32,12 +32,6 @@ def input_dependent(fn, args, dirty_argnum: int) -> list[bool]:
     return [not isinstance(v, Literal) and v in dirty for v in closed.jaxpr.outvars]
 
 
-def stored_avals(fn, args, mask):
-    """Shapes and dtypes of the leaves of `fn(*args)` selected by `mask`."""
-    out = jax.eval_shape(fn, *args)
-    return [o for o, keep in zip(out, mask) if keep]
-
-
 def rebuild(pullback, mask, stored):
     """`pullback` (traced on any input) with its input-dependent leaves replaced by `stored`."""
     leaves, tree = jax.tree.flatten(pullback)
