@@ -26,7 +26,7 @@ def main():
     a = p.parse_args()
     emulate_cpu_devices(a.stages)
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from jax3d.mesh import MeshConfig
+    from jax3d.plan import resolve
     from jax3d.train.dry_run import dry_run
 
     rows = []
@@ -38,8 +38,7 @@ def main():
                          parallel=ParallelConfig(pipeline_parallel=a.stages, pipeline_schedule=sched),
                          train=TrainConfig(micro_batch_size=a.micro_batch_size,
                                            global_batch_size=a.micro_batch_size * m))
-            mesh_cfg = MeshConfig(1, a.stages, 1)
-            mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+            mesh_cfg = resolve(cfg, a.stages).mesh
             r = dry_run(cfg, mesh_cfg, mesh_cfg.build())
             row = {"schedule": sched, "microbatches": m, "recompute": a.recompute, "temp_mib": round(r["temp"] / 2**20, 1),
                    "peak_mib": round(r["peak"] / 2**20, 1), "peak_live_activations": r["peak_live_activations"],

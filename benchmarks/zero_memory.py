@@ -28,7 +28,7 @@ def main():
     data, stage, model = a.mesh
     emulate_cpu_devices(data * stage * model)
     from jax3d.config import Config, ParallelConfig, TrainConfig
-    from jax3d.mesh import MeshConfig
+    from jax3d.plan import resolve
     from jax3d.models import get_preset
     from jax3d.train.dry_run import dry_run
 
@@ -41,8 +41,7 @@ def main():
         cfg = Config(model=mcfg, parallel=ParallelConfig(tensor_parallel=model, pipeline_parallel=stage,
                                                          zero_stage=zero, pipeline_schedule=a.schedule),
                      train=TrainConfig(micro_batch_size=micro, global_batch_size=global_))
-        mesh_cfg = MeshConfig(data, stage, model)
-        mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+        mesh_cfg = resolve(cfg, data * stage * model).mesh
         r = dry_run(cfg, mesh_cfg, mesh_cfg.build())
         print(json.dumps({"zero": zero, "mesh": a.mesh, "schedule": a.schedule, "recompute": a.recompute,
                           "micro_batches": r["micro_batches"],
