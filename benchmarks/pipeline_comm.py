@@ -5,7 +5,7 @@ instructions where they sit: outside the tick loop (run once), in the loop body 
 a conditional inside the body (run on the ticks the schedule table says something is sent in that
 direction). Direction comes from each instruction's source-target pairs.
 
-    python benchmarks/pipeline_comm.py --stages 4 --microbatches 8
+    python benchmarks/pipeline_comm.py --stages 4 --microbatches 8 [--model gpt]
 """
 from __future__ import annotations
 
@@ -64,11 +64,34 @@ def count_permutes(text, ticks, sends_fwd, sends_bwd):
     return static, executed, outside, others
 
 
+def _gpt_step_hlo(stages, m, schedule, virtual):
+    """Compiled HLO of a small GPT's train step on (1, stages, 1), from abstract shapes."""
+    import jax
+
+    from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from jax3d.mesh import MeshConfig
+    from jax3d.train.step import abstract_batch, build_steps
+    cfg = Config(model=ModelConfig(num_layers=2 * stages, hidden_size=64, num_attention_heads=4, seq_length=16,
+                                   vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0),
+                 parallel=ParallelConfig(pipeline_parallel=stages, pipeline_schedule=schedule,
+                                         virtual_stages=virtual),
+                 train=TrainConfig(micro_batch_size=2, global_batch_size=2 * m))
+    mesh_cfg = MeshConfig(1, stages, 1)
+    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
+    steps = build_steps(cfg, mesh_cfg, mesh_cfg.build())
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         steps.abstract_state, steps.state_shardings)
+    batch = abstract_batch(steps, steps.model.sample_shapes())
+    return steps.train_step.lower(state, batch).compile().as_text()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    p.add_argument("--model", choices=["toy", "gpt"], default="toy",
+                   help="the toy pipeline alone, or a small GPT's whole train step (optimizer included)")
     a = p.parse_args()
     emulate_cpu_devices(a.stages)
     import jax
@@ -79,16 +102,19 @@ def main():
     for name in a.schedules:
         v = 2 if name == "interleaved" else 1
         sched = make_schedule(name, a.stages, a.microbatches, v)
-        st, sh = jax.eval_shape(lambda: toy.init(jax.random.key(0), layers=2 * a.stages))
-        mbs = jax.eval_shape(lambda: toy.microbatches(jax.random.key(0), m=a.microbatches, batch=4, seq=8))
-        with jax.set_mesh(mesh):
-            text = toy.pipelined(mesh, sched).lower(st, sh, mbs, None).compile().as_text()
+        if a.model == "gpt":
+            text = _gpt_step_hlo(a.stages, a.microbatches, name, v)
+        else:
+            st, sh = jax.eval_shape(lambda: toy.init(jax.random.key(0), layers=2 * a.stages))
+            mbs = jax.eval_shape(lambda: toy.microbatches(jax.random.key(0), m=a.microbatches, batch=4, seq=8))
+            with jax.set_mesh(mesh):
+                text = toy.pipelined(mesh, sched).lower(st, sh, mbs, None).compile().as_text()
         prog = program.lower(sched)
         sends = getattr(prog, "sends", None)
         fwd = int(sends[:, 0].sum()) if sends is not None else sched.ticks
         bwd = int(sends[:, 1].sum()) if sends is not None else sched.ticks
         static, executed, outside, others = count_permutes(text, sched.ticks, fwd, bwd)
-        print(json.dumps({"schedule": name, "stages": a.stages, "microbatches": a.microbatches, "ticks": sched.ticks,
+        print(json.dumps({"model": a.model, "schedule": name, "stages": a.stages, "microbatches": a.microbatches, "ticks": sched.ticks,
                           "static_permutes": static, "outside_loop": outside, "executed_per_step": executed,
                           "ticks_sending_fwd": fwd, "ticks_sending_bwd": bwd,
                           "other_collectives_outside_loop": others}), flush=True)
