@@ -16,7 +16,10 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from step_bench import build_config  # noqa: E402
 
 
 def parse_layout(text: str) -> dict:
@@ -35,12 +38,8 @@ def parse_layout(text: str) -> dict:
 
 def measure(base, layout: dict, steps_timed: int) -> dict:
     import jax
-    import numpy as np
-
-    from jax3d.plan import resolve
     from jax3d.train.memory import step_peak_bytes
     from jax3d.train.metrics import model_flops_per_token, peak_tflops
-    from jax3d.train.step import abstract_batch, build_steps
 
     n = layout["data"] * layout["stage"] * layout["model"]
     micro = base.train.micro_batch_size
@@ -48,17 +47,8 @@ def measure(base, layout: dict, steps_timed: int) -> dict:
     cfg = base.replace(parallel={"tensor_parallel": layout["model"], "pipeline_parallel": layout["stage"],
                                  "zero_stage": layout["zero"], "pipeline_schedule": layout["schedule"]},
                        train={"global_batch_size": micro * m * layout["data"]})
-    plan = resolve(cfg, n)
-    cfg = plan.cfg
-    steps = build_steps(cfg, plan.mesh, plan.mesh.build(jax.devices()[:n]))
-    state = steps.init_state(cfg.train.seed)
-    shapes = abstract_batch(steps, steps.model.sample_shapes())
-    rng = np.random.default_rng(0)
-    batch = {k: jax.device_put(rng.integers(0, cfg.model.vocab_size, a.shape).astype(a.dtype), a.sharding)
-             for k, a in shapes.items()}
-    t0 = time.perf_counter()
-    compiled = steps.train_step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
+    steps, state, batch, compiled, compile_s = build_config(cfg, n)
+    cfg = steps.cfg
     with jax.set_mesh(steps.mesh):
         for _ in range(2):
             state, metrics = compiled(state, batch)
@@ -73,8 +63,8 @@ def measure(base, layout: dict, steps_timed: int) -> dict:
     peak = peak_tflops()
     stats = jax.local_devices()[0].memory_stats() or {}
     mem = stats.get("peak_bytes_in_use") or step_peak_bytes(compiled)  # CPU: the compiled step's own peak
-    return {"layout": {"data": plan.mesh.data, "stage": plan.mesh.stage, "model": plan.mesh.model},
-            "zero_stage": cfg.parallel.zero_stage, "schedule": cfg.parallel.pipeline_schedule if plan.mesh.stage > 1 else None, "microbatches": steps.accum_steps, "devices": n,
+    return {"layout": {"data": steps.mesh_cfg.data, "stage": steps.mesh_cfg.stage, "model": steps.mesh_cfg.model},
+            "zero_stage": cfg.parallel.zero_stage, "schedule": cfg.parallel.pipeline_schedule if steps.mesh_cfg.stage > 1 else None, "microbatches": steps.accum_steps, "devices": n,
             "tokens_per_s": round(tokens / dt, 1), "tokens_per_s_per_device": round(tokens / dt / n, 1),
             "mfu": round(tflops / peak, 4) if peak else None, "step_s": round(dt, 5),
             "peak_mem_gb_per_device": round(mem / 2**30, 3), "compile_s": round(compile_s, 1),

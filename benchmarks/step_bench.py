@@ -65,15 +65,20 @@ def config_for(run: Run):
 
 def build(run: Run):
     """(steps, state, batch, compiled train step, compile seconds) on one device."""
+    return build_config(config_for(run), 1)
+
+
+def build_config(cfg, num_devices: int):
+    """(steps, state, batch, compiled train step, compile seconds) for `cfg` on the first devices."""
     import jax
     import numpy as np
 
     from jax3d.plan import resolve
     from jax3d.train.step import abstract_batch, build_steps
 
-    cfg = config_for(run)
-    mesh_cfg = resolve(cfg, 1).mesh
-    steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[:1]))
+    plan = resolve(cfg, num_devices)
+    cfg = plan.cfg
+    steps = build_steps(cfg, plan.mesh, plan.mesh.build(jax.devices()[:num_devices]))
     state = steps.init_state(cfg.train.seed)
     shapes = abstract_batch(steps, steps.model.sample_shapes())
     rng = np.random.default_rng(0)
