@@ -92,3 +92,19 @@ def test_no_progress_prints_one_line_per_log_interval(tmp_path, capsys):
     assert [l.split(" | ")[0] for l in lines] == ["step 2/4", "step 4/4"]
     printed = [float(l.split(" | loss ")[1].split(" |")[0]) for l in lines]
     np.testing.assert_allclose(printed, _losses(log_dir), atol=1e-4)
+
+
+def test_a_step_that_cannot_fit_exits_2_with_one_sentence_unless_the_check_is_off(tmp_path, monkeypatch, capsys):
+    """The host is made to offer 1 MiB: the guard's sentence and exit 2; --no-memory-check trains anyway."""
+    from jax3d.train import memory
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2**20)
+    argv = [*BASE, "--train-iters", "1", "--log-dir", str(tmp_path), "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert "emulated devices" in errors[0] and "but this host has 0.0 GiB free" in errors[0]
+    assert "--recompute full" in errors[0] and "--no-memory-check" in errors[0]
+    assert main([*argv, "--no-memory-check"]) == 0
+    assert len(_losses(tmp_path)) == 1

@@ -71,6 +71,15 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
 
     tr = cfg.train
     steps = build_steps(cfg, mesh_cfg, mesh)
+    chief = jax.process_index() == 0
+    # Compiled from abstract shapes before any state is allocated or restored, so a step that cannot fit
+    # stops here, before a checkpoint is read into memory the step then has no room beside.
+    t0 = time.perf_counter()
+    train_step = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
+    if chief and progress:
+        print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if memory_check:
+        check_fits(train_step)
     state, consumed = None, 0
     if checkpointer is not None:
         state, consumed = checkpointer.restore(steps)
@@ -81,14 +90,6 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     if start >= end:
         print(f"jax3d: nothing to do: the state is already at step {start} of {end}", file=sys.stderr)
         return {}
-    chief = jax.process_index() == 0
-    # Compiled from abstract shapes before a fresh state is allocated, so a step that cannot fit stops here.
-    t0 = time.perf_counter()
-    train_step = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
-    if chief and progress:
-        print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    if memory_check:
-        check_fits(train_step)
     if state is None:
         state = steps.init_state(tr.seed)
     flops_tok = model_flops_per_token(cfg.model)

@@ -1,0 +1,108 @@
+"""The memory guard: what the host can still grant (cgroup v1 / v2, /proc/meminfo), and the stop it makes."""
+import os
+import types
+
+import pytest
+
+from jax3d.config import ConfigError
+from jax3d.train import memory
+
+GIB = 2**30
+
+
+def _write(root, rel, text):
+    path = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _meminfo(root, available_gib):
+    _write(root, "proc/meminfo", f"MemTotal:       99999999 kB\nMemAvailable:   {available_gib * 2**20} kB\n")
+
+
+def test_v2_headroom_counts_inactive_page_cache_as_free_and_a_parent_limit_binds(tmp_path):
+    _write(tmp_path, "proc/self/cgroup", "0::/user.slice/job\n")
+    cg = "sys/fs/cgroup/user.slice"
+    _write(tmp_path, f"{cg}/job/memory.max", f"{8 * GIB}\n")
+    _write(tmp_path, f"{cg}/job/memory.current", f"{6 * GIB}\n")
+    _write(tmp_path, f"{cg}/job/memory.stat", f"anon {3 * GIB}\nfile {3 * GIB}\ninactive_file {2 * GIB}\n")
+    assert memory.cgroup_headroom(str(tmp_path)) == 8 * GIB - (6 * GIB - 2 * GIB)
+    _meminfo(tmp_path, 16)
+    assert memory.host_available_bytes(root=str(tmp_path)) == 4 * GIB
+    # The parent's limit is tighter than the job's own: 7 GiB - (7 GiB - 1 GiB cache) = 1 GiB.
+    _write(tmp_path, f"{cg}/memory.max", f"{7 * GIB}\n")
+    _write(tmp_path, f"{cg}/memory.current", f"{7 * GIB}\n")
+    _write(tmp_path, f"{cg}/memory.stat", f"inactive_file {GIB}\n")
+    assert memory.host_available_bytes(root=str(tmp_path)) == GIB
+
+
+def test_v1_reads_the_memory_hierarchy_and_ignores_its_no_limit_value(tmp_path):
+    _write(tmp_path, "proc/self/cgroup", "5:devices:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n")
+    cg = "sys/fs/cgroup/memory"
+    _write(tmp_path, f"{cg}/memory.limit_in_bytes", "9223372036854771712\n")
+    _write(tmp_path, f"{cg}/memory.usage_in_bytes", f"{50 * GIB}\n")
+    _write(tmp_path, f"{cg}/process_api/abc/memory.limit_in_bytes", f"{24 * GIB}\n")
+    _write(tmp_path, f"{cg}/process_api/abc/memory.usage_in_bytes", f"{10 * GIB}\n")
+    _write(tmp_path, f"{cg}/process_api/abc/memory.stat",
+           f"cache {4 * GIB}\ninactive_file 0\ntotal_inactive_file {3 * GIB}\n")
+    assert memory.cgroup_headroom(str(tmp_path)) == 24 * GIB - (10 * GIB - 3 * GIB)
+    _meminfo(tmp_path, 30)
+    assert memory.host_available_bytes(root=str(tmp_path)) == 17 * GIB
+
+
+def test_a_container_that_sees_its_cgroup_as_the_mount_root(tmp_path):
+    """/proc/self/cgroup names a path the container's mount does not have: the mount root's files count."""
+    _write(tmp_path, "proc/self/cgroup", "0::/kubepods/pod1/ctr\n")
+    _write(tmp_path, "sys/fs/cgroup/memory.max", f"{2 * GIB}\n")
+    _write(tmp_path, "sys/fs/cgroup/memory.current", f"{GIB}\n")
+    assert memory.cgroup_headroom(str(tmp_path)) == GIB
+
+
+def test_no_limit_falls_back_to_meminfo(tmp_path):
+    _write(tmp_path, "proc/self/cgroup", "0::/a\n")
+    _write(tmp_path, "sys/fs/cgroup/a/memory.max", "max\n")
+    _write(tmp_path, "sys/fs/cgroup/a/memory.current", f"{GIB}\n")
+    assert memory.cgroup_headroom(str(tmp_path)) is None
+    _meminfo(tmp_path, 5)
+    assert memory.host_available_bytes(root=str(tmp_path)) == 5 * GIB
+    assert memory.host_available_bytes(root=str(tmp_path / "nothing")) is None
+
+
+def _compiled(args_gib, temp_gib):
+    """Stands in for a compiled step: only its memory analysis is read."""
+    mem = types.SimpleNamespace(argument_size_in_bytes=args_gib * GIB, output_size_in_bytes=args_gib * GIB,
+                                alias_size_in_bytes=args_gib * GIB, temp_size_in_bytes=temp_gib * GIB)
+    return types.SimpleNamespace(memory_analysis=lambda: mem)
+
+
+def test_check_fits_stops_with_one_sentence_naming_the_figure_and_the_fixes(monkeypatch):
+    # 1 GiB of arguments (donated) + 2 GiB of temporaries = 3 GiB per device, 8 emulated devices = 24 GiB.
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 10 * GIB)
+    with pytest.raises(ConfigError) as e:
+        memory.check_fits(_compiled(1, 2))
+    msg = str(e.value)
+    assert "3.0 GiB per device x 8 emulated devices = 24.0 GiB" in msg and "10.0 GiB free" in msg
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--zero-stage",
+                 "--recompute", "--micro-batch-size", "--no-memory-check"):
+        assert flag in msg
+    assert msg.count(". ") == 0 and "\n" not in msg
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 24 * GIB)
+    memory.check_fits(_compiled(1, 2))  # exactly fits
+
+
+def test_the_guard_stops_a_resumed_run_before_its_checkpoint_is_read(monkeypatch):
+    from jax3d.train.loop import train
+    from tests.helpers import tiny_config
+
+    class Checkpointer:
+        def restore(self, steps):
+            restored.append(steps)
+            return None, 0
+
+    restored = []
+    cfg, mesh_cfg, mesh = tiny_config(data=8)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1)
+    with pytest.raises(ConfigError, match="emulated devices"):
+        train(cfg, mesh_cfg, mesh, inputs=None, progress=False, checkpointer=Checkpointer())
+    assert restored == []
