@@ -9,6 +9,7 @@ from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, Parallel
                           TrainConfig)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
 from jax3d.models.presets import get_preset, preset_names
+from jax3d.plan import AUTO_LAYOUTS, SCAN_LAYERS_FROM
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -17,7 +18,8 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if "default" in text or default in (None, "", False, argparse.SUPPRESS) or action.nargs == 0:
+        # `is`, not `in`: 0 == False, and a default of 0 is worth printing.
+        if "default" in text or any(default is v for v in (None, "", False, argparse.SUPPRESS)) or action.nargs == 0:
             return text
         return f"{text} (default: {default})"
 
@@ -49,16 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=["selective", "full"], default=None,
                    help="Megatron's spelling of --recompute")
     g.add_argument("--checkpoint-activations", action="store_true", help="same as --recompute full")
-    g.add_argument("--scan-layers", action="store_true", help="lax.scan over blocks (faster compiles of deep models)")
+    g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="lax.scan over the blocks, which compiles a deep stack in seconds rather than minutes "
+                        f"(default: on from {SCAN_LAYERS_FROM} layers)")
     g.add_argument("--attention-impl", choices=["auto", "xla", "cudnn"], default="auto",
                    help="attention kernel; auto is cuDNN flash attention on GPUs in bf16/fp16, else XLA")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="mesh axis `model` (default: with --pipeline-model-parallel-size, the most parallel "
-                        "layout that fits; else 1)")
+                   help="mesh axis `model` (default: when neither this nor --pipeline-model-parallel-size is "
+                        "given, the first (tensor, pipeline) pair of "
+                        f"{', '.join(f'({tp}, {pp})' for tp, pp in AUTO_LAYOUTS)} that divides the devices and "
+                        "passes every layout rule, as jax3d.plan.resolve picks it; 1 when only the pipeline "
+                        "size is given)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
-                   help="mesh axis `stage` (default: chosen with the tensor size, as above)")
+                   help="mesh axis `stage` (default: chosen with the tensor size, see "
+                        "--tensor-model-parallel-size; 1 when only the tensor size is given)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard layer-norm and dropout activations over sequence")
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="shard optimizer state (1), also grads (2), also params (3) over `data` "

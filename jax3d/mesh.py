@@ -70,6 +70,9 @@ class MeshConfig:
     def from_parallel(cls, parallel: ParallelConfig, num_devices: int) -> "MeshConfig":
         """data = devices / (tp * pp), as Megatron derives it."""
         tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+        if tp is None or pp is None:
+            raise ConfigError("the tensor and pipeline sizes are automatic (None) in this config; pass it "
+                              "through jax3d.plan.resolve, which chooses them and validates the layout")
         if tp < 1 or pp < 1:
             raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
         if num_devices % (tp * pp):
@@ -122,7 +125,7 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
                       f"--num-attention-heads {model.num_attention_heads}")
     v = parallel.virtual_stages
     lpvs = parallel.layers_per_virtual_stage
-    if lpvs and (model.num_layers // pp) % lpvs:
+    if lpvs and pp > 1 and (model.num_layers // pp) % lpvs:
         errors.append(f"--num-layers-per-virtual-pipeline-stage {lpvs} does not divide the "
                       f"{model.num_layers // pp} layers of each of the {pp} pipeline stages")
     elif v < 1:
@@ -150,10 +153,16 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
     elif pp > 1 and parallel.pipeline_schedule == "interleaved" and (gb // (mb * dp)) % pp:
         errors.append(f"{gb // (mb * dp)} micro-batches per step is not divisible by "
                       f"--pipeline-model-parallel-size {pp}, which the interleaved schedule needs")
-    if parallel.pipeline_schedule == "interleaved" and pp > 1 and v < 2:
+    interleaved = parallel.pipeline_schedule == "interleaved"
+    if pp == 1 and (interleaved or lpvs):
+        given = [f for f, on in (("--pipeline-schedule interleaved", interleaved),
+                                 (f"--num-layers-per-virtual-pipeline-stage {lpvs}", lpvs)) if on]
+        errors.append(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --pipeline-model-parallel-size "
+                      f"2 or more, but it is 1; raise it or drop {'them' if len(given) > 1 else 'that flag'}")
+    elif interleaved and v < 2:
         errors.append("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
                       "(at least 2 chunks per stage)")
-    elif parallel.pipeline_schedule != "interleaved" and v > 1:
+    elif not interleaved and v > 1:
         errors.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
     if parallel.zero_stage not in (None, 0, 1, 2, 3):
         errors.append(f"--zero-stage {parallel.zero_stage} must be 0, 1, 2 or 3")

@@ -3,8 +3,9 @@
 A `Config` may leave some fields to be decided here ("auto"): `tensor_parallel` and `pipeline_parallel`
 None picks the most parallel layout that the devices and the batch allow, `zero_stage` None is ZeRO-1
 when there is data parallelism, and `vocab_size` 0 is the tokenizer's vocabulary padded to a multiple of
-`make_vocab_size_divisible_by`. `resolve` fills them in and checks every rule once, reporting all that
-fail in one message. Training, `--dry-run`, evaluation and export all start from it.
+`make_vocab_size_divisible_by`, and `scan_layers` None scans the layer stack from `SCAN_LAYERS_FROM` layers
+up. `resolve` fills them in and checks every rule once, reporting all that fail in one message. Training,
+`--dry-run`, evaluation and export all start from it.
 """
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ from dataclasses import dataclass
 
 from jax3d.config import Config, ConfigError
 from jax3d.mesh import MeshConfig, layout_errors
+
+# (tensor, pipeline) sizes an automatic layout tries, most parallel first: (2, 2, 2) on 8 devices.
+AUTO_LAYOUTS = ((2, 2), (2, 1), (1, 2), (1, 1))
+# Unrolled, a stack this deep compiles for minutes on a laptop; scanned, in seconds. The dry run and the
+# real run both take the choice made here, so they compile the same step.
+SCAN_LAYERS_FROM = 32
 
 
 @dataclass(frozen=True)
@@ -34,10 +41,14 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return ((vocab + m - 1) // m) * m
 
 
-def _with_vocab(cfg: Config, tokenizer_vocab: int | None) -> Config:
+def _with_vocab(cfg: Config, tokenizer_vocab: int | None, vocab_from_checkpoint: str) -> Config:
     model, tp = cfg.model, cfg.parallel.tensor_parallel
     if model.vocab_size:
         if tokenizer_vocab and model.vocab_size < tokenizer_vocab:
+            if vocab_from_checkpoint:
+                raise ConfigError(f"the checkpoint in --load {vocab_from_checkpoint} has a vocabulary of "
+                                  f"{model.vocab_size}, smaller than the tokenizer's {tokenizer_vocab} tokens; "
+                                  "use the tokenizer that checkpoint was trained with")
             raise ConfigError(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's "
                               f"{tokenizer_vocab} tokens; raise it or leave it out")
         return cfg
@@ -58,22 +69,27 @@ def _with_layout(cfg: Config, tp: int, pp: int) -> Config:
 
 
 def _candidates(num_devices: int):
-    """(tp, pp) to try when the layout is automatic, most parallel first: (2, 2, 2) on 8 devices."""
-    return [(tp, pp) for tp, pp in ((2, 2), (2, 1), (1, 2), (1, 1)) if num_devices % (tp * pp) == 0]
+    """(tp, pp) to try when the layout is automatic, in AUTO_LAYOUTS order, those that divide the devices."""
+    return [(tp, pp) for tp, pp in AUTO_LAYOUTS if num_devices % (tp * pp) == 0]
 
 
-def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None) -> Plan:
+def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *,
+            vocab_from_checkpoint: str = "") -> Plan:
     """The runnable `Config` and `MeshConfig` for `num_devices`, auto fields filled in, every rule checked.
 
     `tokenizer_vocab` is the tokenizer's vocabulary size; it is needed when `cfg.model.vocab_size` is 0.
+    `vocab_from_checkpoint` is the --load directory `cfg.model.vocab_size` was taken from, if it was, so
+    that a vocabulary too small for the tokenizer is blamed on the checkpoint rather than on a flag.
     Raises ConfigError naming every violated rule.
     """
+    if cfg.model.scan_layers is None:
+        cfg = cfg.replace(model={"scan_layers": cfg.model.num_layers >= SCAN_LAYERS_FROM})
     par = cfg.parallel
     auto_layout = par.tensor_parallel is None and par.pipeline_parallel is None
     if auto_layout:
         tried = []
         for tp, pp in _candidates(num_devices):
-            trial = _with_vocab(_with_layout(cfg, tp, pp), tokenizer_vocab)
+            trial = _with_vocab(_with_layout(cfg, tp, pp), tokenizer_vocab, vocab_from_checkpoint)
             mesh = MeshConfig.from_parallel(trial.parallel, num_devices)
             errors = layout_errors(mesh, trial.model, trial.parallel, trial.train)
             if not errors:
@@ -86,7 +102,8 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None) -
         if tried:
             note += " (" + "; ".join(tried) + ")"
     else:
-        cfg = _with_vocab(_with_layout(cfg, par.tensor_parallel or 1, par.pipeline_parallel or 1), tokenizer_vocab)
+        cfg = _with_vocab(_with_layout(cfg, par.tensor_parallel or 1, par.pipeline_parallel or 1), tokenizer_vocab,
+                          vocab_from_checkpoint)
         note = "as given"
     mesh = MeshConfig.from_parallel(cfg.parallel, num_devices)
     if cfg.parallel.zero_stage is None:

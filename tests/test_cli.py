@@ -108,3 +108,33 @@ def test_a_step_that_cannot_fit_exits_2_with_one_sentence_unless_the_check_is_of
     assert "--recompute full" in errors[0] and "--no-memory-check" in errors[0]
     assert main([*argv, "--no-memory-check"]) == 0
     assert len(_losses(tmp_path)) == 1
+
+
+def test_dry_run_reports_the_peak_the_memory_guard_checks(tmp_path, monkeypatch, capsys):
+    """32 layers, so the plan scans them: --dry-run and the real run compile the same step."""
+    from jax3d.config import ConfigError
+    from jax3d.train import loop, memory
+
+    checked = []
+
+    def record(compiled):
+        checked.append(memory.step_peak_bytes(compiled))
+        raise ConfigError("stopped after the guard's figure")
+
+    monkeypatch.setattr(loop, "check_fits", record)
+    argv = [*BASE, "--train-iters", "1", "--log-dir", str(tmp_path), "--num-layers", "32", "--hidden-size", "32",
+            "--num-attention-heads", "2", "--seq-length", "32", "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "1"]
+    assert main(argv) == 2
+    assert main([*argv, "--dry-run"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["scan_layers"] is True and report["peak"] == checked[0]
+
+
+def test_a_vocabulary_adopted_from_the_checkpoint_is_blamed_on_it(tmp_path, monkeypatch, capsys):
+    from jax3d.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "adopt_saved_model", lambda cfg, *a: cfg.replace(model={"vocab_size": 128}))
+    assert main([*BASE, "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: the checkpoint in --load {tmp_path / 'ckpt'} has a vocabulary of 128, smaller than" in err

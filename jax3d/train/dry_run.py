@@ -29,10 +29,11 @@ def per_device_bytes(abstract_tree, shardings) -> int:
 
 
 def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
-    """Per-device bytes of params, opt_state, grads, temp and peak, and the step's FLOPs."""
-    if cfg.model.num_layers >= 32 and not cfg.model.scan_layers:
-        # An unrolled deep stack compiles for minutes on a laptop; the scanned one in seconds.
-        cfg = cfg.replace(model={"scan_layers": True})
+    """Per-device bytes of params, opt_state, grads, temp and peak, and the step's FLOPs.
+
+    `cfg` is compiled as given, so that it reports what the real run compiles from the same `jax3d.plan.resolve`
+    output (whether the layers are scanned included).
+    """
     steps = build_steps(cfg, mesh_cfg, mesh)
     state = abstract_state(steps)
     batch = abstract_batch(steps, steps.model.sample_shapes())

@@ -1,0 +1,61 @@
+"""jax3d.plan.resolve and the layout rules it checks: what it fills in, and what it refuses in one sentence."""
+import pytest
+
+from jax3d.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from jax3d.mesh import MeshConfig, layout_errors
+from jax3d.plan import SCAN_LAYERS_FROM, resolve
+
+
+def _cfg(num_layers=4, vocab_size=256, train=None, **parallel):
+    return Config(model=ModelConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
+                                    vocab_size=vocab_size, seq_length=16),
+                  parallel=ParallelConfig(**parallel),
+                  train=train or TrainConfig(micro_batch_size=1, global_batch_size=8))
+
+
+@pytest.mark.parametrize("parallel, given", [
+    (dict(pipeline_schedule="interleaved"), "--pipeline-schedule interleaved needs"),
+    (dict(pipeline_schedule="interleaved", layers_per_virtual_stage=2),
+     "--pipeline-schedule interleaved and --num-layers-per-virtual-pipeline-stage 2 need"),
+    (dict(layers_per_virtual_stage=3), "--num-layers-per-virtual-pipeline-stage 3 needs"),
+])
+def test_virtual_stages_without_a_pipeline_are_refused_in_one_sentence(parallel, given):
+    cfg = _cfg(tensor_parallel=2, pipeline_parallel=1, **parallel)
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, 8)
+    assert str(e.value).startswith(given)
+    assert str(e.value).endswith("--pipeline-model-parallel-size 2 or more, but it is 1; raise it or drop "
+                                 + ("them" if " and " in given else "that flag"))
+    errors = layout_errors(MeshConfig(4, 1, 2), cfg.model, cfg.parallel, cfg.train)
+    assert len(errors) == 1
+
+
+def test_an_automatic_layout_with_the_interleaved_schedule_keeps_a_pipeline():
+    plan = resolve(_cfg(tensor_parallel=None, pipeline_parallel=None, pipeline_schedule="interleaved",
+                        layers_per_virtual_stage=1), 8)
+    assert (plan.mesh.data, plan.mesh.stage, plan.mesh.model) == (2, 2, 2)
+    assert plan.cfg.parallel.virtual_stages == 2
+
+
+def test_mesh_from_automatic_sizes_asks_for_resolve():
+    with pytest.raises(ConfigError, match="pass it through jax3d.plan.resolve"):
+        MeshConfig.from_parallel(ParallelConfig(tensor_parallel=None, pipeline_parallel=None), 8)
+    with pytest.raises(ConfigError, match="automatic"):
+        MeshConfig.from_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=None), 8)
+
+
+def test_a_vocabulary_too_small_for_the_tokenizer_names_where_it_came_from():
+    with pytest.raises(ConfigError) as e:
+        resolve(_cfg(vocab_size=256), 8, tokenizer_vocab=300)
+    assert str(e.value) == "--vocab-size 256 is smaller than the tokenizer's 300 tokens; raise it or leave it out"
+    with pytest.raises(ConfigError) as e:
+        resolve(_cfg(vocab_size=256), 8, tokenizer_vocab=300, vocab_from_checkpoint="ckpt/run")
+    assert str(e.value) == ("the checkpoint in --load ckpt/run has a vocabulary of 256, smaller than the "
+                            "tokenizer's 300 tokens; use the tokenizer that checkpoint was trained with")
+
+
+def test_scan_layers_is_decided_once_from_the_depth_unless_given():
+    assert resolve(_cfg(num_layers=SCAN_LAYERS_FROM), 8).cfg.model.scan_layers is True
+    assert resolve(_cfg(num_layers=SCAN_LAYERS_FROM - 1), 8).cfg.model.scan_layers is False
+    given = _cfg(num_layers=SCAN_LAYERS_FROM).replace(model={"scan_layers": False})
+    assert resolve(given, 8).cfg.model.scan_layers is False
