@@ -69,16 +69,15 @@ def _gpt_step_hlo(stages, m, schedule, virtual):
     import jax
 
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from jax3d.mesh import MeshConfig
+    from jax3d.plan import resolve
     from jax3d.train.step import abstract_batch, build_steps
     cfg = Config(model=ModelConfig(num_layers=2 * stages, hidden_size=64, num_attention_heads=4, seq_length=16,
                                    vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0),
                  parallel=ParallelConfig(pipeline_parallel=stages, pipeline_schedule=schedule,
                                          virtual_stages=virtual),
                  train=TrainConfig(micro_batch_size=2, global_batch_size=2 * m))
-    mesh_cfg = MeshConfig(1, stages, 1)
-    mesh_cfg.validate(cfg.model, cfg.parallel, cfg.train)
-    steps = build_steps(cfg, mesh_cfg, mesh_cfg.build())
+    plan = resolve(cfg, stages)
+    steps = build_steps(plan.cfg, plan.mesh, plan.mesh.build())
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          steps.abstract_state, steps.state_shardings)
     batch = abstract_batch(steps, steps.model.sample_shapes())

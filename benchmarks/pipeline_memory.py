@@ -38,8 +38,8 @@ def main():
                          parallel=ParallelConfig(pipeline_parallel=a.stages, pipeline_schedule=sched),
                          train=TrainConfig(micro_batch_size=a.micro_batch_size,
                                            global_batch_size=a.micro_batch_size * m))
-            mesh_cfg = resolve(cfg, a.stages).mesh
-            r = dry_run(cfg, mesh_cfg, mesh_cfg.build())
+            plan = resolve(cfg, a.stages)
+            r = dry_run(plan.cfg, plan.mesh, plan.mesh.build())
             row = {"schedule": sched, "microbatches": m, "recompute": a.recompute, "temp_mib": round(r["temp"] / 2**20, 1),
                    "peak_mib": round(r["peak"] / 2**20, 1), "peak_live_activations": r["peak_live_activations"],
                    "bubble_fraction": r["bubble_fraction"], "ticks": r["ticks"]}

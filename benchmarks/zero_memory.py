@@ -41,8 +41,8 @@ def main():
         cfg = Config(model=mcfg, parallel=ParallelConfig(tensor_parallel=model, pipeline_parallel=stage,
                                                          zero_stage=zero, pipeline_schedule=a.schedule),
                      train=TrainConfig(micro_batch_size=micro, global_batch_size=global_))
-        mesh_cfg = resolve(cfg, data * stage * model).mesh
-        r = dry_run(cfg, mesh_cfg, mesh_cfg.build())
+        plan = resolve(cfg, data * stage * model)
+        r = dry_run(plan.cfg, plan.mesh, plan.mesh.build())
         print(json.dumps({"zero": zero, "mesh": a.mesh, "schedule": a.schedule, "recompute": a.recompute,
                           "micro_batches": r["micro_batches"],
                           **{f"{k}_mib": round(r[k] / mib, 1)

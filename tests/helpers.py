@@ -19,11 +19,12 @@ def tiny_model(**kw) -> ModelConfig:
 
 
 def tiny_config(data=1, stage=1, model=1, zero=0, micro=2, global_batch=16, model_kw=None, **parallel) -> tuple:
+    """(the resolved Config, its MeshConfig, the jax Mesh on the first data x stage x model devices)."""
     cfg = Config(model=tiny_model(**(model_kw or {})),
                  parallel=ParallelConfig(tensor_parallel=model, pipeline_parallel=stage, zero_stage=zero, **parallel),
                  train=TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, train_iters=10))
-    mesh_cfg = resolve(cfg, data * stage * model).mesh
-    return cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size])
+    plan = resolve(cfg, data * stage * model)
+    return plan.cfg, plan.mesh, plan.mesh.build(jax.devices()[: plan.mesh.size])
 
 
 def random_text(n, seq, vocab, seed=0):
