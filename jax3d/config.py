@@ -20,6 +20,8 @@ OPTIMISATIONS = {
     "split_layers": "stacked block parameters split once per step, so each layer's gradient is written once",
     "lean_layernorm": "layer norm keeps only its input for the backward pass, not its fp32 intermediates",
     "lean_gelu": "the MLP keeps only the GELU input for the backward pass; GELU is recomputed there",
+    "gelu_keeps_output": "with lean_gelu, the MLP also keeps the GELU output, so only its derivative is recomputed",
+    "layernorm_keeps_stats": "with lean_layernorm, layer norm also keeps each token's mean and inverse deviation",
 }
 
 

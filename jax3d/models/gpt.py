@@ -14,7 +14,8 @@ class GPT(TransformerLM):
 
     def _modules(self):
         return (Embedding(self.cfg, self.rules, name="embed"),
-                LayerNorm(self.cfg.layernorm_epsilon, self.cfg.optimised("lean_layernorm"), name="final_norm"))
+                LayerNorm(self.cfg.layernorm_epsilon, self.cfg.optimised("lean_layernorm"),
+                          self.cfg.optimised("layernorm_keeps_stats"), name="final_norm"))
 
     def _init_ends(self, rng):
         emb, norm = self._modules()

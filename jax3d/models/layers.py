@@ -15,6 +15,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax3d.config import ModelConfig
 from jax3d.sharding.rules import ShardingRules
@@ -43,22 +44,32 @@ def layer_norm(x, scale, bias, eps: float):
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    mean, rstd = checkpoint_name((mean, jax.lax.rsqrt(var + eps)), "ln_stats")
+    y = (x32 - mean) * rstd
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 # Stores only the input for the backward pass and recomputes the rest: autodiff of the plain function
 # keeps fp32 intermediates of the whole activation (two of them) alive from forward to backward.
 _layer_norm_lean = jax.checkpoint(layer_norm, static_argnums=(3,))
+# The same, but also keeping the per-token mean and inverse deviation (one float each per token), so
+# the backward pass recomputes only the elementwise normalisation, not the two reductions.
+_layer_norm_lean_stats = jax.checkpoint(layer_norm, static_argnums=(3,),
+                                        policy=jax.checkpoint_policies.save_only_these_names("ln_stats"))
 
 
 def _gelu_then_dense(h_btf, w_fd, approximate: bool = True):
-    return jnp.einsum("btf,fd->btd", jax.nn.gelu(h_btf, approximate=approximate), w_fd)
+    g_btf = checkpoint_name(jax.nn.gelu(h_btf, approximate=approximate), "gelu_out")
+    return jnp.einsum("btf,fd->btd", g_btf, w_fd)
 
 
 # Keeps only the GELU input: the backward recomputes GELU (elementwise) rather than storing its output
 # and its derivative's intermediates, each as large as the input.
 _gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense, static_argnums=(2,))
+# Keeps the GELU input and output (what the two backward GEMMs read) but none of the derivative's
+# intermediates: the backward recomputes only GELU's derivative, inside the fusion that applies it.
+_gelu_then_dense_keep_out = jax.checkpoint(_gelu_then_dense, static_argnums=(2,),
+                                           policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
 
 
 class LayerNorm(nn.Module):
@@ -66,13 +77,16 @@ class LayerNorm(nn.Module):
 
     eps: float = 1e-5
     lean: bool = True  # recompute its intermediates in the backward pass
+    keep_stats: bool = True  # when lean, keep the per-token mean and inverse deviation
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
         bias = _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
-        return (_layer_norm_lean if self.lean else layer_norm)(x, scale, bias, self.eps)
+        if not self.lean:
+            return layer_norm(x, scale, bias, self.eps)
+        return (_layer_norm_lean_stats if self.keep_stats else _layer_norm_lean)(x, scale, bias, self.eps)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -163,7 +177,10 @@ class MLP(nn.Module):
         b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
         h_btf = jnp.einsum("btd,df->btf", x_btd, w_up) + b_up
         h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
-        down = _gelu_then_dense_lean if cfg.optimised("lean_gelu") else _gelu_then_dense
+        if not cfg.optimised("lean_gelu"):
+            down = _gelu_then_dense
+        else:
+            down = _gelu_then_dense_keep_out if cfg.optimised("gelu_keeps_output") else _gelu_then_dense_lean
         return down(h_btf, w_down, cfg.activation == "gelu_tanh") + b_down
 
 
@@ -181,7 +198,7 @@ class Block(nn.Module):
         cfg = self.cfg
         r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
-        lean = cfg.optimised("lean_layernorm")
+        lean = (cfg.optimised("lean_layernorm"), cfg.optimised("layernorm_keeps_stats"))
         pre, post = (None, LayerNorm) if cfg.post_layernorm else (LayerNorm, None)
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
@@ -199,9 +216,10 @@ class Block(nn.Module):
         return x_btd if cache is None else (x_btd, cache)
 
 
-def _norm(kind, cfg: ModelConfig, lean: bool, name: str, x):
-    """A named LayerNorm of x when `kind` is LayerNorm, else x (the pre- / post-LN switch)."""
-    return kind(cfg.layernorm_epsilon, lean, name=name)(x) if kind is LayerNorm else x
+def _norm(kind, cfg: ModelConfig, lean: tuple[bool, bool], name: str, x):
+    """A named LayerNorm of x when `kind` is LayerNorm, else x (the pre- / post-LN switch); `lean` is
+    the (lean, keep_stats) pair of LayerNorm's fields."""
+    return kind(cfg.layernorm_epsilon, *lean, name=name)(x) if kind is LayerNorm else x
 
 
 class Embedding(nn.Module):
