@@ -52,10 +52,27 @@ def classify(kernel: str, hlo_op: str = "", scope: str = "") -> str:
 
 
 def _scopes_from_hlo(hlo_text: str) -> dict:
-    """HLO instruction name -> jax name scope (op_name metadata), for the trace's `hlo_op`."""
-    out = {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text, re.M):
-        out[m.group(1)] = m.group(2)
+    """HLO instruction name -> jax name scope (op_name metadata), for the trace's `hlo_op`.
+
+    A fusion carries the scope of its root, which for the optimizer's update is often the
+    concatenate or select it fused in; a fusion with any instruction from the `optimizer` scope
+    inside it is given that scope, so the update is classed as optimizer work."""
+    out, calls = {}, {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", hlo_text, re.M):
+        name, rest = m.groups()
+        scope = re.search(r'op_name="([^"]*)"', rest)
+        if scope:
+            out[name] = scope.group(1)
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        if called:
+            calls[name] = called.group(1)
+    optimizer_comps = set()
+    for m in re.finditer(r"^%([\w.\-]+) .*?\{\n(.*?)^\}", hlo_text, re.M | re.S):
+        if "/optimizer/" in m.group(2):
+            optimizer_comps.add(m.group(1))
+    for name, comp in calls.items():
+        if comp in optimizer_comps and "/optimizer/" not in out.get(name, ""):
+            out[name] = "/optimizer/" + out.get(name, "")
     return out
 
 
@@ -63,21 +80,35 @@ def _summarise(kernels, steps: int) -> dict:
     """kernels: (name, hlo_op, scope, microseconds). Milliseconds per step by class, and the top kernels."""
     by_class = collections.Counter()
     by_kernel = collections.Counter()
+    by_scope = collections.Counter()
     for name, hlo_op, scope, us in kernels:
         c = classify(name, hlo_op, scope)
         by_class[c] += us
         by_kernel[(c, hlo_op or name[:80])] += us
+        by_scope[(c, _scope_key(scope))] += us
     ms = {c: round(by_class[c] / 1e3 / steps, 2) for c in CLASSES}
     ms["total"] = round(sum(by_class.values()) / 1e3 / steps, 2)
     top = [{"class": c, "op": n, "ms": round(us / 1e3 / steps, 2)} for (c, n), us in by_kernel.most_common(25)]
-    return {"ms_per_step": ms, "top": top}
+    scopes = [{"class": c, "scope": n, "ms": round(us / 1e3 / steps, 2)}
+              for (c, n), us in by_scope.most_common(30) if n]
+    return {"ms_per_step": ms, "top": top, "top_scopes": scopes}
 
 
-def profile_jax3d(run: Run, steps: int) -> dict:
+def _scope_key(scope: str) -> str:
+    """A name scope without its jit prefixes and per-call numbering: where in the model a kernel ran."""
+    parts = [q for q in scope.split("/") if q and not q.startswith("jit(")]
+    return re.sub(r"\d+", "#", "/".join(parts))[:140]
+
+
+def profile_jax3d(run: Run, steps: int, hlo_out: str = "") -> dict:
     import jax
 
     st, state, batch, compiled, _ = build(run)
-    scopes = _scopes_from_hlo(compiled.as_text())
+    hlo = compiled.as_text()
+    if hlo_out:
+        with open(hlo_out, "w") as f:
+            f.write(hlo)
+    scopes = _scopes_from_hlo(hlo)
     logdir = tempfile.mkdtemp(prefix="jax3d-prof-")
     with jax.set_mesh(st.mesh):
         for _ in range(3):
@@ -155,6 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None, help="trace the PyTorch peer too")
     p.add_argument("--out", default="", help="also write the JSON lines to this file")
+    p.add_argument("--hlo-out", default="", help="also write jax3d's compiled HLO text to this file")
     p.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.peer_only:
@@ -168,7 +200,7 @@ def main(argv=None) -> int:
     # Command buffers (CUDA graphs) hide which fusion each kernel ran for; the trace then names only
     # the buffer. Profile without them, so every kernel keeps its HLO name and name scope.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    recs.insert(0, profile_jax3d(Run(a.shape, a.batch, ablate=tuple(a.ablate)), a.steps))
+    recs.insert(0, profile_jax3d(Run(a.shape, a.batch, ablate=tuple(a.ablate)), a.steps, a.hlo_out))
     for r in recs:
         print(json.dumps(r), flush=True)
         if a.out:
