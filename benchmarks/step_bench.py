@@ -22,6 +22,8 @@ SHAPES = {
     "1.3b-b8": (24, 2048, 16, 2048, 8),
     "350m-b32": (24, 1024, 16, 1024, 32),
     "125m-b32": (12, 768, 12, 1024, 32),
+    "2.7b-b8": (32, 2560, 32, 2048, 8),  # for the largest model that trains on one device
+    "6.7b-b2": (32, 4096, 32, 2048, 2),
     "tiny": (2, 128, 8, 128, 4),  # for trying the scripts on a CPU
 }
 VOCAB = 50304
@@ -44,7 +46,9 @@ class Run:
 
     def label(self) -> str:
         parts = [self.shape if not self.batch else f"{self.shape.split('-')[0]}-b{self.batch}"]
-        parts += [f"-{a}" for a in self.ablate]
+        from jax3d.config import OPTIMISATIONS
+
+        parts += ["-every optimisation"] if set(self.ablate) == set(OPTIMISATIONS) else [f"-{a}" for a in self.ablate]
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
         if self.xla_flags:

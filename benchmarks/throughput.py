@@ -6,7 +6,7 @@ the peer counts them), step time, compile time and peak device memory. With `--p
 each shape too and a ratio line follows. `--ablate NAME` (repeatable, or `all`) adds a run with that
 optimisation off, so each one's worth is measured in the same call.
 
-    python benchmarks/throughput.py --shape 1.3b-b16 --peer --ablate all
+    python benchmarks/throughput.py --shape 1.3b-b16 --peer --ablate all --ablate together
     python benchmarks/throughput.py --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer
     python benchmarks/throughput.py --shape tiny --dtype float32 --ablate all   # tries it on a CPU
 """
@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=["1.3b-b16"], choices=list(SHAPES), help="model shapes to run")
     p.add_argument("--batch", type=int, nargs="+", default=[0], help="batch sizes (0: the shape's own)")
-    p.add_argument("--ablate", action="append", default=[], choices=["all", *OPTIMISATIONS],
-                   help="also run with this optimisation off (repeatable; 'all': each in turn)")
+    p.add_argument("--ablate", action="append", default=[], choices=["all", "together", *OPTIMISATIONS],
+                   help="also run with this optimisation off (repeatable; 'all': each in turn; "
+                        "'together': one run with every one off, the step as it was before them)")
     p.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"])
     p.add_argument("--xla-flags", action="append", default=[],
                    help="also run with these XLA flags (one string per extra run)")
@@ -42,7 +43,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.peer and not os.path.exists(a.peer):
         p.error(f"--peer: no script at {a.peer}; copy the peer there or pass its path")
-    ablations = list(OPTIMISATIONS) if "all" in a.ablate else a.ablate
+    ablations = [(name,) for name in (OPTIMISATIONS if "all" in a.ablate else a.ablate) if name != "together"]
+    if "together" in a.ablate:
+        ablations.append(tuple(OPTIMISATIONS))
 
     def emit(rec):
         line = json.dumps(rec)
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
             if peer:
                 emit(peer)
             runs = [Run(shape, batch, recompute=r, dtype=a.dtype) for r in a.recompute]
-            runs += [Run(shape, batch, ablate=(name,), dtype=a.dtype) for name in ablations]
+            runs += [Run(shape, batch, ablate=names, dtype=a.dtype) for names in ablations]
             runs += [Run(shape, batch, dtype=a.dtype, xla_flags=f) for f in a.xla_flags]
             base = None
             for run in runs:
