@@ -65,7 +65,7 @@ def main():
     ck = Checkpointer(cfg)
     runs = []
     for step in (1, 2):  # the first save also sets up orbax's threads and directories
-        probe = jax.device_get(state.params["blocks"]["mlp"]["up_kernel"][0, :4, :4])
+        probe = jax.device_get(steps.logical_params(state.params)["blocks"]["mlp"]["up_kernel"][0, :4, :4])
         t0 = time.perf_counter()
         ck.save(step, state, {"consumed_samples": 0})
         blocked = time.perf_counter() - t0
@@ -85,7 +85,8 @@ def main():
     restored, _ = Checkpointer(rcfg.replace(train={"load": a.dir, "ckpt_step": 2})).restore(rsteps)
     jax.block_until_ready(restored)
     restore_s = time.perf_counter() - t0
-    ok = np.array_equal(jax.device_get(restored.params["blocks"]["mlp"]["up_kernel"][0, :4, :4]), probe)
+    ok = np.array_equal(jax.device_get(rsteps.logical_params(restored.params)["blocks"]["mlp"]["up_kernel"][0, :4, :4]),
+                        probe)
     shutil.rmtree(a.dir, ignore_errors=True)
     print(json.dumps({
         "model": "gpt-350m shape", "params": steps.model.num_params(), "devices": a.devices,

@@ -93,7 +93,8 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
 
 
 def evaluate_params(steps, params, dataset, count: int, progress: bool = True) -> dict:
-    """Token-weighted loss (and BERT's sentence-order figures) of samples 0..count-1 of `dataset`."""
+    """Token-weighted loss (and BERT's sentence-order figures) of samples 0..count-1 of `dataset`;
+    `params` as the train state holds them (`steps.state_params` of logical ones)."""
     from tqdm import tqdm
 
     kind = steps.cfg.model.model_type
@@ -165,8 +166,8 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     split = saved.data.split if split is None else split  # by default the samples training validated on
     dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples)
     steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
-    targets = restore_targets(steps.abstract_state.params, steps.state_shardings.params)
-    params = restore_arrays(load, step, {"params": targets}).params
+    targets = restore_targets(steps.abstract_logical_state.params, steps.logical_shardings.params)
+    params = steps.state_params(restore_arrays(load, step, {"params": targets}).params)
     out = evaluate_params(steps, params, dataset, count, progress)
     out.update(step=int(meta["step"]), layout={"data": dp, "stage": pp, "model": tp})
     return out

@@ -153,8 +153,9 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[:1]))
     state = steps.init_state(seed)
     # A fresh init supplies the heads an HF class may lack (BertForMaskedLM has no sentence-order head).
-    params = from_hf(tensors, cfg_m, jax.tree.map(lambda a: np.array(a, np.float32), jax.device_get(state.params)))
-    state = state.replace(params=jax.device_put(params, steps.state_shardings.params))
+    params = from_hf(tensors, cfg_m, jax.tree.map(lambda a: np.array(a, np.float32),
+                                                  jax.device_get(steps.logical_params(state.params))))
+    state = state.replace(params=steps.state_params(jax.device_put(params, steps.logical_shardings.params)))
     os.makedirs(tok_dir, exist_ok=True)
     for p in tok_files:
         shutil.copy(os.path.join(hf_dir, p), os.path.join(tok_dir, p))

@@ -4,8 +4,9 @@ The caller stacks layer parameters in logical order 0..L-1. The pipeline shards 
 `stage` in contiguous blocks, so it wants them in *pipeline order*: stage s holds chunks
 c = 0..v-1, and chunk c on stage s is virtual stage c*p + s, which runs logical layers
 offset[c*p + s] ... in order. Every virtual stage is padded to the largest layer count k, so the
-pipeline-ordered stack has p*v*k rows; padded rows copy layer 0's parameters and are skipped (run
-as identity) by a mask, and their gradients are dropped.
+pipeline-ordered stack has p*v*k rows; padded rows are zeros, skipped (run as identity) by a mask,
+and get zero gradients. Params stored in pipeline order therefore keep zero padding under any
+optimizer whose update of a zero param with zero gradient is zero (SGD, Adam(W), weight decay).
 """
 from __future__ import annotations
 
@@ -73,14 +74,21 @@ def make_layout(num_layers: int, stages: int, virtual_stages: int = 1,
 
 
 def to_pipeline_order(stacked, layout: LayerLayout):
-    """Permute (and pad) a stacked-layer pytree from logical order to pipeline order.
+    """Permute (and pad with zero rows) a stacked-layer pytree from logical order to pipeline order.
 
     Costs one gather of every stacked leaf; when the stack is sharded on `stage` this moves all
-    layers that change stage (an all-to-all). Store params in pipeline order to avoid it each step."""
+    layers that change stage. Store params in pipeline order to avoid it each step."""
     if layout.is_identity:
         return stacked
-    idx = np.maximum(layout.rows.reshape(-1), 0)
-    return jax.tree.map(lambda a: jnp.take(a, idx, axis=0), stacked)
+    flat = layout.rows.reshape(-1)
+    idx, real = np.maximum(flat, 0), flat >= 0
+
+    def reorder(a):
+        rows = jnp.take(a, idx, axis=0)
+        if real.all():
+            return rows
+        return jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), rows, jnp.zeros((), a.dtype))
+    return jax.tree.map(reorder, stacked)
 
 
 def from_pipeline_order(stacked, layout: LayerLayout):

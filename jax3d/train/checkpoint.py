@@ -6,9 +6,11 @@ One checkpoint is a step directory `DIR/<step>/` with three orbax items:
 - `train`: the rest of the train state (step, optimizer state, RNG key data, loss scale);
 - `meta`: JSON with the full run config, the tokenizer, the data-loader position and the jax3d version.
 
-The state pytree and its global shapes don't depend on the (data, stage, model) layout or the ZeRO stage;
+The saved pytree and its global shapes don't depend on the (data, stage, model) layout or the ZeRO stage;
 only the shardings do. Restoring onto another layout is therefore an ordinary orbax restore with the new
-run's shardings as targets: every process reads just the slices its devices hold.
+run's shardings as targets: every process reads just the slices its devices hold. A run whose state keeps
+its layer stack in pipeline order (interleaved or uneven stages, train/layer_order.py) saves a logical-order
+copy (held on the devices until orbax has copied it to the host) and reorders what it restores, once.
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it when complete, so a save killed
 half-way never shows up as a step and the previous one stays the latest.
@@ -252,6 +254,7 @@ class Checkpointer:
         self._signal = 0
         self._old_handlers = {}
         self._sync_every = max(1, tr.log_interval)
+        self._to_logical = {}  # mesh -> jitted state_to_logical, or None where the state is logical
         self.last_save_blocked_s = 0.0  # how long the last save call held the training loop
 
     # ---- restore -------------------------------------------------------------------------------------
@@ -303,6 +306,7 @@ class Checkpointer:
             for s in stale:
                 mgr.delete(s)
         mesh = _mesh_of(state)
+        state = self._logical(state, mesh)
         train_part = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng,
                       "loss_scale": state.loss_scale}
         args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
@@ -313,6 +317,19 @@ class Checkpointer:
             mgr.wait_until_finished()
         self.last_save_blocked_s = time.perf_counter() - t0
         self._last_saved = step
+
+    def _logical(self, state, mesh):
+        """The state in logical layer order, as checkpoints hold it (the state itself when it is)."""
+        from jax3d.train.layer_order import LayerOrder
+
+        if mesh not in self._to_logical:
+            stages = int(mesh.shape["stage"]) if mesh is not None and "stage" in mesh.shape else 1
+            order = LayerOrder.of(self.cfg, stages)
+            self._to_logical[mesh] = None if order.logical else jax.jit(
+                order.state_to_logical,
+                out_shardings=order.logical_shardings(jax.tree.map(lambda a: a.sharding, state)))
+        convert = self._to_logical[mesh]
+        return state if convert is None else convert(state)
 
     def maybe_save(self, step: int, state, loader_state: dict, force: bool = False) -> bool:
         """Saves at `--save-interval` multiples, when forced, and on a caught signal (then raises)."""
@@ -394,14 +411,14 @@ def restore_state(directory: str, step: int, steps):
 
     meta = read_meta(directory, step)
     check_model_compatible(meta["config"]["model"], steps.cfg.model, f"{directory} step {step}")
-    targets = restore_targets(steps.abstract_state, steps.state_shardings)
+    targets = restore_targets(steps.abstract_logical_state, steps.logical_shardings)
     train_t = {"step": targets.step, "opt_state": targets.opt_state, "rng": targets.rng,
                "loss_scale": targets.loss_scale}
     r = restore_arrays(directory, step, {"params": targets.params, "train": train_t})
     t = r.train
     state = TrainState(step=t["step"], params=r.params, opt_state=t["opt_state"], rng=t["rng"],
                        loss_scale=t["loss_scale"])
-    return state, meta
+    return steps.state_from_logical(state), meta
 
 
 def _mesh_of(state):

@@ -4,6 +4,9 @@ The model's three pieces become the pipeline's functions: `embed` at the first s
 `run_blocks` per stage, and the head with its normalised loss at the last. The loss normalisers and the
 fp16 loss scale ride along in the shared (stage-replicated) tree so that no value is closed over.
 
+The state already stores the layer stack in the loop's pipeline order (train/layer_order.py), so the
+step hands it over as it is and gets the gradients back in that order: no reorder in the step.
+
 ZeRO: the dims the state's specs shard over `data` go to the loop. ZeRO-2 accumulates the gradients there,
 reduce-scattered per micro-batch; ZeRO-3 also passes the layer stack in still sharded, and the loop gathers
 one chunk at a time (the embedding and head, used at the ends only, are gathered before the loop).
@@ -19,6 +22,7 @@ from jax3d.pipeline import make_schedule
 from jax3d.pipeline.loop import pipeline_value_and_grad
 from jax3d.pipeline.schedules import summary
 from jax3d.sharding import cast_for_compute, constrain_tree
+from jax3d.train.layer_order import state_layout
 
 
 def layer_counts(cfg: Config):
@@ -35,8 +39,8 @@ def data_dim(spec) -> int:
 
 
 def _zero_dims(specs, zero_stage):
-    """(stacked, shared) dims for the loop's `data_dims`; a layer-dim ZeRO shard (an uneven layout that
-    leaves `layers` unsharded) stays whole in the loop and is resharded after it."""
+    """(stacked, shared) dims for the loop's `data_dims`. The layer dim is on `stage`, so ZeRO never
+    shards it over `data`; should a spec do so, that leaf stays whole in the loop."""
     grads = specs["grads"]
     dims = jax.tree.map(data_dim, grads, is_leaf=lambda s: isinstance(s, P))
     stacked = jax.tree.map(lambda d: d if d > 0 else -1, dims["blocks"])
@@ -52,6 +56,7 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
     stages = mesh.shape["stage"]
     zero = par.zero_stage if mesh.shape["data"] > 1 else 0
     stacked_dims, shared_dims = _zero_dims(specs, zero)
+    in_pipeline_order = state_layout(cfg, stages) is not None
 
     def first_fn(shared, mb, key):
         return model.embed(shared, mb, key, deterministic)
@@ -76,7 +81,8 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
         shared["_norms"], shared["_scale"] = norms, jnp.asarray(scale, jnp.float32)
         loss, aux, g_stacked, g_shared = pipeline_value_and_grad(
             first_fn, stage_fn, last_fn, stacked, shared, batch, mesh=mesh, schedule=schedule,
-            layers_per_virtual_stage=layer_counts(cfg), rng=None if deterministic else rng,
+            layers_per_virtual_stage=layer_counts(cfg), params_in_pipeline_order=in_pipeline_order,
+            rng=None if deterministic else rng,
             data_dims=(stacked_dims, shared_dims), shard_grads=zero >= 2, gather_stacked=zero >= 3)
         grads = {k: v for k, v in g_shared.items() if k not in ("_norms", "_scale")}
         grads["blocks"] = g_stacked

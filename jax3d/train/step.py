@@ -20,6 +20,7 @@ from jax3d.mesh import MeshConfig
 from jax3d.models import build_model
 from jax3d.sharding import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
                             tree_specs)
+from jax3d.train.layer_order import LayerOrder, state_layout
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
 from jax3d.train.state import TrainState, initial_loss_scale, update_loss_scale
@@ -44,19 +45,45 @@ class Steps:
     mesh: jax.sharding.Mesh
     model: object
     optimizer: optax.GradientTransformation
-    specs: dict  # compute / params / grads / opt PartitionSpec trees
+    specs: dict  # compute / params / grads / opt PartitionSpec trees, of the state's layer order
     state_shardings: TrainState
     batch_spec: P
     init_state: Callable  # (seed) -> TrainState, created sharded
     train_step: Callable  # (state, batch) -> (state, metrics)
-    eval_step: Callable  # (params, batch) -> metrics of the batch's loss
+    eval_step: Callable  # (params as the state holds them, batch) -> metrics of the batch's loss
     abstract_state: TrainState
     accum_steps: int
-    loss_and_grads: Callable  # (params, batch) -> (loss, grads): the step's gradients, no update
-
+    loss_and_grads: Callable  # (params, batch) -> (loss, grads in logical order): no update
+    # The state stores its layer stack in `order` (pipeline order under an interleaved or uneven
+    # pipeline, see layer_order.py); everything that reads params outside the step goes through
+    # logical_params / logical_state, and restores through state_from_logical.
+    order: LayerOrder
+    logical_shardings: TrainState  # shardings of the state in logical order (checkpoint targets)
+    abstract_logical_state: TrainState
+    _to_logical: Callable
+    _params_to_logical: Callable
+    _from_logical: Callable
+    _params_from_logical: Callable
 
     def batch_sharding(self):
         return NamedSharding(self.mesh, self.batch_spec)
+
+    def logical_params(self, params):
+        """`params` as the state holds them -> logical layer order, padding dropped (a copy when the
+        orders differ, else `params` itself)."""
+        return params if self.order.logical else self._params_to_logical(params)
+
+    def state_params(self, params):
+        """Logical-order params -> the state's order, on the state's shardings."""
+        return params if self.order.logical else self._params_from_logical(params)
+
+    def logical_state(self, state: TrainState) -> TrainState:
+        """The train state with params and optimizer moments in logical layer order (a copy)."""
+        return state if self.order.logical else self._to_logical(state)
+
+    def state_from_logical(self, state: TrainState) -> TrainState:
+        """A logical-order train state in the state's order (donates its argument)."""
+        return state if self.order.logical else self._from_logical(state)
 
 
 def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
@@ -107,18 +134,18 @@ def loss_metrics(obj, aux, norms) -> dict:
 
 def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     """Builds the model, the state shardings (ZeRO applied) and the jitted steps for `mesh`."""
-    # Layers that don't divide over the stages (an explicit uneven layout) can't be sharded on `stage`
-    # evenly; they are then replicated over it, which costs memory but not correctness.
-    rules = ShardingRules.create(cfg.parallel.sequence_parallel,
-                                 shard_layers=cfg.model.num_layers % mesh_cfg.stage == 0)
+    # The state's layer stack always divides over the stages: in logical order it has L rows, which an
+    # even split divides, and an uneven or interleaved layout stores the stack padded in pipeline order.
+    rules = ShardingRules.create(cfg.parallel.sequence_parallel)
     model = build_model(cfg.model, rules)
     optimizer = make_optimizer(cfg.optim, cfg.train.train_iters)
+    order = LayerOrder(state_layout(cfg, mesh_cfg.stage), optimizer)
     schedule = lr_schedule(cfg.optim, cfg.train.train_iters)
     dtype = DTYPES[cfg.precision.dtype]
     tr = cfg.train
     accum = tr.global_batch_size // (tr.micro_batch_size * mesh_cfg.data)
 
-    abstract_params = jax.eval_shape(model.init, jax.random.key(0))
+    abstract_params = jax.eval_shape(lambda k: order.params_from_logical(model.init(k)), jax.random.key(0))
     param_specs = tree_specs(rules, model.logical_axes())
     specs = state_specs(param_specs, abstract_params, mesh_cfg.data, cfg.parallel.zero_stage)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
@@ -135,7 +162,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     def init_fn(seed):
         key = jax.random.key(seed)
         k_params, k_run = jax.random.split(key)
-        params = model.init(k_params)
+        params = order.params_from_logical(model.init(k_params))  # reordered once, here
         return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
                           rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision))
 
@@ -164,9 +191,12 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                    "loss_scale": scale, "skipped": new_state.loss_scale.skipped}
         return new_state, metrics
 
+    logical_shardings = order.logical_shardings(state_shardings)
+    logical_compute = {"compute": jax.tree.map(order.logical_spec, specs["compute"], is_leaf=_is_spec)}
+
     def eval_step(params, batch):
         norms = model.normalizers(batch)
-        p = cast_for_compute(params, dtype, specs)
+        p = cast_for_compute(order.params_to_logical(params), dtype, logical_compute)
 
         def one(carry, mb):
             obj, aux = model.loss(p, mb, None, True, norms)
@@ -177,17 +207,28 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     def loss_and_grads(params, batch):
         rng = jax.random.key(0)
         grads, obj, _ = grads_fn(params, batch, rng, jnp.float32(1.0), model.normalizers(batch))
-        return obj, constrain_tree(grads, specs["grads"])
+        grads = constrain_tree(grads, specs["grads"])
+        return obj, order.params_to_logical(grads)
 
     with jax.set_mesh(mesh):
         init_jit = jax.jit(init_fn, static_argnums=0, out_shardings=state_shardings)
         abstract_state = jax.eval_shape(init_fn, 0)
+        abstract_logical = jax.eval_shape(order.state_to_logical, abstract_state)
     train_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                         out_shardings=(state_shardings, repl), donate_argnums=0)
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
+    grads_jit = jax.jit(loss_and_grads, out_shardings=(repl, jax.tree.map(
+        lambda s: NamedSharding(mesh, order.logical_spec(s)), specs["grads"], is_leaf=_is_spec)))
+    to_logical = jax.jit(order.state_to_logical, out_shardings=logical_shardings)
+    params_to_logical = jax.jit(order.params_to_logical, out_shardings=logical_shardings.params)
+    from_logical = jax.jit(order.state_from_logical, out_shardings=state_shardings, donate_argnums=0)
+    params_from_logical = jax.jit(order.params_from_logical, out_shardings=state_shardings.params)
     return Steps(cfg, mesh_cfg, mesh, model, optimizer, specs, state_shardings, batch_spec,
                  _with_mesh(mesh, init_jit), _with_mesh(mesh, train_jit), _with_mesh(mesh, eval_jit),
-                 abstract_state, accum, _with_mesh(mesh, jax.jit(loss_and_grads)))
+                 abstract_state, accum, _with_mesh(mesh, grads_jit), order=order,
+                 logical_shardings=logical_shardings, abstract_logical_state=abstract_logical,
+                 _to_logical=to_logical, _params_to_logical=params_to_logical, _from_logical=from_logical,
+                 _params_from_logical=params_from_logical)
 
 
 def _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype):

@@ -1,0 +1,108 @@
+"""The order in which the train state stacks its layers, and the way back to logical order.
+
+An interleaved (virtual stages > 1) or uneven pipeline runs its stacked layers in *pipeline order*
+(`jax3d.pipeline.layout`): permuted so that each stage's rows hold its chunks, and padded to p*v*k
+rows. Reordering inside the step would move every layer that changes stage twice per step (params
+in, gradients out). So the state keeps `params['blocks']`, and the optimizer-state trees that mirror
+it (AdamW's mu and nu, sharded or not by ZeRO), in pipeline order from init on, and the step hands the
+loop the stack as it is.
+
+Padding rows are zeros. The loop skips them, so their gradients are zeros; the gradient norm does
+not see them, and AdamW (a zero moment gives a zero update) and weight decay (of a zero param) leave
+them at zero. They cost p*v*k - L rows of memory, and buy a stack that `stage` shards evenly, which a
+logical stack of uneven layers is not.
+
+Everything that leaves the step sees logical order: checkpoints are saved per logical layer (so any
+layout restores them) and restored into this run's order; evaluation, export and generation read
+logical params. `LayerOrder` is the one place that converts.
+"""
+from __future__ import annotations
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax3d.pipeline.layout import LayerLayout, from_pipeline_order, make_layout, to_pipeline_order
+
+
+def state_layout(cfg, stages: int) -> LayerLayout | None:
+    """The layout the train state stores its layer stack in on `stages` pipeline stages, or None
+    when that is logical order (no pipeline, or one whose layout is the identity)."""
+    if stages <= 1:
+        return None
+    par = cfg.parallel
+    layout = make_layout(cfg.model.num_layers, stages, par.virtual_stages, list(par.pipeline_layout) or None)
+    return None if layout.is_identity else layout
+
+
+def _stack_flags(params):
+    """A tree like `params`: True on the stacked-layer leaves."""
+    return {k: jax.tree.map(lambda _: k == "blocks", v) for k, v in params.items()}
+
+
+class LayerOrder:
+    """Converts train states, params and their shardings between logical and the state's layer order.
+
+    `layout` None means the state is in logical order and every conversion returns its input.
+    """
+
+    def __init__(self, layout: LayerLayout | None, optimizer: optax.GradientTransformation):
+        self.layout, self.optimizer = layout, optimizer
+
+    @classmethod
+    def of(cls, cfg, stages: int) -> "LayerOrder":
+        from jax3d.train.optimizer import make_optimizer
+        return cls(state_layout(cfg, stages), make_optimizer(cfg.optim, cfg.train.train_iters))
+
+    @property
+    def logical(self) -> bool:
+        return self.layout is None
+
+    # ---- pure functions (jit them) ---------------------------------------------------------------
+    def params_to_logical(self, params):
+        """Params (or grads) in logical layer order, padding rows dropped."""
+        return self._params(params, lambda a: from_pipeline_order(a, self.layout))
+
+    def params_from_logical(self, params):
+        """Logical params in the state's order, padding rows zero."""
+        return self._params(params, lambda a: to_pipeline_order(a, self.layout))
+
+    def state_to_logical(self, state):
+        """The whole train state with params and optimizer moments in logical layer order."""
+        return self.map_state(lambda a: from_pipeline_order(a, self.layout), state)
+
+    def state_from_logical(self, state):
+        return self.map_state(lambda a: to_pipeline_order(a, self.layout), state)
+
+    # ---- shardings -------------------------------------------------------------------------------
+    def logical_spec(self, spec: P) -> P:
+        """A stack leaf's spec in logical order: `stage` stays on the layer dim where it divides the
+        layers (an uneven split's logical stack is replicated over `stage`)."""
+        if self.logical or not len(spec) or self.layout.num_layers % self.layout.stages == 0:
+            return spec
+        return P(None, *tuple(spec)[1:])
+
+    def logical_shardings(self, state_shardings):
+        """Shardings of the logical-order copy of a state (a TrainState of NamedShardings)."""
+        return self.map_state(lambda s: NamedSharding(s.mesh, self.logical_spec(s.spec)), state_shardings)
+
+    # ---- plumbing --------------------------------------------------------------------------------
+    def _params(self, params, fn):
+        if self.logical:
+            return params
+        return {k: jax.tree.map(fn, v) if k == "blocks" else v for k, v in params.items()}
+
+    def map_state(self, fn, state):
+        """`fn` on every stack leaf of a TrainState (params['blocks'] and its optimizer-state mirrors),
+        other leaves untouched; leaves may be arrays, abstract arrays or shardings."""
+        if self.logical:
+            return state
+        flags = _stack_flags(state.params)
+        opt = optax.tree_utils.tree_map_params(self.optimizer, lambda a, f: fn(a) if f else a,
+                                               state.opt_state, flags, is_leaf=_is_sharding)
+        return state.replace(params=self._params(state.params, fn), opt_state=opt)
+
+
+def _is_sharding(x):
+    return isinstance(x, jax.sharding.Sharding)

@@ -1,0 +1,150 @@
+"""An interleaved or uneven pipeline keeps its layer stack in pipeline order in the train state: its runs
+equal logical-order runs, padding rows stay zero, checkpoints hold logical order and restore bit-exactly
+across orders, and the compiled step moves no parameters outside the tick loop."""
+import jax
+import numpy as np
+import pytest
+
+from benchmarks.pipeline_comm import count_permutes
+from jax3d.pipeline import make_schedule, program
+from jax3d.train.checkpoint import Checkpointer
+from jax3d.train.step import abstract_batch, abstract_state, build_steps
+from tests.helpers import random_text, tiny_config
+
+GB = 8
+
+
+def layout(data, stage, model, schedule="1f1b", virtual=1, counts=(), zero=1, layers=4):
+    """The tiny GPT on one layout, micro-batch 1 of a global batch of 8."""
+    return tiny_config(data=data, stage=stage, model=model, zero=zero, micro=1, global_batch=GB,
+                       model_kw={"num_layers": layers}, pipeline_schedule=schedule, virtual_stages=virtual,
+                       pipeline_layout=tuple(counts))
+
+
+def batch(steps, i):
+    text = random_text(GB, steps.cfg.model.seq_length, steps.cfg.model.vocab_size, seed=100 + i)
+    return {"text": jax.device_put(text.reshape(steps.accum_steps, -1, text.shape[-1]), steps.batch_sharding())}
+
+
+def run(steps, state, start, end, ck=None):
+    """Steps start+1 .. end; (losses, grad norms, state)."""
+    losses, norms = [], []
+    for i in range(start, end):
+        state, m = steps.train_step(state, batch(steps, i))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+        if ck is not None:
+            ck.maybe_save(i + 1, state, {"consumed_samples": (i + 1) * GB})
+    return np.array(losses), np.array(norms), state
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def assert_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_interleaved_run_equals_non_interleaved():
+    """(2, 2, 2), ZeRO-1: an interleaved (v = 2) run's loss curve, grad norms, params and AdamW moments
+    in logical order are the 1F1B run's."""
+    ref = build_steps(*layout(2, 2, 2))
+    inter = build_steps(*layout(2, 2, 2, "interleaved", 2))
+    assert ref.order.logical and not inter.order.logical
+    ref_l, ref_n, ref_s = run(ref, ref.init_state(0), 0, 5)
+    l, n, s = run(inter, inter.init_state(0), 0, 5)
+    np.testing.assert_allclose(l, ref_l, rtol=1e-5)
+    np.testing.assert_allclose(n, ref_n, rtol=1e-5)
+    assert_close(host(inter.logical_state(s)), host(ref_s))
+    # the state really is in pipeline order: stage 0 holds layers 0 and 2
+    first = host(inter.init_state(0).params["blocks"]["mlp"]["up_kernel"])
+    logical = host(ref.init_state(0).params["blocks"]["mlp"]["up_kernel"])
+    assert_equal(first, logical[[0, 2, 1, 3]])
+
+
+def test_uneven_padding_rows_stay_zero():
+    """(1, 2, 1) with 3 + 1 layers: the state's stack is 3 rows a stage, sharded on `stage`; the two
+    padding rows and their AdamW moments stay exactly zero under weight decay and clipping, and the run
+    equals the even 2 + 2 split."""
+    ref = build_steps(*layout(1, 2, 1, zero=0))
+    uneven = build_steps(*layout(1, 2, 1, counts=(3, 1), zero=0))
+    assert uneven.cfg.optim.weight_decay > 0 and uneven.cfg.optim.clip_grad > 0
+    assert uneven.state_shardings.params["blocks"]["mlp"]["up_kernel"].spec[0] == "stage"
+    ref_l, ref_n, ref_s = run(ref, ref.init_state(0), 0, 4)
+    l, n, s = run(uneven, uneven.init_state(0), 0, 4)
+    np.testing.assert_allclose(l, ref_l, rtol=1e-5)
+    np.testing.assert_allclose(n, ref_n, rtol=1e-5)  # the norm does not see the padding
+    assert_close(host(uneven.logical_state(s)), host(ref_s))
+    rows = uneven.order.layout.rows.reshape(-1)
+    assert (rows < 0).sum() == 2
+    mu, nu = host(s.opt_state[1][0].mu), host(s.opt_state[1][0].nu)
+    for tree in (host(s.params), mu, nu):
+        for leaf in jax.tree.leaves(tree["blocks"]):
+            assert leaf.shape[0] == 6
+            assert not leaf[rows < 0].any() and leaf[rows >= 0].any()
+
+
+def test_checkpoints_restore_across_layer_orders(tmp_path):
+    """Saved by an interleaved run, a checkpoint restores bit-exactly onto (2, 2, 2) 1F1B and onto the
+    interleaved layout itself; the 1F1B run resumes like the uninterrupted interleaved one, and its own
+    checkpoint restores bit-exactly into the interleaved order."""
+    d_inter, d_plain = str(tmp_path / "inter"), str(tmp_path / "plain")
+    cfg_i, mesh_cfg_i, mesh_i = layout(2, 2, 2, "interleaved", 2)
+    cfg_i = cfg_i.replace(train={"save": d_inter, "save_interval": 3})
+    inter = build_steps(cfg_i, mesh_cfg_i, mesh_i)
+    ck = Checkpointer(cfg_i)
+    _, _, s = run(inter, inter.init_state(0), 0, 3, ck)
+    at3 = host(s)
+    at3_logical = host(inter.logical_state(s))
+    losses, _, s = run(inter, s, 3, 6)
+    ck.wait()
+    final = host(inter.logical_params(s.params))
+
+    # the interleaved layout restores its own checkpoint into pipeline order, bit for bit
+    back, consumed = Checkpointer(cfg_i.replace(train={"load": d_inter, "ckpt_step": 3})).restore(inter)
+    assert consumed == 3 * GB
+    assert_equal(host(back), at3)
+
+    # onto 1F1B: the logical state bit for bit, then the same curve as the uninterrupted run
+    cfg_p, mesh_cfg_p, mesh_p = layout(2, 2, 2)
+    cfg_p = cfg_p.replace(train={"load": d_inter, "ckpt_step": 3, "save": d_plain, "save_interval": 6})
+    plain = build_steps(cfg_p, mesh_cfg_p, mesh_p)
+    ck_p = Checkpointer(cfg_p)
+    state, _ = ck_p.restore(plain)
+    assert_equal(host(state), at3_logical)
+    resumed, _, state = run(plain, state, 3, 6, ck_p)
+    ck_p.close()
+    np.testing.assert_allclose(resumed, losses, rtol=1e-5)
+    assert_close(host(state.params), final)
+
+    # and back: the 1F1B run's checkpoint restores into the interleaved order, bit for bit
+    plain_at6 = host(state)
+    back, _ = Checkpointer(cfg_i.replace(train={"load": d_plain, "ckpt_step": 6})).restore(inter)
+    assert_equal(host(inter.logical_state(back)), plain_at6)
+
+
+def _outside_loop(cfg, mesh_cfg, mesh):
+    steps = build_steps(cfg, mesh_cfg, mesh)
+    text = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())
+                                  ).compile().as_text()
+    par = cfg.parallel
+    sched = make_schedule(par.pipeline_schedule, mesh_cfg.stage, steps.accum_steps, par.virtual_stages)
+    sends = program.lower(sched).sends
+    return count_permutes(text, sched.ticks, int(sends[:, 0].sum()), int(sends[:, 1].sum()))
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "uneven"])
+def test_step_moves_no_params_outside_the_tick_loop(kind):
+    """From the compiled train step's HLO: the only collective-permutes are the loop's own sends, and
+    nothing outside the loop gathers or permutes the layer stack (the per-step reorder compiled to
+    all-gathers on the CPU)."""
+    args = ("interleaved", 2) if kind == "interleaved" else ("1f1b", 1, (3, 1))
+    static, executed, outside, others = _outside_loop(*layout(1, 2, 1, *args, zero=0))
+    assert static >= 2 and executed > 0  # the loop's sends are seen
+    assert outside == 0
+    assert set(others) <= {"all-reduce"}, others
