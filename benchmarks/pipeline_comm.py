@@ -1,11 +1,13 @@
 """Collective-permutes the compiled pipeline executes per step, per schedule, read from the compiled HLO.
 
-Compiles the toy pipeline (jax3d.pipeline.toy) on emulated CPU devices and counts `collective-permute`
+Compiles the toy pipeline (jax3d.pipeline.toy, its layer stack stored in pipeline order as the train state
+keeps it) or a small GPT's train step on emulated CPU devices and counts `collective-permute`
 instructions where they sit: outside the tick loop (run once), in the loop body (run every tick), or in
 a conditional inside the body (run on the ticks the schedule table says something is sent in that
-direction). Direction comes from each instruction's source-target pairs.
+direction). Direction comes from each instruction's source-target pairs. Other collectives outside the
+loop are listed too: a reorder of the stage-sharded layer stack would show there (as all-gathers on the CPU).
 
-    python benchmarks/pipeline_comm.py --stages 4 --microbatches 8 [--model gpt]
+    python benchmarks/pipeline_comm.py --stages 4 --microbatches 8 [--model gpt [--pipeline-layout 3,2,2,1]]
 """
 from __future__ import annotations
 
@@ -64,17 +66,18 @@ def count_permutes(text, ticks, sends_fwd, sends_bwd):
     return static, executed, outside, others
 
 
-def _gpt_step_hlo(stages, m, schedule, virtual):
-    """Compiled HLO of a small GPT's train step on (1, stages, 1), from abstract shapes."""
+def _gpt_step_hlo(stages, m, schedule, virtual, counts=()):
+    """Compiled HLO of a small GPT's train step on (1, stages, 1), from abstract shapes; `counts`:
+    layers per virtual stage of an uneven split (empty: 2 layers a stage)."""
     import jax
 
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from jax3d.plan import resolve
     from jax3d.train.step import abstract_batch, build_steps
-    cfg = Config(model=ModelConfig(num_layers=2 * stages, hidden_size=64, num_attention_heads=4, seq_length=16,
-                                   vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0),
+    cfg = Config(model=ModelConfig(num_layers=sum(counts) or 2 * stages, hidden_size=64, num_attention_heads=4,
+                                   seq_length=16, vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0),
                  parallel=ParallelConfig(pipeline_parallel=stages, pipeline_schedule=schedule,
-                                         virtual_stages=virtual),
+                                         virtual_stages=virtual, pipeline_layout=tuple(counts)),
                  train=TrainConfig(micro_batch_size=2, global_batch_size=2 * m))
     plan = resolve(cfg, stages)
     steps = build_steps(plan.cfg, plan.mesh, plan.mesh.build())
@@ -91,29 +94,40 @@ def main():
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb-h1"])
     p.add_argument("--model", choices=["toy", "gpt"], default="toy",
                    help="the toy pipeline alone, or a small GPT's whole train step (optimizer included)")
+    p.add_argument("--pipeline-layout", default="",
+                   help="gpt only: layers per virtual stage, comma-separated (an uneven split); schedules whose "
+                        "stages x virtual stages differ from its length are skipped")
     a = p.parse_args()
+    counts = tuple(int(c) for c in a.pipeline_layout.split(",")) if a.pipeline_layout else ()
+    if counts and a.model != "gpt":
+        p.error("--pipeline-layout needs --model gpt")
     emulate_cpu_devices(a.stages)
     import jax
 
-    from jax3d.pipeline import make_schedule, program, toy
+    from jax3d.pipeline import make_layout, make_schedule, program, to_pipeline_order, toy
     mesh = jax.make_mesh((1, a.stages, 1), ("data", "stage", "model"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
     for name in a.schedules:
         v = 2 if name == "interleaved" else 1
+        if counts and len(counts) != a.stages * v:
+            continue
         sched = make_schedule(name, a.stages, a.microbatches, v)
         if a.model == "gpt":
-            text = _gpt_step_hlo(a.stages, a.microbatches, name, v)
+            text = _gpt_step_hlo(a.stages, a.microbatches, name, v, counts)
         else:
+            layout = make_layout(2 * a.stages, a.stages, v)
             st, sh = jax.eval_shape(lambda: toy.init(jax.random.key(0), layers=2 * a.stages))
+            st = jax.eval_shape(lambda s: to_pipeline_order(s, layout), st)
             mbs = jax.eval_shape(lambda: toy.microbatches(jax.random.key(0), m=a.microbatches, batch=4, seq=8))
             with jax.set_mesh(mesh):
-                text = toy.pipelined(mesh, sched).lower(st, sh, mbs, None).compile().as_text()
+                text = toy.pipelined(mesh, sched, params_in_pipeline_order=True).lower(
+                    st, sh, mbs, None).compile().as_text()
         prog = program.lower(sched)
         sends = getattr(prog, "sends", None)
         fwd = int(sends[:, 0].sum()) if sends is not None else sched.ticks
         bwd = int(sends[:, 1].sum()) if sends is not None else sched.ticks
         static, executed, outside, others = count_permutes(text, sched.ticks, fwd, bwd)
-        print(json.dumps({"model": a.model, "schedule": name, "stages": a.stages, "microbatches": a.microbatches, "ticks": sched.ticks,
+        print(json.dumps({"model": a.model, "schedule": name, **({"pipeline_layout": counts} if counts else {}), "stages": a.stages, "microbatches": a.microbatches, "ticks": sched.ticks,
                           "static_permutes": static, "outside_loop": outside, "executed_per_step": executed,
                           "ticks_sending_fwd": fwd, "ticks_sending_bwd": bwd,
                           "other_collectives_outside_loop": others}), flush=True)
