@@ -3,7 +3,11 @@
 The folder starts with what a user brings (a `corpus.jsonl`, GPT-2-style `vocab.json` / `merges.txt`, a
 Hugging Face `gpt2/` folder, a `notes.txt`), made tiny here. Commands run as written, except that long
 training gets `--train-iters 2`, and the GPU-only ones run the same flags on tiny shapes: the 1.3B
-command as a `--dry-run` of two layers, the benchmarks on their `tiny` shape without the peer.
+command as a `--dry-run` of two layers, the benchmarks on their `tiny` shape without the peer. Each
+throughput run compiles its own step in its own process, so two benchmark commands are cut to what they
+add: `--ablate all` (a run per optimisation, each with that one off) runs as `--ablate together` (one run
+with every one off; tests/test_optimisations.py checks each alone), and the plain throughput command,
+whose one run at the tiny shape is the first run of the ablation command, is not run twice.
 """
 import json
 import os
@@ -53,8 +57,11 @@ def adapt(command: str) -> list[str] | None:
         if "--bf16" in argv:  # the GPU command: the same flags, compiled for two layers on the CPU
             return argv + ["--dry-run", "--num-layers", "2"]
         return argv + FAST
+    if script == "benchmarks/throughput.py" and "--ablate" not in argv:
+        return None  # its run is the ablation command's first
     if script.startswith("benchmarks/"):
-        argv = [a for a in argv if a != "--peer"]
+        argv = ["together" if a == "all" and argv[i - 1] == "--ablate" else a
+                for i, a in enumerate(argv) if a != "--peer"]
         i = argv.index("--shape")
         j = i + 1
         while j < len(argv) and not argv[j].startswith("--"):
@@ -91,6 +98,18 @@ def test_readme_commands_are_all_covered():
     commands = readme_commands()
     assert any(c.startswith("python launch/convert_hf.py import") for c in commands)
     assert all(adapt(c) is None or adapt(c)[0] == sys.executable for c in commands)
+    skipped = [c for c in commands if adapt(c) is None]
+    assert [c.split()[1] for c in skipped] == ["install", "benchmarks/throughput.py"], skipped
+    ablation = [adapt(c) for c in commands if "--ablate" in c]
+    assert len(ablation) == 1 and ablation[0][-6:] == ["--ablate", "together", "--dtype", "float32", "--steps", "1"]
+
+
+def test_readme_gpu_command_needs_no_file_a_later_command_makes():
+    """The GPU training command comes before the data section, so it reads only the bundled corpus."""
+    commands = readme_commands()
+    gpu = next(i for i, c in enumerate(commands) if "--bf16" in c and c.startswith("python launch/train.py"))
+    made_later = {c.split("--output-prefix ")[1].split()[0] for c in commands[gpu:] if "--output-prefix" in c}
+    assert made_later and not any(prefix in commands[gpu] for prefix in made_later)
 
 
 @pytest.mark.slow
