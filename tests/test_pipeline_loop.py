@@ -1,4 +1,6 @@
 """Pipelined value-and-grad against jax.value_and_grad of the sequential model."""
+
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,3 +245,41 @@ def _check_passes(passes):
     n_w = _dots(w_pass, stacked, stored, g, cut)
     assert n_f == 6 and n_w == 6  # 2 weights x 3 layers
     assert n_b + n_w == n_fused == 12
+
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+
+def _copies_in_tick_loop(hlo):
+    """Sizes in bytes of the copies XLA inserted in the tick loop's body and the conditionals it
+    runs (copies inside fusions are layout changes of fused values, not buffer copies)."""
+    comps = {m.group(1): m.group(2) for m in
+             re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \(.*?\{\n(.*?)^\}", hlo, re.M | re.S)}
+    todo, seen, sizes = re.findall(r"body=%?([\w.\-]+)", hlo), set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for called in re.findall(r"(?:branch_computations=\{|true_computation=|false_computation=|body=)"
+                                 r"([^}\s,]+(?:, ?%[\w.\-]+)*)", comps[name]):
+            todo += [c.strip().lstrip("%") for c in called.split(",")]
+        for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\][^ ]* copy\(", comps[name]):
+            sizes.append(_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d])))
+    return sizes
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_tick_loop_updates_its_buffers_in_place(name, v):
+    """The residual buffers and gradient accumulators are updated in place: no copy in the tick loop is
+    as large as one layer's stored hidden activation (the activation-sized hand-offs between passes
+    are smaller). A multi-way switch carrying the buffers made XLA copy all of them on every tick."""
+    mesh = _mesh((1, 2, 1))
+    batch, seq, d = 4, 32, 64
+    st, sh = jax.eval_shape(lambda: toy.init(jax.random.key(0), d=d, hidden=4 * d, layers=4))
+    mbs = jax.eval_shape(lambda: toy.microbatches(jax.random.key(0), m=4, batch=batch, seq=seq))
+    with jax.set_mesh(mesh):
+        hlo = toy.pipelined(mesh, make_schedule(name, 2, 4, v)).lower(st, sh, mbs, None).compile().as_text()
+    sizes = _copies_in_tick_loop(hlo)
+    assert sizes, "found no tick loop in the compiled step"
+    assert max(sizes) < batch * seq * 4 * d * 4, sorted(sizes)[-5:]
