@@ -104,29 +104,8 @@ def api_check(model, blocks, x_shape, dtype, m):
         return _time(piped, blocks, mbs, reps=5) * 1e3, _time(ref, blocks, mbs, reps=5) * 1e3, err
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="gpt-1.3b")
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=0)
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--api-check", action="store_true")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--reps", type=int, default=10)
-    a = p.parse_args()
-    cfg, _ = get_preset(a.preset)
-    cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0, recompute=a.recompute,
-                              seq_length=a.seq_length or cfg.seq_length)
-    layers = cfg.num_layers // a.stages
-    model = build_model(cfg)
-    dtype = jnp.bfloat16 if a.bf16 else jnp.float32
-    keys = jax.random.split(jax.random.key(0), layers)
-    blocks = jax.jit(jax.vmap(lambda k: model.block.init(k, model._dummy_x())["params"]))(keys)
-    blocks = jax.tree.map(lambda w: w.value.astype(dtype) if hasattr(w, "value") else w.astype(dtype), blocks,
-                          is_leaf=lambda w: hasattr(w, "value"))
-    x = jax.random.normal(jax.random.key(1), (a.micro_batch_size, cfg.seq_length, cfg.hidden_size), dtype)
+def print_stage_times(a, cfg, layers, model, blocks, x, dtype):
+    """Times the pass functions and prints their JSON line."""
     fns, stored, cut = stage_passes(lambda w, x: model.run_blocks(w, x), blocks, x)
     ms = {k: _time(fn, *args, reps=a.reps) * 1e3 for k, (fn, args) in fns.items()}
     counts = {k: _gemms(fn, *args) for k, (fn, args) in fns.items()}
@@ -143,6 +122,36 @@ def main():
            "B_plus_W_over_fused": (ms["B"] + ms["W"]) / ms["BW_fused"],
            "fused_over_F": ms["BW_fused"] / ms["F"]}
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt-1.3b")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=0)
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--api-check", action="store_true")
+    p.add_argument("--api-only", action="store_true", help="only the --api-check timing")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--reps", type=int, default=10)
+    a = p.parse_args()
+    cfg, _ = get_preset(a.preset)
+    cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0, recompute=a.recompute,
+                              seq_length=a.seq_length or cfg.seq_length)
+    layers = cfg.num_layers // a.stages
+    model = build_model(cfg)
+    dtype = jnp.bfloat16 if a.bf16 else jnp.float32
+    keys = jax.random.split(jax.random.key(0), layers)
+    blocks = jax.jit(jax.vmap(lambda k: model.block.init(k, model._dummy_x())["params"]))(keys)
+    blocks = jax.tree.map(lambda w: w.value.astype(dtype) if hasattr(w, "value") else w.astype(dtype), blocks,
+                          is_leaf=lambda w: hasattr(w, "value"))
+    x = jax.random.normal(jax.random.key(1), (a.micro_batch_size, cfg.seq_length, cfg.hidden_size), dtype)
+    if a.api_only:
+        a.api_check = True
+    else:
+        print_stage_times(a, cfg, layers, model, blocks, x, dtype)
     if a.api_check:
         t_pipe, t_ref, err = api_check(model, blocks, x.shape, dtype, a.microbatches)
         print(json.dumps({"api_p1_microbatches": a.microbatches, "api_p1_pipelined_ms": round(t_pipe, 3),
