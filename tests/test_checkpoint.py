@@ -276,3 +276,17 @@ def test_sigterm_saves_then_stops(small_ckpt, tmp_path):
     finally:
         ck.uninstall_signal_handlers()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_padding_rule_is_free_but_the_padded_vocabulary_is_not():
+    """--make-vocab-size-divisible-by only matters through the vocab_size it pads to, which the
+    checkpoint's shapes hold: another rule giving the same size restores, another size is refused."""
+    import dataclasses
+
+    from jax3d.train.checkpoint import check_model_compatible
+    from tests.helpers import tiny_model
+
+    saved = dataclasses.asdict(tiny_model(vocab_size=512, make_vocab_size_divisible_by=128))
+    check_model_compatible(saved, tiny_model(vocab_size=512, make_vocab_size_divisible_by=64), "ckpt")
+    with pytest.raises(ConfigError, match="vocab-size 512"):
+        check_model_compatible(saved, tiny_model(vocab_size=576, make_vocab_size_divisible_by=64), "ckpt")
