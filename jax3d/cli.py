@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-activations", action="store_true", help="same as --recompute full")
     g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="lax.scan over the blocks, which compiles a deep stack in seconds rather than minutes "
-                        f"(default: on from {SCAN_LAYERS_FROM} layers)")
+                        f"(default: on from {SCAN_LAYERS_FROM} layers on CPU devices, off on GPUs where it runs slower)")
     g.add_argument("--attention-impl", choices=["auto", "xla", "cudnn"], default="auto",
                    help="attention kernel; auto is cuDNN flash attention on GPUs in bf16/fp16, else XLA")
 

@@ -44,7 +44,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     num_tokentypes: int = 2  # BERT only
     recompute: str = "none"  # none | selective | full
-    scan_layers: bool | None = None  # None: from jax3d.plan.SCAN_LAYERS_FROM layers up (jax3d.plan.resolve)
+    scan_layers: bool | None = None  # None: from jax3d.plan.SCAN_LAYERS_FROM layers up on CPUs (plan.resolve)
     attention_impl: str = "auto"  # auto | xla | cudnn
     # Speed optimisations to turn off, by name (see OPTIMISATIONS): for benchmarks that measure each one.
     ablate: tuple[str, ...] = ()

@@ -59,3 +59,11 @@ def test_scan_layers_is_decided_once_from_the_depth_unless_given():
     assert resolve(_cfg(num_layers=SCAN_LAYERS_FROM - 1), 8).cfg.model.scan_layers is False
     given = _cfg(num_layers=SCAN_LAYERS_FROM).replace(model={"scan_layers": False})
     assert resolve(given, 8).cfg.model.scan_layers is False
+
+
+def test_deep_stacks_are_scanned_on_cpus_only(monkeypatch):
+    """Scanning compiles a deep stack fast on a CPU; on a GPU the unrolled step runs faster."""
+    monkeypatch.setattr("jax.default_backend", lambda: "gpu")
+    assert resolve(_cfg(num_layers=SCAN_LAYERS_FROM), 8).cfg.model.scan_layers is False
+    monkeypatch.setattr("jax.default_backend", lambda: "cpu")
+    assert resolve(_cfg(num_layers=SCAN_LAYERS_FROM), 8).cfg.model.scan_layers is True
