@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax3d.models.layers import Embedding, LayerNorm, cross_entropy_sum, vocab_parallel_logits
+from jax3d.models.layers import Embedding, cross_entropy_sum, norm_for, vocab_parallel_logits
 from jax3d.models.transformer import TransformerLM
 
 
@@ -14,8 +14,7 @@ class GPT(TransformerLM):
 
     def _modules(self):
         return (Embedding(self.cfg, self.rules, name="embed"),
-                LayerNorm(self.cfg.layernorm_epsilon, self.cfg.optimised("lean_layernorm"),
-                          self.cfg.optimised("layernorm_keeps_stats"), name="final_norm"))
+                norm_for(self.cfg, "final_norm"))
 
     def _init_ends(self, rng):
         emb, norm = self._modules()

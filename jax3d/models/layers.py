@@ -89,6 +89,12 @@ class LayerNorm(nn.Module):
         return (_layer_norm_lean_stats if self.keep_stats else _layer_norm_lean)(x, scale, bias, self.eps)
 
 
+def norm_for(cfg: ModelConfig, name: str) -> LayerNorm:
+    """The model's layer norm: its epsilon, and what it keeps for the backward pass (cfg.ablate)."""
+    return LayerNorm(cfg.layernorm_epsilon, cfg.optimised("lean_layernorm"),
+                     cfg.optimised("layernorm_keeps_stats"), name=name)
+
+
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
@@ -198,28 +204,26 @@ class Block(nn.Module):
         cfg = self.cfg
         r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
-        lean = (cfg.optimised("lean_layernorm"), cfg.optimised("layernorm_keeps_stats"))
         pre, post = (None, LayerNorm) if cfg.post_layernorm else (LayerNorm, None)
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
-            h = _norm(pre, cfg, lean, "ln_attn", x_btd)
+            h = _norm(pre, cfg, "ln_attn", x_btd)
             h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic, cache)
             if cache is not None:
                 h, cache = h
             h = self.rules.constrain(h, stream)
-            x_btd = _norm(post, cfg, lean, "ln_attn", x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic))
+            x_btd = _norm(post, cfg, "ln_attn", x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic))
         with jax.named_scope("mlp"):
-            h = _norm(pre, cfg, lean, "ln_mlp", x_btd)
+            h = _norm(pre, cfg, "ln_mlp", x_btd)
             h = MLP(cfg, self.rules, name="mlp")(h)
             h = self.rules.constrain(h, stream)
-            x_btd = _norm(post, cfg, lean, "ln_mlp", x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic))
+            x_btd = _norm(post, cfg, "ln_mlp", x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic))
         return x_btd if cache is None else (x_btd, cache)
 
 
-def _norm(kind, cfg: ModelConfig, lean: tuple[bool, bool], name: str, x):
-    """A named LayerNorm of x when `kind` is LayerNorm, else x (the pre- / post-LN switch); `lean` is
-    the (lean, keep_stats) pair of LayerNorm's fields."""
-    return kind(cfg.layernorm_epsilon, *lean, name=name)(x) if kind is LayerNorm else x
+def _norm(kind, cfg: ModelConfig, name: str, x):
+    """A named LayerNorm of x when `kind` is LayerNorm, else x (the pre- / post-LN switch)."""
+    return norm_for(cfg, name)(x) if kind is LayerNorm else x
 
 
 class Embedding(nn.Module):
@@ -244,7 +248,7 @@ class Embedding(nn.Module):
             wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)
             x_btd = x_btd + jnp.take(wtt, types_bt, axis=0)
         if cfg.embedding_layernorm:
-            x_btd = LayerNorm(cfg.layernorm_epsilon, name="norm")(x_btd)
+            x_btd = norm_for(cfg, "norm")(x_btd)
         x_btd = self.rules.constrain(x_btd, ("batch", "act_seq", "embed"))
         return _dropout(x_btd, cfg.hidden_dropout, rng, deterministic)
 
