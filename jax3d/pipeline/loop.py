@@ -2,11 +2,10 @@
 
 Inside `jax.shard_map`, manual over `stage` and `data` (`model` stays automatic, so tensor-parallel
 sharding annotations in the user's functions keep working), each stage runs a `lax.scan` over the
-schedule's ticks. Per tick it runs the pass the table names (F, a fused backward, or split B / W,
-each a two-way `lax.cond` that differs at the first and last virtual stage), then a `ppermute` on
-`stage` in each direction, skipped on
-ticks where the table says no stage sends that way. What arrives is written into buffer slots chosen
-statically (program.py).
+schedule's ticks. Per tick it runs the pass the table names (F, a fused backward, or split B / W;
+each a two-way `lax.cond`, which differs at the first and last virtual stage), then a `ppermute` on
+`stage` in each direction, skipped on ticks where the table says no stage sends that way. What
+arrives is written into buffer slots chosen statically (program.py).
 
 Compute: F runs the chunk under `jax.vjp` and stores the residuals that depend on its input in loop
 buffers sized by the schedule's peak occupancy (not by m); B rebuilds the pullback from them and
@@ -34,13 +33,13 @@ from jax3d.pipeline import program as prog_mod
 from jax3d.pipeline import passes
 from jax3d.pipeline.layout import (PipelineError, dropout_key, from_pipeline_order, layer_keys,
                                    make_layout, to_pipeline_order)
-from jax3d.pipeline.schedules import B, F, IDLE, W, Schedule, ScheduleError, validate
+from jax3d.pipeline.schedules import B, F, W, Schedule, ScheduleError, validate
 
 _MANUAL = ("stage", "data")
 
 
 def _vary(x):
-    """Mark x varying over the manual axes it does not vary over yet (switch branches and scan
+    """Mark x varying over the manual axes it does not vary over yet (cond branches and scan
     carries must agree on varying-ness, and vjp of a non-varying input would psum inside a branch)."""
     missing = tuple(a for a in _MANUAL if a not in jax.typeof(x).manual_axis_type.varying)
     return lax.pcast(x, missing, to="varying") if missing else x

@@ -1,7 +1,7 @@
 """Lowering a schedule table to the per-tick instructions the loop executes.
 
 The loop needs, for every tick and stage, more than the schedule's (action, micro-batch, chunk):
-which branch of the switch to run (F, B and W differ at the first and last virtual stage), which
+which pass to run (F, B and W differ at the first and last virtual stage: a branch index), which
 buffer slot holds the saved input activation and the output grad, and into which slot the
 activation or grad arriving from a neighbour at the end of the tick goes. All of it is static, so it
 is worked out here in numpy, once, at trace time.
