@@ -149,3 +149,17 @@ def test_step_moves_no_params_outside_the_tick_loop(kind):
     assert static >= 2 and executed > 0  # the loop's sends are seen
     assert outside == 0
     assert set(others) <= {"all-reduce"}, others
+
+
+def test_logical_specs_change_only_the_layer_stack():
+    """An uneven split's logical stack is replicated over `stage`; the embedding keeps its `model` split."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax3d.pipeline.layout import make_layout
+    from jax3d.train.layer_order import LayerOrder
+
+    order = LayerOrder(make_layout(5, 2, 1, [3, 2]), optimizer=None)
+    specs = {"blocks": {"w": P("stage", None, "model")}, "embed": {"word": P("model", None)}}
+    out = order.logical_specs(specs)
+    assert out["blocks"]["w"] == P(None, None, "model")
+    assert out["embed"]["word"] == P("model", None)

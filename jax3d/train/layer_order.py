@@ -83,6 +83,13 @@ class LayerOrder:
             return spec
         return P(None, *tuple(spec)[1:])
 
+    def logical_specs(self, specs):
+        """A params-shaped tree of PartitionSpecs in logical order: only the layer stack's change."""
+        if self.logical:
+            return specs
+        return {k: jax.tree.map(self.logical_spec, v, is_leaf=lambda s: isinstance(s, P)) if k == "blocks" else v
+                for k, v in specs.items()}
+
     def logical_shardings(self, state_shardings):
         """Shardings of the logical-order copy of a state (a TrainState of NamedShardings)."""
         return self.map_state(lambda s: NamedSharding(s.mesh, self.logical_spec(s.spec)), state_shardings)

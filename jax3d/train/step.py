@@ -192,7 +192,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         return new_state, metrics
 
     logical_shardings = order.logical_shardings(state_shardings)
-    logical_compute = {"compute": jax.tree.map(order.logical_spec, specs["compute"], is_leaf=_is_spec)}
+    logical_compute = {"compute": order.logical_specs(specs["compute"])}
 
     def eval_step(params, batch):
         norms = model.normalizers(batch)
@@ -218,7 +218,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                         out_shardings=(state_shardings, repl), donate_argnums=0)
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
     grads_jit = jax.jit(loss_and_grads, out_shardings=(repl, jax.tree.map(
-        lambda s: NamedSharding(mesh, order.logical_spec(s)), specs["grads"], is_leaf=_is_spec)))
+        lambda s: NamedSharding(mesh, s), order.logical_specs(specs["grads"]), is_leaf=_is_spec)))
     to_logical = jax.jit(order.state_to_logical, out_shardings=logical_shardings)
     params_to_logical = jax.jit(order.params_to_logical, out_shardings=logical_shardings.params)
     from_logical = jax.jit(order.state_from_logical, out_shardings=state_shardings, donate_argnums=0)
