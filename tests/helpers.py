@@ -47,7 +47,12 @@ def free_port() -> int:
 
 
 def subprocess_env(drop=("XLA_FLAGS",)) -> dict:
-    """This environment for a child process that finds the checkout and sets up its own devices."""
+    """This environment for a child process that finds the checkout and sets up its own devices: a dropped
+    XLA_FLAGS keeps every flag but the device count (the compile-time one conftest.py sets)."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
+    if "XLA_FLAGS" in drop:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        if flags:
+            env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = ROOT
     return env
