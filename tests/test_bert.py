@@ -6,7 +6,7 @@ import pytest
 from jax3d.train.step import build_steps
 from tests.helpers import tiny_config
 
-SEQ, VOCAB, BATCH, STEPS = 16, 256, 8, 20
+SEQ, VOCAB, BATCH, STEPS = 16, 256, 8, 10
 
 
 def bert_batch(seed):
@@ -44,8 +44,10 @@ def test_reference_learns(reference):
     assert reference[-1, 0] < reference[0, 0] - 0.3
 
 
+# Each schedule once (each layout compiles its own step): 1F1B and ZB-H1 on the full (2, 2, 2) mesh with
+# ZeRO, where they run the passes they would run on (1, 2, 1).
 @pytest.mark.parametrize("layout", [
-    (1, 2, 1, "gpipe"), (1, 2, 1, "1f1b"), (1, 2, 1, "zb-h1"), (1, 2, 1, "interleaved", 0, 2),
+    (1, 2, 1, "gpipe"), (1, 2, 1, "interleaved", 0, 2),
     (2, 2, 2, "1f1b", 1), (2, 2, 2, "zb-h1", 3), (1, 1, 8, "1f1b", 0),
 ])
 def test_bert_layouts_match(reference, layout):
