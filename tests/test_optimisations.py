@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax3d.config import OPTIMISATIONS, ConfigError
-from jax3d.models import GPT
+from jax3d.models import GPT, layers
 from tests.helpers import random_text, rel_err, tiny_model
 
 
@@ -37,6 +37,26 @@ def test_each_optimisation_off_gives_the_same_loss_and_grads(reference, name):
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         ref = dict(jax.tree_util.tree_leaves_with_path(ref_grads))[path]
         assert rel_err(g, ref) < 1e-5, (name, jax.tree_util.keystr(path))
+
+
+def test_fused_loss_in_chunks_matches_the_unfused_loss(monkeypatch):
+    """4 sequence chunks, a loss mask with holes and a vocabulary padded past the tokenizer's."""
+    cfg = tiny_model(vocab_size=384, num_layers=2, unpadded_vocab_size=300)
+    params = GPT(cfg).init(jax.random.key(0))
+    text = random_text(4, cfg.seq_length, 300)
+    mask = (jax.random.uniform(jax.random.key(1), (4, cfg.seq_length)) > 0.3).astype(jnp.float32)
+
+    def loss_and_grads(cfg):
+        model = GPT(cfg)
+        return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text, "loss_mask": mask})[0]))(params)
+
+    ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_loss",)))
+    monkeypatch.setattr(layers, "LOSS_CHUNK_TOKENS", cfg.seq_length)
+    assert layers.loss_chunks(4, cfg.seq_length) == 4
+    loss, grads = loss_and_grads(cfg)
+    assert abs(float(loss) - float(ref_loss)) < 1e-6
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert rel_err(g, ref) < 1e-5
 
 
 def test_bf16_step_stays_near_the_fp32_loss(reference):

@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from jax3d.mesh import MeshConfig
-from jax3d.models import GPT
+from jax3d.models import GPT, layers
 from jax3d.sharding import ShardingRules, named_shardings, tree_specs
 from tests.helpers import random_text, rel_err, tiny_model
 
@@ -28,6 +28,17 @@ def reference():
 @pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_matches_one_device(reference, tp, sequence_parallel):
+    _check_tensor_parallel(reference, tp, sequence_parallel)
+
+
+def test_fused_loss_in_chunks_under_tensor_parallel(reference, monkeypatch):
+    """The fused head and loss in 4 sequence chunks, vocab-parallel over 2 and batch-parallel over 4."""
+    monkeypatch.setattr(layers, "LOSS_CHUNK_TOKENS", 16)
+    assert layers.loss_chunks(*reference[2][:, 1:].shape) == 4
+    _check_tensor_parallel(reference, 2, True)
+
+
+def _check_tensor_parallel(reference, tp, sequence_parallel):
     cfg, params, text, ref_logits, ref_grads = reference
     mesh = MeshConfig(8 // tp, 1, tp).build()
     rules = ShardingRules.create(sequence_parallel)
@@ -50,7 +61,7 @@ def test_tensor_parallel_matches_one_device(reference, tp, sequence_parallel):
 
 
 def test_cross_entropy_does_not_gather_vocab():
-    """The compiled TP-8 loss holds no full-vocabulary array on a device."""
+    """The compiled TP-8 loss and its gradient hold no full-vocabulary array on a device."""
     cfg = tiny_model(vocab_size=4096)
     mesh = MeshConfig(1, 1, 8).build()
     rules = ShardingRules.create()
@@ -61,7 +72,7 @@ def test_cross_entropy_does_not_gather_vocab():
     text = jax.ShapeDtypeStruct((2, cfg.seq_length + 1), jnp.int32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     with jax.set_mesh(mesh):
-        hlo = jax.jit(lambda p, t: _loss(model, p, t)).lower(params, text).compile().as_text()
+        hlo = jax.jit(jax.value_and_grad(lambda p, t: _loss(model, p, t))).lower(params, text).compile().as_text()
     # Per-device logits are (2, 16, 512); a gathered (.., 4096) f32 tensor would show up in the HLO.
     assert "f32[2,16,512]" in hlo
     assert "f32[2,16,4096]" not in hlo

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax3d.models.layers import Embedding, cross_entropy_sum, norm_for, vocab_parallel_logits
+from jax3d.models.layers import (Embedding, cross_entropy_sum, fused_lm_loss_sum, loss_chunks, norm_for,
+                                 vocab_parallel_logits)
 from jax3d.models.transformer import TransformerLM
 
 
@@ -45,11 +46,16 @@ class GPT(TransformerLM):
         return vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules).astype(jnp.float32)
 
     def head_loss(self, params, x_btd, mb):
+        cfg = self.cfg
         x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
-        logits = vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules,
-                                       fp32=not self.cfg.optimised("bf16_logits"))
-        targets = mb["text"][:, 1:]
-        loss_sum, _ = cross_entropy_sum(logits, targets, self._loss_mask(mb), self.cfg.unpadded_vocab_size)
+        wte, targets, mask = params["embed"]["word"], mb["text"][:, 1:], self._loss_mask(mb)
+        fp32 = not cfg.optimised("bf16_logits")
+        if cfg.optimised("fused_loss"):
+            chunks = loss_chunks(*targets.shape)
+            loss_sum = fused_lm_loss_sum(x_btd, wte, targets, mask, self.rules, cfg.unpadded_vocab_size, chunks, fp32)
+        else:
+            logits = vocab_parallel_logits(x_btd, wte, self.rules, fp32)
+            loss_sum, _ = cross_entropy_sum(logits, targets, mask, cfg.unpadded_vocab_size)
         return {"lm": loss_sum}, {}
 
     @staticmethod
