@@ -88,9 +88,9 @@ def _summarise(kernels, steps: int) -> dict:
         by_scope[(c, _scope_key(scope))] += us
     ms = {c: round(by_class[c] / 1e3 / steps, 2) for c in CLASSES}
     ms["total"] = round(sum(by_class.values()) / 1e3 / steps, 2)
-    top = [{"class": c, "op": n, "ms": round(us / 1e3 / steps, 2)} for (c, n), us in by_kernel.most_common(25)]
+    top = [{"class": c, "op": n, "ms": round(us / 1e3 / steps, 2)} for (c, n), us in by_kernel.most_common(40)]
     scopes = [{"class": c, "scope": n, "ms": round(us / 1e3 / steps, 2)}
-              for (c, n), us in by_scope.most_common(30) if n]
+              for (c, n), us in by_scope.most_common(50) if n]
     return {"ms_per_step": ms, "top": top, "top_scopes": scopes}
 
 
