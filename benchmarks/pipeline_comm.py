@@ -11,10 +11,14 @@ loop are listed too: a reorder of the stage-sharded layer stack would show there
 """
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import re
+import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
+
+from jax3d.argparse_util import OneLineParser, layer_counts
 from jax3d.mesh import emulate_cpu_devices
 
 
@@ -88,7 +92,7 @@ def _gpt_step_hlo(stages, m, schedule, virtual, counts=()):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb-h1"])
@@ -98,7 +102,10 @@ def main():
                    help="gpt only: layers per virtual stage, comma-separated (an uneven split); schedules whose "
                         "stages x virtual stages differ from its length are skipped")
     a = p.parse_args()
-    counts = tuple(int(c) for c in a.pipeline_layout.split(",")) if a.pipeline_layout else ()
+    try:
+        counts = layer_counts(a.pipeline_layout, "--pipeline-layout")
+    except ValueError as e:
+        p.error(str(e))
     if counts and a.model != "gpt":
         p.error("--pipeline-layout needs --model gpt")
     emulate_cpu_devices(a.stages)

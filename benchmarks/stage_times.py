@@ -18,8 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
 import jax
 import jax.numpy as jnp

@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
 from jax3d.mesh import emulate_cpu_devices
 

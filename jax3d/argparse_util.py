@@ -9,3 +9,11 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+def layer_counts(text: str, flag: str) -> tuple[int, ...]:
+    """A pipeline layout flag's comma-separated layer counts ('3,5,5,3'); ValueError names the flag."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated layer counts, e.g. 3,5,5,3") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jax3d.argparse_util import OneLineParser
+from jax3d.argparse_util import OneLineParser, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
@@ -176,10 +176,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
     # 0: the tokenizer's vocabulary, padded (jax3d.plan.resolve)
     model = dataclasses.replace(model, vocab_size=a.vocab_size, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     try:
-        layout = tuple(int(x) for x in a.pipeline_model_parallel_layout.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--pipeline-model-parallel-layout {a.pipeline_model_parallel_layout!r} must be "
-                          "comma-separated layer counts, e.g. 3,5,5,3") from None
+        layout = layer_counts(a.pipeline_model_parallel_layout, "--pipeline-model-parallel-layout")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     parallel = ParallelConfig(tensor_parallel=a.tensor_model_parallel_size,
                               pipeline_parallel=a.pipeline_model_parallel_size, zero_stage=a.zero_stage,
                               sequence_parallel=a.sequence_parallel, pipeline_schedule=a.pipeline_schedule,

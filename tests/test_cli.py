@@ -30,6 +30,7 @@ def _losses(log_dir):
     (["--num-attention-heads", "6", "--tensor-model-parallel-size", "4"], "--num-attention-heads 6 is not divisible"),
     (["--global-batch-size", "30"], "--global-batch-size 30 is not divisible"),
     (["--no-such-flag"], "unrecognized arguments"),
+    (["--pipeline-model-parallel-layout", "3,x"], "must be comma-separated layer counts"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-type", "GPT2BPETokenizer"], "error:"),
 ])
 def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
