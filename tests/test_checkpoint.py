@@ -290,3 +290,14 @@ def test_padding_rule_is_free_but_the_padded_vocabulary_is_not():
     check_model_compatible(saved, tiny_model(vocab_size=512, make_vocab_size_divisible_by=64), "ckpt")
     with pytest.raises(ConfigError, match="vocab-size 512"):
         check_model_compatible(saved, tiny_model(vocab_size=576, make_vocab_size_divisible_by=64), "ckpt")
+
+
+def test_finished_run_stops_before_compiling(small_ckpt, monkeypatch, capsys):
+    """Resuming a run whose checkpoint is at --train-iters compiles nothing (it would take minutes at scale)."""
+    from jax3d.train import loop
+
+    cfg, mesh_cfg, mesh, _ = small_ckpt
+    monkeypatch.setattr(loop, "build_steps", lambda *a: pytest.fail("a finished run built its step"))
+    done = cfg.replace(train={"load": cfg.train.save, "train_iters": 2})
+    assert loop.train(done, mesh_cfg, mesh, None, checkpointer=Checkpointer(done)) == {}
+    assert "nothing to do: the checkpoint is already at step 2 of 2" in capsys.readouterr().err

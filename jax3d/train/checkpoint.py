@@ -260,21 +260,28 @@ class Checkpointer:
         self.last_save_blocked_s = 0.0  # how long the last save call held the training loop
 
     # ---- restore -------------------------------------------------------------------------------------
-    def restore(self, steps):
-        """The train state and loader position from `--load` (latest or `--ckpt-step`), or (None, 0)."""
+    def step_to_restore(self) -> int | None:
+        """The checkpoint step `restore` would load (reading no arrays), or None when it starts fresh."""
         tr = self.cfg.train
         if not self.load_dir:
-            return None, 0
+            return None
         found = list_steps(self.load_dir)
         if not found:
             same = self.save_dir and os.path.abspath(self.save_dir) == os.path.abspath(self.load_dir)
             if same and tr.ckpt_step < 0:
-                _log(f"jax3d: no checkpoint in {self.load_dir} yet; starting from scratch")
-                return None, 0
+                return None
             what = "does not exist" if not os.path.exists(self.load_dir) else "holds no complete checkpoint"
             raise ConfigError(f"--load {self.load_dir} {what}; pass a checkpoint directory, or the same "
                               "directory as --save to start fresh there")
-        step = resolve_step(self.load_dir, found, tr.ckpt_step)
+        return resolve_step(self.load_dir, found, tr.ckpt_step)
+
+    def restore(self, steps):
+        """The train state and loader position from `--load` (latest or `--ckpt-step`), or (None, 0)."""
+        step = self.step_to_restore()
+        if step is None:
+            if self.load_dir:
+                _log(f"jax3d: no checkpoint in {self.load_dir} yet; starting from scratch")
+            return None, 0
         state, meta = restore_state(self.load_dir, step, steps)
         _log(f"jax3d: restored step {step} from {self.load_dir} (saved on (data, stage, model) = "
              f"{tuple(meta['mesh'].values())}, ZeRO-{meta['config']['parallel']['zero_stage']}, "

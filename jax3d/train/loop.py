@@ -70,8 +70,12 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     from jax3d.data import BatchLoader
 
     tr = cfg.train
-    steps = build_steps(cfg, mesh_cfg, mesh)
     chief = jax.process_index() == 0
+    saved = checkpointer.step_to_restore() if checkpointer is not None else None
+    if saved is not None and saved >= tr.train_iters:  # before compiling: a finished run has nothing to do
+        print(f"jax3d: nothing to do: the checkpoint is already at step {saved} of {tr.train_iters}", file=sys.stderr)
+        return {}
+    steps = build_steps(cfg, mesh_cfg, mesh)
     # Compiled from abstract shapes before any state is allocated or restored, so a step that cannot fit
     # stops here, before a checkpoint is read into memory the step then has no room beside.
     t0 = time.perf_counter()
