@@ -39,12 +39,10 @@ class ShardingRules:
     active: bool = True
 
     @classmethod
-    def create(cls, sequence_parallel: bool = False, shard_layers: bool = True) -> "ShardingRules":
+    def create(cls, sequence_parallel: bool = False) -> "ShardingRules":
         table = dict(BASE_RULES)
         if sequence_parallel:
             table["act_seq"] = "model"
-        if not shard_layers:
-            table["layers"] = None
         return cls(tuple(table.items()))
 
     @classmethod
