@@ -96,6 +96,9 @@ def test_the_guard_stops_a_resumed_run_before_its_checkpoint_is_read(monkeypatch
     from tests.helpers import tiny_config
 
     class Checkpointer:
+        def step_to_restore(self):  # lists steps, reads no arrays
+            return 1
+
         def restore(self, steps):
             restored.append(steps)
             return None, 0
@@ -106,3 +109,14 @@ def test_the_guard_stops_a_resumed_run_before_its_checkpoint_is_read(monkeypatch
     with pytest.raises(ConfigError, match="emulated devices"):
         train(cfg, mesh_cfg, mesh, inputs=None, progress=False, checkpointer=Checkpointer())
     assert restored == []
+
+
+def test_a_run_claims_most_of_each_gpu_unless_told_otherwise():
+    from jax3d.run import DEVICE_MEMORY_FRACTION, claim_device_memory
+
+    env = {}
+    claim_device_memory(env)
+    assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": DEVICE_MEMORY_FRACTION}
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}
+    claim_device_memory(env)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".5"
