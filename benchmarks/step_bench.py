@@ -124,7 +124,10 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
 
 def run_isolated(run: Run, steps_timed: int) -> dict:
     """`measure` in a fresh process: its own peak-memory counter and XLA flags."""
+    from jax3d.run import claim_device_memory
+
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    claim_device_memory(env)  # as launch/train.py does
     if run.xla_flags:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + run.xla_flags).strip()
     code = ("import json, sys; sys.path.insert(0, %r); from step_bench import Run, measure; "
