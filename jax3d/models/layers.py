@@ -330,7 +330,8 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
 
     def bwd(res, g):
         dx, dw = res
-        return (dx * g.astype(dx.dtype), (dw * g).astype(wte_vd.dtype), None, None)
+        # Scaled in fp32: in fp16, the cotangent (1 / tokens without a loss scale) could underflow.
+        return ((dx.astype(jnp.float32) * g).astype(dx.dtype), (dw * g).astype(wte_vd.dtype), None, None)
 
     loss_sum.defvjp(fwd, bwd)
     return loss_sum(x_btd, wte_vd, targets_bt, mask_bt)
