@@ -72,10 +72,16 @@ def test_pipeline_matches_sequential(sequential, mesh, schedule, zero):
         assert rel_err(g, flat_ref[path]) < 1e-5, (jax.tree_util.keystr(path), rel_err(g, flat_ref[path]))
 
 
+@pytest.fixture(scope="module")
+def sequential_dropout():
+    """The (1, 1, 8) model's loss and gradients with dropout 0.1: one data shard, like the pipelines below."""
+    return _loss_and_grads(1, 1, 8, dropout=0.1)
+
+
 @pytest.mark.parametrize("mesh, schedule", [((1, 4, 1), "1f1b"), ((1, 2, 4), "zb-h1")])
-def test_pipeline_dropout_matches_sequential(sequential, mesh, schedule):
+def test_pipeline_dropout_matches_sequential(sequential, sequential_dropout, mesh, schedule):
     """With one data shard the pipeline draws the sequential model's dropout masks, embedding included."""
-    ref_loss, ref_grads = _loss_and_grads(1, 1, 8, dropout=0.1)
+    ref_loss, ref_grads = sequential_dropout
     loss, grads = _loss_and_grads(*mesh, schedule, dropout=0.1)
     no_dropout, _ = sequential(_layers())  # what the pipeline gives without dropout (the test above)
     assert abs(loss - no_dropout) > 1e-3  # dropout is really on
