@@ -68,10 +68,11 @@ def layout_losses(tmp_path_factory):
 
 @pytest.mark.slow
 def test_data_model_layouts_give_the_same_losses(layout_losses):
-    """(data, model) = (8, 1), (4, 2), (2, 4), (1, 8) at the same global batch."""
+    """(data, model) = (8, 1), (4, 2), (1, 8) at the same global batch; model 4 is the pipelined test's
+    (4, 2, interleaved) layout."""
     ref = layout_losses(1)
     assert len(ref) == 10 and ref[-1] < ref[0] - 0.5
-    for tp in (2, 4, 8):
+    for tp in (2, 8):
         np.testing.assert_allclose(layout_losses(tp), ref, atol=1e-3, err_msg=f"tp={tp}")
 
 
