@@ -51,11 +51,17 @@ def assert_equal(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def test_interleaved_run_equals_non_interleaved():
+@pytest.fixture(scope="module")
+def plain_and_interleaved():
+    """The (2, 2, 2) ZeRO-1 steps for 1F1B and for interleaved (v = 2), built and compiled once for the
+    module: checkpoint paths live in the Checkpointer's config, not in the step."""
+    return build_steps(*layout(2, 2, 2)), build_steps(*layout(2, 2, 2, "interleaved", 2))
+
+
+def test_interleaved_run_equals_non_interleaved(plain_and_interleaved):
     """(2, 2, 2), ZeRO-1: an interleaved (v = 2) run's loss curve, grad norms, params and AdamW moments
     in logical order are the 1F1B run's."""
-    ref = build_steps(*layout(2, 2, 2))
-    inter = build_steps(*layout(2, 2, 2, "interleaved", 2))
+    ref, inter = plain_and_interleaved
     assert ref.order.logical and not inter.order.logical
     ref_l, ref_n, ref_s = run(ref, ref.init_state(0), 0, 5)
     l, n, s = run(inter, inter.init_state(0), 0, 5)
@@ -90,14 +96,13 @@ def test_uneven_padding_rows_stay_zero():
             assert not leaf[rows < 0].any() and leaf[rows >= 0].any()
 
 
-def test_checkpoints_restore_across_layer_orders(tmp_path):
+def test_checkpoints_restore_across_layer_orders(plain_and_interleaved, tmp_path):
     """Saved by an interleaved run, a checkpoint restores bit-exactly onto (2, 2, 2) 1F1B and onto the
     interleaved layout itself; the 1F1B run resumes like the uninterrupted interleaved one, and its own
     checkpoint restores bit-exactly into the interleaved order."""
+    plain, inter = plain_and_interleaved
     d_inter, d_plain = str(tmp_path / "inter"), str(tmp_path / "plain")
-    cfg_i, mesh_cfg_i, mesh_i = layout(2, 2, 2, "interleaved", 2)
-    cfg_i = cfg_i.replace(train={"save": d_inter, "save_interval": 3})
-    inter = build_steps(cfg_i, mesh_cfg_i, mesh_i)
+    cfg_i = layout(2, 2, 2, "interleaved", 2)[0].replace(train={"save": d_inter, "save_interval": 3})
     ck = Checkpointer(cfg_i)
     _, _, s = run(inter, inter.init_state(0), 0, 3, ck)
     at3 = host(s)
@@ -112,9 +117,7 @@ def test_checkpoints_restore_across_layer_orders(tmp_path):
     assert_equal(host(back), at3)
 
     # onto 1F1B: the logical state bit for bit, then the same curve as the uninterrupted run
-    cfg_p, mesh_cfg_p, mesh_p = layout(2, 2, 2)
-    cfg_p = cfg_p.replace(train={"load": d_inter, "ckpt_step": 3, "save": d_plain, "save_interval": 6})
-    plain = build_steps(cfg_p, mesh_cfg_p, mesh_p)
+    cfg_p = layout(2, 2, 2)[0].replace(train={"load": d_inter, "ckpt_step": 3, "save": d_plain, "save_interval": 6})
     ck_p = Checkpointer(cfg_p)
     state, _ = ck_p.restore(plain)
     assert_equal(host(state), at3_logical)
