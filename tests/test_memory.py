@@ -99,7 +99,7 @@ def test_the_guard_stops_a_resumed_run_before_its_checkpoint_is_read(monkeypatch
         def step_to_restore(self):  # lists steps, reads no arrays
             return 1
 
-        def restore(self, steps):
+        def restore(self, steps, step=-1):
             restored.append(steps)
             return None, 0
 

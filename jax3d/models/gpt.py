@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax3d.models.layers import (Embedding, cross_entropy_sum, fused_lm_loss_sum, loss_chunks, norm_for,
+from jax3d.models.layers import (Embedding, cross_entropy_sum, fused_lm_loss_sum, norm_for,
                                  vocab_parallel_logits)
 from jax3d.models.transformer import TransformerLM
 
@@ -51,8 +51,7 @@ class GPT(TransformerLM):
         wte, targets, mask = params["embed"]["word"], mb["text"][:, 1:], self._loss_mask(mb)
         fp32 = not cfg.optimised("bf16_logits")
         if cfg.optimised("fused_loss"):
-            chunks = loss_chunks(*targets.shape)
-            loss_sum = fused_lm_loss_sum(x_btd, wte, targets, mask, self.rules, cfg.unpadded_vocab_size, chunks, fp32)
+            loss_sum = fused_lm_loss_sum(x_btd, wte, targets, mask, self.rules, cfg.unpadded_vocab_size, fp32)
         else:
             logits = vocab_parallel_logits(x_btd, wte, self.rules, fp32)
             loss_sum, _ = cross_entropy_sum(logits, targets, mask, cfg.unpadded_vocab_size)

@@ -277,45 +277,41 @@ def loss_chunks(batch: int, seq: int) -> int:
 
 
 def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, valid_vocab: int = 0,
-                      chunks: int = 1, fp32: bool = False):
-    """`cross_entropy_sum` of the tied LM head's logits, run over `chunks` slices of the sequence.
+                      fp32: bool = False):
+    """`cross_entropy_sum` of the tied LM head's logits, run over `loss_chunks` slices of the sequence.
 
     Each slice's logits live only inside its loop step. When differentiated, the forward pass also
     computes the gradients (of x by one GEMM, of the table accumulated in fp32 by another), so the
     backward pass only scales them by the incoming cotangent: the full logits and their gradient are
     never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head.
     """
+    b, t, d = x_btd.shape
+    chunks = loss_chunks(b, t)
+
+    def split(a):  # (b, t, ...) -> (chunks, b, t / chunks, ...)
+        return jnp.moveaxis(a.reshape(b, chunks, t // chunks, *a.shape[2:]), 1, 0)
+
     def run(x, w, targets, mask, with_grads: bool):
-        b, t, d = x.shape
-        tc = t // chunks
-
-        def split(a):  # (b, t, ...) -> (chunks, b, tc, ...)
-            return jnp.moveaxis(a.reshape(b, chunks, tc, *a.shape[2:]), 1, 0)
-
         def step(carry, xs):
             loss, dw = carry
             x_c, t_c, m_c = xs
-            logits = vocab_parallel_logits(x_c, w, rules, fp32).astype(jnp.float32)
-            vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-            if valid_vocab:
-                logits = jnp.where(vocab < valid_vocab, logits, -jnp.inf)
-            lse = jax.nn.logsumexp(logits, axis=-1)
-            hit = vocab == t_c[..., None]
+            nll, dnll = _token_nll(vocab_parallel_logits(x_c, w, rules, fp32), t_c, valid_vocab)
             m = m_c.astype(jnp.float32)
-            loss = loss + jnp.sum((lse - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)) * m)
+            loss = loss + jnp.sum(nll * m)
             if not with_grads:
                 return (loss, dw), None
-            dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * m[..., None]).astype(x.dtype)
-            dlogits = rules.constrain(dlogits, ("batch", "seq", "vocab"))
+            dlogits = rules.constrain((dnll * m[..., None]).astype(x.dtype), ("batch", "seq", "vocab"))
             dx_c = jnp.einsum("btv,vd->btd", dlogits, w)
             dw = dw + jnp.einsum("btv,btd->vd", dlogits, x_c, preferred_element_type=jnp.float32)
             return (loss, rules.constrain(dw, ("vocab", "embed"))), dx_c
 
         x = rules.constrain(x, ("batch", "seq", "embed"))
-        loss0 = _varying_like(jnp.float32(0), x, w, targets, mask)
-        dw0 = _varying_like(jnp.zeros(w.shape, jnp.float32), x, w, targets, mask) if with_grads else None
-        dw0 = rules.constrain(dw0, ("vocab", "embed")) if with_grads else None
-        (loss, dw), dx = jax.lax.scan(step, (loss0, dw0), (split(x), split(targets), split(mask)))
+        refs = (x, w, targets, mask)
+        dw0 = None
+        if with_grads:
+            dw0 = rules.constrain(_varying_like(jnp.zeros(w.shape, jnp.float32), *refs), ("vocab", "embed"))
+        carry = (_varying_like(jnp.float32(0), *refs), dw0)
+        (loss, dw), dx = jax.lax.scan(step, carry, (split(x), split(targets), split(mask)))
         if not with_grads:
             return loss
         return loss, jnp.moveaxis(dx, 0, 1).reshape(b, t, d), dw
@@ -351,11 +347,22 @@ def cross_entropy_sum(logits_btv, targets_bt, mask_bt, valid_vocab: int = 0):
     reductions plus an all-reduce of (batch, seq) scalars; the one-hot compare fuses into the reduce.
     With `valid_vocab` the padding columns past it are left out, as in the unpadded model it came from.
     """
-    logits_btv = logits_btv.astype(jnp.float32)  # fuses into the reductions; never stored
+    nll, _ = _token_nll(logits_btv, targets_bt, valid_vocab)
+    mask = mask_bt.astype(jnp.float32)
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def _token_nll(logits_btv, targets_bt, valid_vocab: int):
+    """Each token's negative log-likelihood, and its gradient with respect to the logits (unscaled).
+
+    The logits go to fp32 inside the reductions (never stored); padding columns past `valid_vocab` are
+    left out. A caller that needs only the loss leaves the gradient unused, and XLA drops it.
+    """
+    logits_btv = logits_btv.astype(jnp.float32)
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits_btv.shape, 2)
     if valid_vocab:
         logits_btv = jnp.where(vocab < valid_vocab, logits_btv, -jnp.inf)
     lse = jax.nn.logsumexp(logits_btv, axis=-1)
-    target_logit = jnp.sum(jnp.where(vocab == targets_bt[..., None], logits_btv, 0.0), axis=-1)
-    mask = mask_bt.astype(jnp.float32)
-    return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
+    hit = vocab == targets_bt[..., None]
+    nll = lse - jnp.sum(jnp.where(hit, logits_btv, 0.0), axis=-1)
+    return nll, jnp.exp(logits_btv - lse[..., None]) - hit

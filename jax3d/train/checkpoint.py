@@ -275,9 +275,12 @@ class Checkpointer:
                               "directory as --save to start fresh there")
         return resolve_step(self.load_dir, found, tr.ckpt_step)
 
-    def restore(self, steps):
-        """The train state and loader position from `--load` (latest or `--ckpt-step`), or (None, 0)."""
-        step = self.step_to_restore()
+    def restore(self, steps, step: int | None = -1):
+        """The train state and loader position from `--load` (latest or `--ckpt-step`), or (None, 0).
+
+        `step` is what `step_to_restore` already answered (None: start fresh); -1 asks it here."""
+        if step == -1:
+            step = self.step_to_restore()
         if step is None:
             if self.load_dir:
                 _log(f"jax3d: no checkpoint in {self.load_dir} yet; starting from scratch")

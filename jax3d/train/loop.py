@@ -86,14 +86,11 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         check_fits(train_step)
     state, consumed = None, 0
     if checkpointer is not None:
-        state, consumed = checkpointer.restore(steps)
+        state, consumed = checkpointer.restore(steps, saved)
     start = int(state.step) if state is not None else 0
-    end = tr.train_iters
+    end = tr.train_iters  # past start: a finished run returned above
     if tr.exit_interval:
         end = min(end, (start // tr.exit_interval + 1) * tr.exit_interval)
-    if start >= end:
-        print(f"jax3d: nothing to do: the state is already at step {start} of {end}", file=sys.stderr)
-        return {}
     if state is None:
         state = steps.init_state(tr.seed)
     flops_tok = model_flops_per_token(cfg.model)
