@@ -22,6 +22,8 @@ OPTIMISATIONS = {
     "lean_gelu": "the MLP keeps only the GELU input for the backward pass; GELU is recomputed there",
     "gelu_keeps_output": "with lean_gelu, the MLP also keeps the GELU output, so only its derivative is recomputed",
     "layernorm_keeps_stats": "with lean_layernorm, layer norm also keeps each token's mean and inverse deviation",
+    "positions_gathered": "position embeddings are gathered per token, not broadcast over the batch, which "
+                          "XLA laid out batch-minor with transposes around every GEMM",
     "fused_loss": "the LM head and loss run in sequence chunks whose gradients the forward pass computes: "
                   "the full logits are never stored",
 }

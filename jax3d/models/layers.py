@@ -242,6 +242,10 @@ class Embedding(nn.Module):
         # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
         # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
         # Explicit positions are for generation, where left-padded rows start counting at their first token.
+        # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
+        # lay the whole residual stream out batch-minor and transpose it around every GEMM.
+        if positions_bt is None and cfg.optimised("positions_gathered"):
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         pos = wpe[None, : tokens_bt.shape[1]] if positions_bt is None else jnp.take(wpe, positions_bt, axis=0)
         x_btd = jnp.take(wte, tokens_bt, axis=0) + pos
         if self.num_tokentypes:
