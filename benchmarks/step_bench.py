@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -93,6 +94,14 @@ def build_config(cfg, num_devices: int):
     return steps, state, batch, compiled, time.perf_counter() - t0
 
 
+def hlo_transposes(hlo_text: str) -> int:
+    """Instructions named transpose* in the compiled HLO (transposes and the fusions built round them).
+
+    A layout regression shows here before a profile: at 350M b32 a batch-minor residual stream meant
+    about 320 of them per step, and about 4 once the stream was laid out token-major."""
+    return len(re.findall(r"^\s*%[\w.]*transpose[\w.]* = ", hlo_text, re.M))
+
+
 def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
     """Times `steps_timed` train steps after `warmup`; one JSON-able record."""
     import jax
@@ -100,6 +109,7 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
     from jax3d.train.metrics import memory_gb, model_flops_per_token, peak_tflops
 
     steps, state, batch, compiled, compile_s = build(run)
+    transposes = hlo_transposes(compiled.as_text())
     with jax.set_mesh(steps.mesh):
         for _ in range(warmup):
             state, metrics = compiled(state, batch)
@@ -118,7 +128,7 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
             "batch": batch_size, "ablate": list(run.ablate), "recompute": run.recompute,
             "xla_flags": run.xla_flags, "step_s": round(dt, 5), "tokens_per_s": round(tokens / dt),
             "tflops_per_device": round(tflops, 1), "mfu": round(tflops / peak, 4) if peak else None,
-            "compile_s": round(compile_s, 1), "mem_gb": round(memory_gb(), 2),
+            "compile_s": round(compile_s, 1), "hlo_transposes": transposes, "mem_gb": round(memory_gb(), 2),
             "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind}
 
 

@@ -18,3 +18,17 @@ def test_scaling_benchmark_layouts_agree():
     assert a["layout"] == {"data": 8, "stage": 1, "model": 1} and b["layout"] == {"data": 2, "stage": 2, "model": 2}
     assert a["tokens_per_s"] > 0 and b["peak_mem_gb_per_device"] > 0
     assert abs(a["loss"] - b["loss"]) < 1e-4, (a["loss"], b["loss"])
+
+
+def test_hlo_transposes_counts_the_transposes_a_step_compiles_to():
+    # The same elementwise function with and without a transpose in front: the count is their difference.
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from step_bench import hlo_transposes
+
+    x = jnp.ones((64, 128))
+    with_t = jax.jit(lambda a: jnp.transpose(a) * 2).lower(x).compile().as_text()
+    without = jax.jit(lambda a: a * 2).lower(x).compile().as_text()
+    assert hlo_transposes(with_t) - hlo_transposes(without) == 1
