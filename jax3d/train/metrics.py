@@ -9,6 +9,7 @@ import sys
 import jax
 
 from jax3d.config import ModelConfig
+from jax3d.train.events import EventFile
 
 # Dense bf16 peak per device in TFLOP/s, by device kind.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "V100": 125.0}
@@ -54,9 +55,8 @@ class MetricsWriter:
         os.makedirs(log_dir, exist_ok=True)
         self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "w" if truncate else "a")
         try:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(log_dir)
-        except Exception as e:  # TensorBoard is a convenience; never fail a run over it
+            self._tb = EventFile(log_dir)
+        except OSError as e:  # TensorBoard is a convenience; never fail a run over it
             print(f"jax3d: TensorBoard events disabled ({e})", file=sys.stderr)
 
     def write(self, record: dict, prefix: str = "train") -> None:
@@ -65,9 +65,8 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
+            self._tb.add_scalars({f"{prefix}/{k}": v for k, v in record.items()
+                                  if k != "step" and isinstance(v, (int, float))}, record["step"])
             self._tb.flush()
 
     def close(self):
