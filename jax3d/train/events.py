@@ -43,6 +43,7 @@ def masked_crc32c(data: bytes) -> int:
 
 
 def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # a negative int64 is its two's complement, as protobuf encodes it
     out = bytearray()
     while True:
         low, n = n & 0x7F, n >> 7
