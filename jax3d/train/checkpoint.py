@@ -339,7 +339,7 @@ class Checkpointer:
             order = LayerOrder.of(self.cfg, stages)
             self._to_logical[mesh] = None if order.logical else jax.jit(
                 order.state_to_logical,
-                out_shardings=order.logical_shardings(jax.tree.map(lambda a: a.sharding, state)))
+                out_shardings=order.logical_shardings(state))
         convert = self._to_logical[mesh]
         return state if convert is None else convert(state)
 

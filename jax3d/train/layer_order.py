@@ -18,6 +18,8 @@ logical params. `LayerOrder` is the one place that converts.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import optax
 from jax.sharding import NamedSharding
@@ -90,9 +92,31 @@ class LayerOrder:
         return {k: jax.tree.map(self.logical_spec, v, is_leaf=lambda s: isinstance(s, P)) if k == "blocks" else v
                 for k, v in specs.items()}
 
-    def logical_shardings(self, state_shardings):
-        """Shardings of the logical-order copy of a state (a TrainState of NamedShardings)."""
-        return self.map_state(lambda s: NamedSharding(s.mesh, self.logical_spec(s.spec)), state_shardings)
+    def logical_shardings(self, state):
+        """Shardings of the logical-order copy of a state: a TrainState of arrays, or of abstract arrays
+        that carry their shardings.
+
+        An uneven split's logical stack can't keep `stage` on its layer dim, so `stage` moves to the
+        first other dim it divides: the copy that every save and restore makes then takes no more
+        memory per device than the state, where replicating it over `stage` would take `stages` times
+        the stack's share."""
+        structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+        moved = self.map_state(lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(a.sharding.mesh, self._logical_stack_spec(a))), structs)
+        return jax.tree.map(lambda a: a.sharding, moved)
+
+    def _logical_stack_spec(self, a) -> P:
+        spec = a.sharding.spec
+        logical = self.logical_spec(spec)
+        if logical == spec:
+            return spec
+        mesh, entries = a.sharding.mesh, list(logical) + [None] * (len(a.shape) - len(logical))
+        for i in range(1, len(a.shape)):
+            axes = entries[i] if isinstance(entries[i], tuple) else () if entries[i] is None else (entries[i],)
+            if a.shape[i] % (math.prod(mesh.shape[x] for x in axes) * mesh.shape["stage"]) == 0:
+                entries[i] = (*axes, "stage")
+                return P(*entries)
+        return logical
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _params(self, params, fn):

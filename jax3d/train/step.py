@@ -191,7 +191,6 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                    "loss_scale": scale, "skipped": new_state.loss_scale.skipped}
         return new_state, metrics
 
-    logical_shardings = order.logical_shardings(state_shardings)
     logical_compute = {"compute": order.logical_specs(specs["compute"])}
 
     def eval_step(params, batch):
@@ -214,6 +213,8 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         init_jit = jax.jit(init_fn, static_argnums=0, out_shardings=state_shardings)
         abstract_state = jax.eval_shape(init_fn, 0)
         abstract_logical = jax.eval_shape(order.state_to_logical, abstract_state)
+    logical_shardings = order.logical_shardings(jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, state_shardings))
     train_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                         out_shardings=(state_shardings, repl), donate_argnums=0)
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
