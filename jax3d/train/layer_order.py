@@ -80,7 +80,8 @@ class LayerOrder:
     # ---- shardings -------------------------------------------------------------------------------
     def logical_spec(self, spec: P) -> P:
         """A stack leaf's spec in logical order: `stage` stays on the layer dim where it divides the
-        layers (an uneven split's logical stack is replicated over `stage`)."""
+        layers (an uneven split's logical stack is replicated over `stage` here; `logical_shardings`, for the
+        copies that saves and restores make, moves `stage` to another dim)."""
         if self.logical or not len(spec) or self.layout.num_layers % self.layout.stages == 0:
             return spec
         return P(None, *tuple(spec)[1:])
