@@ -95,10 +95,10 @@ def build_config(cfg, num_devices: int):
 
 
 def hlo_transposes(hlo_text: str) -> int:
-    """Instructions named transpose* in the compiled HLO (transposes and the fusions built round them).
-
-    A layout regression shows here before a profile: at 350M b32 a batch-minor residual stream meant
-    about 320 of them per step, and about 4 once the stream was laid out token-major."""
+    """Non-root instructions whose name holds "transpose" in the compiled HLO: a transpose fusion's call
+    site, and the transposes inside fused computations (a computation's ROOT is not counted). A proxy,
+    not a kernel count; a layout regression shows in it before a profile: at 350M b32 a batch-minor
+    residual stream meant 320 per step, and 4 once the stream was laid out token-major."""
     return len(re.findall(r"^\s*%[\w.]*transpose[\w.]* = ", hlo_text, re.M))
 
 

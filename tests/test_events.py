@@ -32,6 +32,20 @@ def test_crc32c_gives_the_published_check_value():
     assert events.crc32c(b"123456789") == 0xE3069283
 
 
+def test_negative_steps_and_out_of_range_values_decode():
+    """A negative step, NaN, and values past float32's range (saturated to inf, as a float32 cast does)."""
+    import math
+
+    from tensorboardX.proto import event_pb2
+
+    e = event_pb2.Event.FromString(events.event(2.5, -5, scalars={"nan": math.nan, "big": 1e39, "neg": -2**200,
+                                                                   "one": True}))
+    values = {v.tag: v.simple_value for v in e.summary.value}
+    assert e.step == -5 and e.wall_time == 2.5
+    assert math.isnan(values["nan"]) and values["big"] == math.inf and values["neg"] == -math.inf
+    assert values["one"] == 1.0
+
+
 def test_metrics_writer_events_decode_as_tensorboardx_writes_them(tmp_path):
     from tensorboardX import SummaryWriter
 
@@ -53,3 +67,10 @@ def test_metrics_writer_events_decode_as_tensorboardx_writes_them(tmp_path):
     assert scalars == ref_scalars and len(scalars) == 6
     for length, length_crc, data, data_crc in records + ref_records:  # tensorboardX's CRCs check ours
         assert events.masked_crc32c(length) == length_crc and events.masked_crc32c(data) == data_crc
+
+
+def test_two_writers_in_one_directory_write_two_files(tmp_path):
+    first, second = events.EventFile(str(tmp_path)), events.EventFile(str(tmp_path))
+    first.close()
+    second.close()
+    assert len(glob.glob(f"{tmp_path}/events.out.tfevents.*")) == 2

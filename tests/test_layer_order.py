@@ -168,11 +168,14 @@ def test_logical_specs_change_only_the_layer_stack():
     assert out["embed"]["word"] == P("model", None)
 
 
-def test_uneven_logical_copy_takes_no_more_memory_than_the_state(tmp_path):
-    """(1, 2, 1) with 3 + 2 layers, which `stage` can't split in logical order: the logical copy that
-    saves and restores make keeps `stage` on another dim of the stack, so a device holds no more of it
-    than of the state; its checkpoint restores onto the 2 + 3 split bit for bit."""
-    uneven = build_steps(*layout(1, 2, 1, counts=(3, 2), zero=0, layers=5))
+@pytest.mark.parametrize("mesh, zero", [((1, 2, 1), 0), ((2, 2, 2), 1)])
+def test_uneven_logical_copy_takes_no_more_memory_than_the_state(tmp_path, mesh, zero):
+    """3 + 2 layers, which `stage` can't split in logical order: the logical copy that saves and restores
+    make keeps `stage` on another dim of the stack (beside `model` or ZeRO's `data` where they are), so a
+    device holds no more of it than of the state; its checkpoint restores onto the 2 + 3 split bit for
+    bit."""
+    cfg = layout(*mesh, counts=(3, 2), zero=zero, layers=5)
+    uneven = build_steps(*cfg)
     state = uneven.init_state(0)
     logical = uneven.logical_state(state)
 
@@ -183,11 +186,10 @@ def test_uneven_logical_copy_takes_no_more_memory_than_the_state(tmp_path):
         assert per_device_bytes(logical, device) <= per_device_bytes(state, device)
     assert "stage" in str(logical.params["blocks"]["mlp"]["up_kernel"].sharding.spec)
 
-    cfg = layout(1, 2, 1, counts=(3, 2), zero=0, layers=5)[0].replace(train={"save": str(tmp_path), "save_interval": 1})
-    ck = Checkpointer(cfg)
+    ck = Checkpointer(cfg[0].replace(train={"save": str(tmp_path), "save_interval": 1}))
     ck.maybe_save(1, state, {"consumed_samples": GB}, force=True)
     ck.close()
-    other_cfg = layout(1, 2, 1, counts=(2, 3), zero=0, layers=5)
+    other_cfg = layout(*mesh, counts=(2, 3), zero=zero, layers=5)
     other = build_steps(*other_cfg)
     back, _ = Checkpointer(other_cfg[0].replace(train={"load": str(tmp_path), "ckpt_step": 1})).restore(other)
     assert_equal(host(other.logical_state(back)), host(logical))

@@ -244,6 +244,9 @@ class Embedding(nn.Module):
         # Explicit positions are for generation, where left-padded rows start counting at their first token.
         # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
         # lay the whole residual stream out batch-minor and transpose it around every GEMM.
+        if tokens_bt.shape[1] > wpe.shape[0]:
+            raise ValueError(f"a sequence of {tokens_bt.shape[1]} tokens is longer than the model's "
+                             f"{wpe.shape[0]} position embeddings; shorten it or raise --max-position-embeddings")
         if positions_bt is None and cfg.optimised("positions_gathered"):
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         pos = wpe[None, : tokens_bt.shape[1]] if positions_bt is None else jnp.take(wpe, positions_bt, axis=0)

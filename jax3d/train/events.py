@@ -11,6 +11,8 @@ float).
 """
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import socket
 import struct
@@ -57,13 +59,24 @@ def _bytes_field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32(value) -> bytes:
+    """`value` as a little-endian float32, saturating to +-inf past float32's range as a cast would."""
+    v = float(value)
+    if abs(v) > _FLOAT32_MAX and not math.isnan(v):
+        v = math.copysign(math.inf, v)
+    return struct.pack("<f", v)
+
+
 def event(wall_time: float, step: int, *, file_version: str = "", scalars: dict | None = None) -> bytes:
     """One serialized Event: a file-version header, or a summary of {tag: value} scalars."""
     out = _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3) + _varint(step)
     if file_version:
         return out + _bytes_field(3, file_version.encode())
     values = b"".join(
-        _bytes_field(1, _bytes_field(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", value))
+        _bytes_field(1, _bytes_field(1, tag.encode()) + _varint(2 << 3 | 5) + _float32(value))
         for tag, value in (scalars or {}).items())
     return out + _bytes_field(5, values)
 
@@ -74,12 +87,16 @@ def record(data: bytes) -> bytes:
     return length + struct.pack("<I", masked_crc32c(length)) + data + struct.pack("<I", masked_crc32c(data))
 
 
+_files_opened = itertools.count()
+
+
 class EventFile:
-    """Appends scalar summaries to a new `events.out.tfevents.<time>.<host>` file in `log_dir`."""
+    """Writes scalar summaries to a new `events.out.tfevents.<time>.<host>.<pid>.<n>` file in `log_dir`
+    (the process id and a counter keep two writers started in the same second apart)."""
 
     def __init__(self, log_dir: str):
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
-        self._file = open(os.path.join(log_dir, name), "ab")
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_files_opened)}"
+        self._file = open(os.path.join(log_dir, name), "xb")
         self._file.write(record(event(time.time(), 0, file_version="brain.Event:2")))
 
     def add_scalars(self, scalars: dict, step: int) -> None:

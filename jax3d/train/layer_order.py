@@ -98,9 +98,9 @@ class LayerOrder:
         that carry their shardings.
 
         An uneven split's logical stack can't keep `stage` on its layer dim, so `stage` moves to the
-        first other dim it divides: the copy that every save and restore makes then takes no more
-        memory per device than the state, where replicating it over `stage` would take `stages` times
-        the stack's share."""
+        first other dim it divides (a leaf with none stays replicated over `stage`): the copy that
+        every save and restore makes then takes about as much memory per device as the state, not
+        `stages` times the stack's share."""
         structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
         moved = self.map_state(lambda a: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=NamedSharding(a.sharding.mesh, self._logical_stack_spec(a))), structs)
