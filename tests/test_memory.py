@@ -120,3 +120,28 @@ def test_a_run_claims_most_of_each_gpu_unless_told_otherwise():
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}
     claim_device_memory(env)
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".5"
+
+
+def test_the_guard_also_checks_the_checkpoint_copy_of_a_pipeline_ordered_state(monkeypatch):
+    """Interleaved (1, 2, 1): saves and restores hold the state and its logical-order copy at once, which
+    here needs more than the step; a host with room for the step but not for that copy is told so."""
+    from jax3d.train import step as step_mod
+    from jax3d.train.loop import train
+    from tests.helpers import tiny_config
+
+    class Checkpointer:
+        def step_to_restore(self):
+            return None
+
+    cfg, mesh_cfg, mesh = tiny_config(stage=2, zero=0, micro=1, global_batch=8, pipeline_schedule="interleaved",
+                                      virtual_stages=2, model_kw={"num_layers": 4})
+    steps = step_mod.build_steps(cfg, mesh_cfg, mesh)
+    step_peak = memory.step_peak_bytes(steps.train_step.lower(
+        step_mod.abstract_state(steps), step_mod.abstract_batch(steps, steps.model.sample_shapes())).compile())
+    copy_peak = memory.step_peak_bytes(steps.compiled_logical_copy())
+    assert copy_peak > step_peak
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 8 * (step_peak + copy_peak) // 2)
+    with pytest.raises(ConfigError) as e:
+        train(cfg, mesh_cfg, mesh, inputs=None, progress=False, checkpointer=Checkpointer())
+    msg = str(e.value)
+    assert msg.startswith("saving or restoring a checkpoint") and "--zero-stage 3" in msg and "\n" not in msg

@@ -11,7 +11,7 @@ import numpy as np
 from jax3d.config import Config
 from jax3d.mesh import MeshConfig
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, peak_tflops
-from jax3d.train.memory import check_fits
+from jax3d.train.memory import STATE_FIXES, check_fits
 from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps
 
 
@@ -84,6 +84,11 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if memory_check:
         check_fits(train_step)
+        if checkpointer is not None and not steps.order.logical:
+            # A save or restore holds the state and its logical-order copy at once (layer_order.py); with
+            # small activations that is more than the step itself needs.
+            check_fits(steps.compiled_logical_copy(), "saving or restoring a checkpoint, which holds the "
+                       "state and its logical-order copy at once,", STATE_FIXES)
     state, consumed = None, 0
     if checkpointer is not None:
         state, consumed = checkpointer.restore(steps, saved)

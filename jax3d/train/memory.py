@@ -14,6 +14,8 @@ from jax3d.config import ConfigError
 
 _FIXES = ("more --tensor-model-parallel-size or --pipeline-model-parallel-size, --zero-stage 3, "
           "--recompute full or a smaller --micro-batch-size")
+# What shrinks the state itself, for the copy that checkpoints make of it.
+STATE_FIXES = "more --tensor-model-parallel-size or --zero-stage 3"
 
 
 def step_peak_bytes(compiled) -> int:
@@ -115,7 +117,7 @@ def host_available_bytes(*, root: str = "/") -> int | None:
     return min(limits) if limits else None
 
 
-def check_fits(compiled, what: str = "the train step") -> None:
+def check_fits(compiled, what: str = "the train step", fixes: str = _FIXES) -> None:
     """Raises ConfigError when `compiled` needs more memory than the local devices have."""
     peak = step_peak_bytes(compiled)
     devices = jax.local_devices()
@@ -126,11 +128,11 @@ def check_fits(compiled, what: str = "the train step") -> None:
         if have is not None and need > have:
             raise ConfigError(
                 f"{what} needs {peak / gib:.1f} GiB per device x {len(devices)} emulated devices = "
-                f"{need / gib:.1f} GiB, but this host has {have / gib:.1f} GiB free; use {_FIXES}, "
+                f"{need / gib:.1f} GiB, but this host has {have / gib:.1f} GiB free; use {fixes}, "
                 f"or pass --no-memory-check")
         return
     limit = (devices[0].memory_stats() or {}).get("bytes_limit")
     if limit and peak > limit:
         raise ConfigError(f"{what} needs {peak / gib:.1f} GiB per device, but each {devices[0].device_kind} "
-                          f"offers {limit / gib:.1f} GiB; use {_FIXES}, or pass --no-memory-check")
+                          f"offers {limit / gib:.1f} GiB; use {fixes}, or pass --no-memory-check")
 

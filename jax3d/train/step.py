@@ -81,6 +81,11 @@ class Steps:
         """The train state with params and optimizer moments in logical layer order (a copy)."""
         return state if self.order.logical else self._to_logical(state)
 
+    def compiled_logical_copy(self):
+        """The conversion to logical order that saves and restores run, compiled from abstract shapes;
+        its memory analysis is their peak. Only for a state not in logical order."""
+        return self._to_logical.lower(abstract_state(self)).compile()
+
     def state_from_logical(self, state: TrainState) -> TrainState:
         """A logical-order train state in the state's order (donates its argument)."""
         return state if self.order.logical else self._from_logical(state)
