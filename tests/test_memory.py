@@ -145,3 +145,6 @@ def test_the_guard_also_checks_the_checkpoint_copy_of_a_pipeline_ordered_state(m
         train(cfg, mesh_cfg, mesh, inputs=None, progress=False, checkpointer=Checkpointer())
     msg = str(e.value)
     assert msg.startswith("saving or restoring a checkpoint") and "--zero-stage 3" in msg and "\n" not in msg
+    from jax3d.train.dry_run import dry_run  # --dry-run reports both figures the guard checks
+    report = dry_run(cfg, mesh_cfg, mesh)
+    assert (report["peak"], report["checkpoint_copy_peak"]) == (step_peak, copy_peak)

@@ -65,6 +65,9 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
         * cfg.model.seq_length / mesh_cfg.size,
         "compile_s": round(compile_s, 2),
     }
+    if not steps.order.logical:
+        # Saves and restores hold the state and its logical-order copy at once; the guard checks this too.
+        report["checkpoint_copy_peak"] = step_peak_bytes(steps.compiled_logical_copy())
     if mesh_cfg.stage > 1:
         from jax3d.train.pipelined import schedule_report
         report.update(schedule_report(cfg, steps.accum_steps))
