@@ -144,7 +144,8 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                         tokenizer=None, progress: bool = True) -> dict:
     """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices."""
     from jax3d.plan import resolve
-    from jax3d.train.checkpoint import config_from_dict, restore_arrays, restore_targets, saved_step_meta
+    from jax3d.sharding import with_shardings
+    from jax3d.train.checkpoint import config_from_dict, restore_arrays, saved_step_meta
     from jax3d.train.step import build_steps
 
     if bool(data_paths) == bool(text_file):
@@ -166,7 +167,7 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     split = saved.data.split if split is None else split  # by default the samples training validated on
     dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples)
     steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
-    targets = restore_targets(steps.abstract_logical_state.params, steps.logical_shardings.params)
+    targets = with_shardings(steps.abstract_logical_state.params, steps.logical_shardings.params)
     params = steps.state_params(restore_arrays(load, step, {"params": targets}).params)
     out = evaluate_params(steps, params, dataset, count, progress)
     out.update(step=int(meta["step"]), layout={"data": dp, "stage": pp, "model": tp})

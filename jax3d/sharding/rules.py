@@ -90,6 +90,12 @@ def named_shardings(mesh, spec_tree) -> object:
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def with_shardings(abstract_tree, shardings):
+    """ShapeDtypeStructs of `abstract_tree` carrying `shardings`: a tree to compile against, or to
+    restore a checkpoint onto (orbax reads each slice straight onto its device), without allocating it."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings)
+
+
 def constrain_tree(tree, spec_tree):
     """`with_sharding_constraint` on every leaf of `tree`, with the matching PartitionSpec of `spec_tree`."""
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, spec_tree)

@@ -28,6 +28,7 @@ import numpy as np
 
 from jax3d.config import (Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
                           PrecisionConfig, TrainConfig)
+from jax3d.sharding import with_shardings
 
 FORMAT_VERSION = 1
 # Model fields that don't change the parameters and may differ between the saved run and this one.
@@ -128,11 +129,6 @@ def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[st
         model = dataclasses.replace(model, seq_length=min(saved.get("seq_length", model.seq_length),
                                                           model.max_position_embeddings))
     return dataclasses.replace(cfg, model=model)
-
-
-def restore_targets(abstract_tree, shardings):
-    """ShapeDtypeStructs carrying the new run's shardings: orbax reads each slice straight onto its device."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings)
 
 
 def list_steps(directory: str) -> list[int]:
@@ -423,7 +419,7 @@ def restore_state(directory: str, step: int, steps):
 
     meta = read_meta(directory, step)
     check_model_compatible(meta["config"]["model"], steps.cfg.model, f"{directory} step {step}")
-    targets = restore_targets(steps.abstract_logical_state, steps.logical_shardings)
+    targets = with_shardings(steps.abstract_logical_state, steps.logical_shardings)
     train_t = {"step": targets.step, "opt_state": targets.opt_state, "rng": targets.rng,
                "loss_scale": targets.loss_scale}
     r = restore_arrays(directory, step, {"params": targets.params, "train": train_t})

@@ -101,10 +101,8 @@ class LayerOrder:
         first other dim it divides (a leaf with none stays replicated over `stage`): the copy that
         every save and restore makes then takes about as much memory per device as the state, not
         `stages` times the stack's share."""
-        structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-        moved = self.map_state(lambda a: jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=NamedSharding(a.sharding.mesh, self._logical_stack_spec(a))), structs)
-        return jax.tree.map(lambda a: a.sharding, moved)
+        moved = self.map_state(lambda a: NamedSharding(a.sharding.mesh, self._logical_stack_spec(a)), state)
+        return jax.tree.map(lambda a: a if isinstance(a, NamedSharding) else a.sharding, moved)
 
     def _logical_stack_spec(self, a) -> P:
         spec = a.sharding.spec

@@ -19,7 +19,7 @@ from jax3d.config import Config
 from jax3d.mesh import MeshConfig
 from jax3d.models import build_model
 from jax3d.sharding import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
-                            tree_specs)
+                            tree_specs, with_shardings)
 from jax3d.train.layer_order import LayerOrder, state_layout
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
@@ -218,8 +218,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         init_jit = jax.jit(init_fn, static_argnums=0, out_shardings=state_shardings)
         abstract_state = jax.eval_shape(init_fn, 0)
         abstract_logical = jax.eval_shape(order.state_to_logical, abstract_state)
-    logical_shardings = order.logical_shardings(jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, state_shardings))
+    logical_shardings = order.logical_shardings(with_shardings(abstract_state, state_shardings))
     train_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                         out_shardings=(state_shardings, repl), donate_argnums=0)
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
@@ -263,8 +262,7 @@ class _with_mesh:
 
 def abstract_state(steps: Steps) -> TrainState:
     """ShapeDtypeStructs of the train state, carrying its shardings: compiles the step without allocating it."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        steps.abstract_state, steps.state_shardings)
+    return with_shardings(steps.abstract_state, steps.state_shardings)
 
 
 def abstract_batch(steps: Steps, batch_keys: dict) -> dict:
