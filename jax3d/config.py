@@ -21,6 +21,10 @@ OPTIMISATIONS = {
     "lean_layernorm": "layer norm keeps only its input for the backward pass, not its fp32 intermediates",
     "lean_gelu": "the MLP keeps only the GELU input for the backward pass; GELU is recomputed there",
     "gelu_keeps_output": "with lean_gelu, the MLP also keeps the GELU output, so only its derivative is recomputed",
+    "gelu_bias_inside": "with lean_gelu, the MLP-up bias is added inside GELU's recompute region: the forward pass "
+                        "writes the GEMM's output and GELU's, not the biased sum as well",
+    "fused_layernorm": "on one GPU, layer norm runs as one Pallas kernel forward and one backward (x and dy "
+                       "read once) instead of XLA's separate reductions",
     "layernorm_keeps_stats": "with lean_layernorm, layer norm also keeps each token's mean and inverse deviation",
     "positions_gathered": "position embeddings are gathered per token, not broadcast over the batch, which "
                           "XLA laid out batch-minor with transposes around every GEMM",

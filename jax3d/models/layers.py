@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax3d.config import ModelConfig
+from jax3d.models import fused_norm
 from jax3d.sharding.rules import ShardingRules
 
 
@@ -58,17 +59,22 @@ _layer_norm_lean_stats = jax.checkpoint(layer_norm, static_argnums=(3,),
                                         policy=jax.checkpoint_policies.save_only_these_names("ln_stats"))
 
 
-def _gelu_then_dense(h_btf, w_fd, approximate: bool = True):
+def _gelu_then_dense(h_btf, b_f, w_fd, approximate: bool = True):
+    """gelu(h + b) @ w; `b_f` None when the caller has already added the bias."""
+    if b_f is not None:
+        h_btf = h_btf + b_f
     g_btf = checkpoint_name(jax.nn.gelu(h_btf, approximate=approximate), "gelu_out")
     return jnp.einsum("btf,fd->btd", g_btf, w_fd)
 
 
 # Keeps only the GELU input: the backward recomputes GELU (elementwise) rather than storing its output
-# and its derivative's intermediates, each as large as the input.
-_gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense, static_argnums=(2,))
+# and its derivative's intermediates, each as large as the input. With the bias passed in, the input kept
+# is the GEMM's own output, so the biased sum is never written: the backward re-adds the bias in the
+# fusion that applies GELU's derivative.
+_gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense, static_argnums=(3,))
 # Keeps the GELU input and output (what the two backward GEMMs read) but none of the derivative's
 # intermediates: the backward recomputes only GELU's derivative, inside the fusion that applies it.
-_gelu_then_dense_keep_out = jax.checkpoint(_gelu_then_dense, static_argnums=(2,),
+_gelu_then_dense_keep_out = jax.checkpoint(_gelu_then_dense, static_argnums=(3,),
                                            policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
 
 
@@ -78,12 +84,15 @@ class LayerNorm(nn.Module):
     eps: float = 1e-5
     lean: bool = True  # recompute its intermediates in the backward pass
     keep_stats: bool = True  # when lean, keep the per-token mean and inverse deviation
+    fused: bool = True  # one Pallas kernel each way, where fused_norm.supported(x)
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
         bias = _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
+        if self.fused and fused_norm.supported(x):
+            return fused_norm.fused_layer_norm(x, scale, bias, self.eps)
         if not self.lean:
             return layer_norm(x, scale, bias, self.eps)
         return (_layer_norm_lean_stats if self.keep_stats else _layer_norm_lean)(x, scale, bias, self.eps)
@@ -92,7 +101,7 @@ class LayerNorm(nn.Module):
 def norm_for(cfg: ModelConfig, name: str) -> LayerNorm:
     """The model's layer norm: its epsilon, and what it keeps for the backward pass (cfg.ablate)."""
     return LayerNorm(cfg.layernorm_epsilon, cfg.optimised("lean_layernorm"),
-                     cfg.optimised("layernorm_keeps_stats"), name=name)
+                     cfg.optimised("layernorm_keeps_stats"), cfg.optimised("fused_layernorm"), name=name)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -181,13 +190,15 @@ class MLP(nn.Module):
         b_up = _param(self, "up_bias", ("mlp",), (f,), nn.initializers.zeros)
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
         b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
-        h_btf = jnp.einsum("btd,df->btf", x_btd, w_up) + b_up
-        h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
+        h_btf = jnp.einsum("btd,df->btf", x_btd, w_up)
         if not cfg.optimised("lean_gelu"):
             down = _gelu_then_dense
         else:
             down = _gelu_then_dense_keep_out if cfg.optimised("gelu_keeps_output") else _gelu_then_dense_lean
-        return down(h_btf, w_down, cfg.activation == "gelu_tanh") + b_down
+        if not (cfg.optimised("lean_gelu") and cfg.optimised("gelu_bias_inside")):
+            h_btf, b_up = h_btf + b_up, None
+        h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
+        return down(h_btf, b_up, w_down, cfg.activation == "gelu_tanh") + b_down
 
 
 class Block(nn.Module):

@@ -1,0 +1,139 @@
+"""Layer norm as two Pallas (Triton) kernels, forward and backward, for one GPU.
+
+XLA splits a layer norm into several kernels: the forward pass reads its input once per reduction and
+again to normalise; the backward pass computes the input's gradient (a row reduction) and the scale
+and bias gradients (column reductions) in separate kernels that each read the input and the incoming
+gradient. Here each direction is one kernel over blocks of rows: the forward pass reads x once and
+writes y and the per-row mean and inverse deviation; the backward pass reads x and dy once, writes dx,
+and leaves per-program partial sums of the scale and bias gradients, which XLA adds up (a few MB).
+
+The maths is `layers.layer_norm`'s: fp32 statistics, two-pass variance, output in x's dtype.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+F32 = jnp.float32
+# Block shapes and warps, read when a kernel is traced. The best of `benchmarks/norm_kernels.py --sweep`
+# on an H200 at widths 1024 and 2048 (32768 rows): forward 2 rows, 4 warps; backward 1 row per step,
+# 4 warps, 1024 programs (512 was 1.2x slower at width 1024; at 2048 they tied).
+ROWS_FWD = 2  # rows per forward program
+WARPS_FWD = 4
+ROWS_BWD = 1  # rows per step of a backward program's loop
+WARPS_BWD = 4
+BWD_PROGRAMS = 1024  # backward programs at most: fewer partial sums to write, enough to fill the GPU
+
+
+def supported(x) -> bool:
+    """Whether `fused_layer_norm` takes this input: on a GPU, a power-of-two width (Triton blocks are
+    powers of two), whole row blocks, and a single device (the kernel is not partitioned over a mesh)."""
+    d = x.shape[-1]
+    rows = x.size // d if d else 0
+    mesh = jax.sharding.get_abstract_mesh()
+    return (jax.default_backend() == "gpu" and d >= 128 and d & (d - 1) == 0 and d <= 8192
+            and rows % ROWS_FWD == 0 and rows % ROWS_BWD == 0 and (mesh.empty or mesh.size == 1))
+
+
+def _fwd_kernel(x_ref, s_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps: float):
+    x = x_ref[...].astype(F32)
+    mean = jnp.mean(x, axis=1, keepdims=True)
+    xc = x - mean
+    rstd = jax.lax.rsqrt(jnp.mean(xc * xc, axis=1, keepdims=True) + eps)
+    y = xc * rstd * s_ref[...].astype(F32)[None, :] + b_ref[...].astype(F32)[None, :]
+    y_ref[...] = y.astype(y_ref.dtype)
+    mean_ref[...] = mean[:, 0]
+    rstd_ref[...] = rstd[:, 0]
+
+
+def _bwd_kernel(x_ref, dy_ref, s_ref, mean_ref, rstd_ref, dx_ref, ds_ref, db_ref, *, steps: int):
+    d = x_ref.shape[1]
+    scale = s_ref[...].astype(F32)[None, :]
+
+    def step(i, acc):
+        ds, db = acc
+        rows = pl.ds(i * ROWS_BWD, ROWS_BWD)
+        x = x_ref[rows, :].astype(F32)
+        dy = dy_ref[rows, :].astype(F32)
+        xhat = (x - mean_ref[rows][:, None]) * rstd_ref[rows][:, None]
+        g = dy * scale
+        c1 = jnp.mean(xhat * g, axis=1, keepdims=True)
+        c2 = jnp.mean(g, axis=1, keepdims=True)
+        dx_ref[rows, :] = ((g - xhat * c1 - c2) * rstd_ref[rows][:, None]).astype(dx_ref.dtype)
+        return ds + jnp.sum(dy * xhat, axis=0), db + jnp.sum(dy, axis=0)
+
+    zeros = jnp.zeros((d,), F32)
+    ds, db = jax.lax.fori_loop(0, steps, step, (zeros, zeros))
+    ds_ref[...] = ds[None, :]
+    db_ref[...] = db[None, :]
+
+
+def _params(num_warps: int):
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=num_warps)
+
+
+def _forward(x2, scale, bias, eps, interpret):
+    rows, d = x2.shape
+    row_block = pl.BlockSpec((ROWS_FWD, d), lambda i: (i, 0))
+    vec = pl.BlockSpec((d,), lambda i: (0,))
+    stat = pl.BlockSpec((ROWS_FWD,), lambda i: (i,))
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, eps=eps),
+        grid=(rows // ROWS_FWD,),
+        in_specs=[row_block, vec, vec],
+        out_specs=[row_block, stat, stat],
+        out_shape=[jax.ShapeDtypeStruct((rows, d), x2.dtype), jax.ShapeDtypeStruct((rows,), F32),
+                   jax.ShapeDtypeStruct((rows,), F32)],
+        compiler_params=None if interpret else _params(WARPS_FWD),
+        interpret=interpret,
+        name="fused_layer_norm_fwd",
+    )(x2, scale, bias)
+
+
+def _backward(x2, dy2, scale, mean, rstd, interpret):
+    rows, d = x2.shape
+    blocks = rows // ROWS_BWD
+    programs = next(p for p in range(min(BWD_PROGRAMS, blocks), 0, -1) if blocks % p == 0)
+    per = rows // programs
+    row_block = pl.BlockSpec((per, d), lambda i: (i, 0))
+    stat = pl.BlockSpec((per,), lambda i: (i,))
+    part = pl.BlockSpec((1, d), lambda i: (i, 0))
+    dx, ds, db = pl.pallas_call(
+        functools.partial(_bwd_kernel, steps=per // ROWS_BWD),
+        grid=(programs,),
+        in_specs=[row_block, row_block, pl.BlockSpec((d,), lambda i: (0,)), stat, stat],
+        out_specs=[row_block, part, part],
+        out_shape=[jax.ShapeDtypeStruct((rows, d), x2.dtype), jax.ShapeDtypeStruct((programs, d), F32),
+                   jax.ShapeDtypeStruct((programs, d), F32)],
+        compiler_params=None if interpret else _params(WARPS_BWD),
+        interpret=interpret,
+        name="fused_layer_norm_bwd",
+    )(x2, dy2, scale, mean, rstd)
+    return dx, ds.sum(0), db.sum(0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fused_layer_norm(x, scale, bias, eps: float, interpret: bool = False):
+    """Layer norm over the last dim (fp32 maths, x's dtype out) as one kernel each way.
+    `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
+    return _fwd(x, scale, bias, eps, interpret)[0]
+
+
+def _fwd(x, scale, bias, eps, interpret):
+    d = x.shape[-1]
+    y, mean, rstd = _forward(x.reshape(-1, d), scale, bias, eps, interpret)
+    return y.reshape(x.shape), (x, scale, bias, mean, rstd)
+
+
+def _bwd(eps, interpret, res, dy):
+    x, scale, bias, mean, rstd = res
+    d = x.shape[-1]
+    dx, ds, db = _backward(x.reshape(-1, d), dy.reshape(-1, d), scale, mean, rstd, interpret)
+    return dx.reshape(x.shape), ds.astype(scale.dtype), db.astype(bias.dtype)
+
+
+fused_layer_norm.defvjp(_fwd, _bwd)

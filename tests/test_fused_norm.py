@@ -1,0 +1,35 @@
+"""The fused layer-norm kernels (run in Pallas' interpreter on CPU) against the model's XLA layer norm:
+the same output and the same gradients for x, scale and bias."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax3d.models import fused_norm
+from jax3d.models.layers import layer_norm
+from tests.helpers import rel_err
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows_bwd, programs", [(1, 1024), (2, 4)])
+def test_fused_layer_norm_matches_xla(monkeypatch, dtype, tol, rows_bwd, programs):
+    monkeypatch.setattr(fused_norm, "ROWS_BWD", rows_bwd)
+    monkeypatch.setattr(fused_norm, "BWD_PROGRAMS", programs)
+    k = jax.random.split(jax.random.key(0), 4)
+    x = (jax.random.normal(k[0], (2, 32, 256)) * 3 + 1).astype(dtype)
+    scale = (1 + 0.1 * jax.random.normal(k[1], (256,))).astype(dtype)
+    bias = (0.1 * jax.random.normal(k[2], (256,))).astype(dtype)
+    dy = jax.random.normal(k[3], x.shape)
+
+    def loss(norm):
+        return lambda x, s, b: jnp.sum(norm(x, s, b).astype(jnp.float32) * dy)
+
+    fused = jax.jit(jax.value_and_grad(loss(lambda x, s, b: fused_norm.fused_layer_norm(x, s, b, 1e-5, True)),
+                                       argnums=(0, 1, 2)))(x, scale, bias)
+    ref = jax.jit(jax.value_and_grad(loss(lambda x, s, b: layer_norm(x, s, b, 1e-5)),
+                                     argnums=(0, 1, 2)))(x, scale, bias)
+    y_fused = fused_norm.fused_layer_norm(x, scale, bias, 1e-5, True)
+    assert y_fused.dtype == dtype
+    assert rel_err(y_fused, layer_norm(x, scale, bias, 1e-5)) < tol
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(ref)):
+        assert a.dtype == b.dtype
+        assert rel_err(a, b) < tol
