@@ -44,30 +44,28 @@ def _time(step, x, iters: int) -> float:
 
 
 def _sweep(a) -> None:
-    """Forward and backward settings, each timed alone at each width; the defaults stay as they are."""
-    defaults = {k: getattr(fused_norm, k) for k in ("ROWS_FWD", "WARPS_FWD", "ROWS_BWD", "WARPS_BWD", "BWD_PROGRAMS")}
+    """Forward and backward settings (fused_norm.Tuning), each kernel timed alone at each width."""
+    tune = fused_norm.Tuning
     for d in a.width:
         k = jax.random.split(jax.random.key(0), 2)
         x = jax.random.normal(k[0], (a.rows, d), jnp.bfloat16)
         dy = jax.random.normal(k[1], (a.rows, d), jnp.bfloat16)
         s, b = jnp.ones((d,), jnp.bfloat16), jnp.zeros((d,), jnp.bfloat16)
-        _, mean, rstd = fused_norm._forward(x, s, b, 1e-5, False)
+        _, mean, rstd = fused_norm._forward(x, s, b, 1e-5, fused_norm.DEFAULT, False)
         for rows in (1, 2, 4, 8):
             for warps in (2, 4, 8, 16):
-                fused_norm.ROWS_FWD, fused_norm.WARPS_FWD = rows, warps
-                t = _time(lambda x: fused_norm._forward(x, s, b, 1e-5, False)[0], x, a.iters)
+                t = tune(rows_fwd=rows, warps_fwd=warps)
+                t = _time(lambda x, t=t: fused_norm._forward(x, s, b, 1e-5, t, False)[0], x, a.iters)
                 print(json.dumps({"sweep": "fwd", "width": d, "rows": rows, "warps": warps,
                                   "us": round(t * 1e6, 1), "GBps": round(4 * x.size / t / 1e9)}), flush=True)
         for rows in (1, 2, 4):
             for warps in (4, 8, 16):
                 for programs in (264, 528, 1056, 2112):
-                    fused_norm.ROWS_BWD, fused_norm.WARPS_BWD, fused_norm.BWD_PROGRAMS = rows, warps, programs
-                    t = _time(lambda dy: fused_norm._backward(x, dy, s, mean, rstd, False)[0], dy, a.iters)
+                    t = tune(rows_bwd=rows, warps_bwd=warps, bwd_programs=programs)
+                    t = _time(lambda dy, t=t: fused_norm._backward(x, dy, s, mean, rstd, t, False)[0], dy, a.iters)
                     print(json.dumps({"sweep": "bwd", "width": d, "rows": rows, "warps": warps,
                                       "programs": programs, "us": round(t * 1e6, 1),
                                       "GBps": round(6 * x.size / t / 1e9)}), flush=True)
-        for name, v in defaults.items():
-            setattr(fused_norm, name, v)
 
 
 def main(argv=None) -> int:

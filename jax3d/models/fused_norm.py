@@ -11,25 +11,34 @@ The maths is `layers.layer_norm`'s: fp32 statistics, two-pass variance, output i
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 F32 = jnp.float32
-# Block shapes and warps, read when a kernel is traced. The best of `benchmarks/norm_kernels.py --sweep`
-# on an H200 at widths 1024 and 2048 (32768 rows): forward 2 rows, 4 warps; backward 1 row per step,
-# 4 warps, 1024 programs (512 was 1.2x slower at width 1024; at 2048 they tied).
-ROWS_FWD = 2  # rows per forward program
-WARPS_FWD = 4
-ROWS_BWD = 1  # rows per step of a backward program's loop
-WARPS_BWD = 4
-BWD_PROGRAMS = 1024  # backward programs at most: fewer partial sums to write, enough to fill the GPU
-INTERPRET = False  # run every call in Pallas' interpreter (tests put the model's layer norms through it)
 
 
-def supported(x) -> bool:
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Block shapes and warps. The defaults are the best of `benchmarks/norm_kernels.py --sweep` on an
+    H200 at widths 1024 and 2048 (32768 rows); with 512 backward programs, width 1024 was 1.2x slower
+    and width 2048 tied."""
+
+    rows_fwd: int = 2  # rows per forward program
+    warps_fwd: int = 4
+    rows_bwd: int = 1  # rows per step of a backward program's loop
+    warps_bwd: int = 4
+    bwd_programs: int = 1024  # at most: fewer partial sums to write, enough to fill the GPU
+
+
+DEFAULT = Tuning()
+
+
+def supported(x, tuning: Tuning = DEFAULT) -> bool:
     """Whether `fused_layer_norm` takes this input: on a GPU, a power-of-two width (Triton blocks are
     powers of two), whole row blocks, and a single device (the kernel is not partitioned over a mesh)."""
     d = x.shape[-1]
@@ -37,7 +46,7 @@ def supported(x) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     one_device = jax.device_count() == 1 if mesh.empty else mesh.size == 1
     return (jax.default_backend() == "gpu" and d >= 128 and d & (d - 1) == 0 and d <= 8192
-            and rows % ROWS_FWD == 0 and rows % ROWS_BWD == 0 and one_device)
+            and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0 and one_device)
 
 
 def _fwd_kernel(x_ref, s_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps: float):
@@ -51,13 +60,14 @@ def _fwd_kernel(x_ref, s_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps: float):
     rstd_ref[...] = rstd[:, 0]
 
 
-def _bwd_kernel(x_ref, dy_ref, s_ref, mean_ref, rstd_ref, dx_ref, ds_ref, db_ref, *, steps: int):
+def _bwd_kernel(x_ref, dy_ref, s_ref, mean_ref, rstd_ref, dx_ref, ds_ref, db_ref, *, steps: int,
+                rows_per_step: int):
     d = x_ref.shape[1]
     scale = s_ref[...].astype(F32)[None, :]
 
     def step(i, acc):
         ds, db = acc
-        rows = pl.ds(i * ROWS_BWD, ROWS_BWD)
+        rows = pl.ds(i * rows_per_step, rows_per_step)
         x = x_ref[rows, :].astype(F32)
         dy = dy_ref[rows, :].astype(F32)
         xhat = (x - mean_ref[rows][:, None]) * rstd_ref[rows][:, None]
@@ -73,70 +83,63 @@ def _bwd_kernel(x_ref, dy_ref, s_ref, mean_ref, rstd_ref, dx_ref, ds_ref, db_ref
     db_ref[...] = db[None, :]
 
 
-def _params(num_warps: int):
-    from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=num_warps)
-
-
-def _forward(x2, scale, bias, eps, interpret):
+def _forward(x2, scale, bias, eps, tuning: Tuning, interpret: bool):
     rows, d = x2.shape
-    interpret = interpret or INTERPRET
-    row_block = pl.BlockSpec((ROWS_FWD, d), lambda i: (i, 0))
+    row_block = pl.BlockSpec((tuning.rows_fwd, d), lambda i: (i, 0))
     vec = pl.BlockSpec((d,), lambda i: (0,))
-    stat = pl.BlockSpec((ROWS_FWD,), lambda i: (i,))
+    stat = pl.BlockSpec((tuning.rows_fwd,), lambda i: (i,))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, eps=eps),
-        grid=(rows // ROWS_FWD,),
+        grid=(rows // tuning.rows_fwd,),
         in_specs=[row_block, vec, vec],
         out_specs=[row_block, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((rows, d), x2.dtype), jax.ShapeDtypeStruct((rows,), F32),
                    jax.ShapeDtypeStruct((rows,), F32)],
-        compiler_params=None if interpret else _params(WARPS_FWD),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps_fwd),
         interpret=interpret,
         name="fused_layer_norm_fwd",
     )(x2, scale, bias)
 
 
-def _backward(x2, dy2, scale, mean, rstd, interpret):
+def _backward(x2, dy2, scale, mean, rstd, tuning: Tuning, interpret: bool):
     rows, d = x2.shape
-    interpret = interpret or INTERPRET
-    blocks = rows // ROWS_BWD
-    programs = next(p for p in range(min(BWD_PROGRAMS, blocks), 0, -1) if blocks % p == 0)
+    blocks = rows // tuning.rows_bwd
+    programs = next(p for p in range(min(tuning.bwd_programs, blocks), 0, -1) if blocks % p == 0)
     per = rows // programs
     row_block = pl.BlockSpec((per, d), lambda i: (i, 0))
     stat = pl.BlockSpec((per,), lambda i: (i,))
     part = pl.BlockSpec((1, d), lambda i: (i, 0))
     dx, ds, db = pl.pallas_call(
-        functools.partial(_bwd_kernel, steps=per // ROWS_BWD),
+        functools.partial(_bwd_kernel, steps=per // tuning.rows_bwd, rows_per_step=tuning.rows_bwd),
         grid=(programs,),
         in_specs=[row_block, row_block, pl.BlockSpec((d,), lambda i: (0,)), stat, stat],
         out_specs=[row_block, part, part],
         out_shape=[jax.ShapeDtypeStruct((rows, d), x2.dtype), jax.ShapeDtypeStruct((programs, d), F32),
                    jax.ShapeDtypeStruct((programs, d), F32)],
-        compiler_params=None if interpret else _params(WARPS_BWD),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps_bwd),
         interpret=interpret,
         name="fused_layer_norm_bwd",
     )(x2, dy2, scale, mean, rstd)
     return dx, ds.sum(0), db.sum(0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fused_layer_norm(x, scale, bias, eps: float, interpret: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fused_layer_norm(x, scale, bias, eps: float, tuning: Tuning = DEFAULT, interpret: bool = False):
     """Layer norm over the last dim (fp32 maths, x's dtype out) as one kernel each way.
     `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
-    return _fwd(x, scale, bias, eps, interpret)[0]
+    return _fwd(x, scale, bias, eps, tuning, interpret)[0]
 
 
-def _fwd(x, scale, bias, eps, interpret):
+def _fwd(x, scale, bias, eps, tuning, interpret):
     d = x.shape[-1]
-    y, mean, rstd = _forward(x.reshape(-1, d), scale, bias, eps, interpret)
+    y, mean, rstd = _forward(x.reshape(-1, d), scale, bias, eps, tuning, interpret)
     return y.reshape(x.shape), (x, scale, bias, mean, rstd)
 
 
-def _bwd(eps, interpret, res, dy):
+def _bwd(eps, tuning, interpret, res, dy):
     x, scale, bias, mean, rstd = res
     d = x.shape[-1]
-    dx, ds, db = _backward(x.reshape(-1, d), dy.reshape(-1, d), scale, mean, rstd, interpret)
+    dx, ds, db = _backward(x.reshape(-1, d), dy.reshape(-1, d), scale, mean, rstd, tuning, interpret)
     return dx.reshape(x.shape), ds.astype(scale.dtype), db.astype(bias.dtype)
 
 
