@@ -59,8 +59,11 @@ def test_gpt2_logits_and_round_trip(tmp_path, shape):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     back, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    # The weights are bit-exact above; a second torch model may pick other CPU kernels (attention implementation,
+    # thread split), so its logits are held to the same tolerance as ours.
     with torch.no_grad():
-        np.testing.assert_array_equal(back.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy(), ref)
+        again = back.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.max(np.abs(again - ref)) < TOL
 
 
 BERT_CASES = {
