@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from jax3d.argparse_util import OneLineParser, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
@@ -153,6 +154,11 @@ def given_flags(argv) -> set[str]:
     return set(vars(p.parse_args(argv)))
 
 
+def _given(value, default):
+    """A flag's value where given (0 included, for the range checks to refuse), else the default."""
+    return default if value is None else value
+
+
 def _override(base, **kw):
     return dataclasses.replace(base, **{k: v for k, v in kw.items() if v is not None})
 
@@ -195,8 +201,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     data = DataConfig(data_path=tuple(a.data_path), split=a.split, tokenizer_type=a.tokenizer_type,
                       vocab_file=a.vocab_file, merge_file=a.merge_file, tokenizer_file=a.tokenizer_file,
                       cache_dir=a.data_cache_path)
-    train = TrainConfig(micro_batch_size=a.micro_batch_size or batch["micro_batch_size"],
-                        global_batch_size=a.global_batch_size or batch["global_batch_size"],
+    train = TrainConfig(micro_batch_size=_given(a.micro_batch_size, batch["micro_batch_size"]),
+                        global_batch_size=_given(a.global_batch_size, batch["global_batch_size"]),
                         train_iters=a.train_iters, exit_interval=a.exit_interval, seed=a.seed,
                         log_interval=a.log_interval, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
@@ -208,8 +214,21 @@ def config_from_args(a: argparse.Namespace) -> Config:
                     ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)]:
         if v < 1:
             raise ConfigError(f"{flag} {v} must be at least 1")
-    for flag, v in [("--hidden-dropout", a.hidden_dropout), ("--attention-dropout", a.attention_dropout)]:
+    for flag, v in [("--lr", a.lr), ("--min-lr", a.min_lr), ("--lr-warmup-iters", a.lr_warmup_iters),
+                    ("--lr-decay-iters", a.lr_decay_iters), ("--weight-decay", a.weight_decay),
+                    ("--clip-grad", a.clip_grad), ("--exit-interval", a.exit_interval),
+                    ("--eval-interval", a.eval_interval), ("--eval-iters", a.eval_iters),
+                    ("--save-interval", a.save_interval), ("--keep-checkpoints", a.keep_checkpoints),
+                    ("--vocab-size", a.vocab_size), ("--init-method-std", a.init_method_std),
+                    ("--loss-scale", a.loss_scale)]:
+        if v < 0:
+            raise ConfigError(f"{flag} {v} must not be negative")
+    for flag, v in [("--hidden-dropout", a.hidden_dropout), ("--attention-dropout", a.attention_dropout),
+                    ("--adam-beta1", a.adam_beta1), ("--adam-beta2", a.adam_beta2)]:
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{flag} {v} must be in [0, 1)")
+    for flag, path in [("--save", a.save), ("--log-dir", a.log_dir)]:
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{flag} {path} is a file, not a directory; pass a directory path")
     cfg = Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
     return cfg

@@ -301,3 +301,18 @@ def test_finished_run_stops_before_compiling(small_ckpt, monkeypatch, capsys):
     done = cfg.replace(train={"load": cfg.train.save, "train_iters": 2})
     assert loop.train(done, mesh_cfg, mesh, None, checkpointer=Checkpointer(done)) == {}
     assert "nothing to do: the checkpoint is already at step 2 of 2" in capsys.readouterr().err
+
+
+def test_fresh_run_refuses_a_save_dir_with_checkpoints(small_ckpt, monkeypatch):
+    """A run that does not load its --save directory would replace the checkpoints there: it is refused
+    before anything is built, and the directory keeps its steps."""
+    from jax3d.train import loop
+
+    cfg, mesh_cfg, mesh, _ = small_ckpt
+    d = cfg.train.save
+    monkeypatch.setattr(loop, "build_steps", lambda *a: pytest.fail("a refused run built its step"))
+    for other in (cfg.replace(train={"load": ""}), cfg.replace(train={"load": str(d) + "-elsewhere"})):
+        with pytest.raises(ConfigError, match=f"--save {d} already holds checkpoints .* pass --load {d}"):
+            loop.train(other, mesh_cfg, mesh, None, checkpointer=Checkpointer(other))
+    assert list_steps(d) == [1, 2]
+    Checkpointer(cfg.replace(train={"load": d})).check_save_dir()  # continuing the run is fine

@@ -42,6 +42,26 @@ def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
     assert len([l for l in out.stderr.splitlines() if l.startswith("error:")]) == 1
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batch-size", "0"], "--micro-batch-size 0 must be at least 1"),
+    (["--global-batch-size", "0"], "--global-batch-size 0 must be at least 1"),
+    (["--lr", "-1"], "--lr -1.0 must not be negative"),
+    (["--save-interval", "-1"], "--save-interval -1 must not be negative"),
+    (["--keep-checkpoints", "-2"], "--keep-checkpoints -2 must not be negative"),
+    (["--adam-beta2", "1.5"], "--adam-beta2 1.5 must be in [0, 1)"),
+    (["--save", "README.md"], "--save README.md is a file, not a directory"),
+])
+def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch):
+    """A zero batch size is not silently taken as "the preset's", nor a negative interval as "never"."""
+    from jax3d.cli import build_parser, config_from_args
+    from jax3d.config import ConfigError
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError) as e:
+        config_from_args(build_parser().parse_args(argv))
+    assert message in str(e.value)
+
+
 def _run(tmp_path, name, *extra):
     log_dir = str(tmp_path / name)
     assert main([*BASE, "--log-dir", log_dir, *extra]) == 0

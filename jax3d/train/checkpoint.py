@@ -139,6 +139,10 @@ def list_steps(directory: str) -> list[int]:
         return sorted(mgr.all_steps())
 
 
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
 def _manager(directory: str, *, read_only: bool, keep: int = 0, async_save: bool = True):
     ocp = _ocp()
     _quiet_orbax()
@@ -255,6 +259,17 @@ class Checkpointer:
         self._to_logical = {}  # mesh -> jitted state_to_logical, or None where the state is logical
         self.last_save_blocked_s = 0.0  # how long the last save call held the training loop
 
+    def check_save_dir(self) -> None:
+        """Refuses a `--save` directory that holds another run's checkpoints, which the first save
+        would replace; a run continues there by loading that same directory."""
+        if not self.save_dir or (self.load_dir and _same_dir(self.load_dir, self.save_dir)):
+            return
+        found = list_steps(self.save_dir)
+        if found:
+            raise ConfigError(f"--save {self.save_dir} already holds checkpoints (steps {found}) that saving "
+                              f"would replace; pass --load {self.save_dir} to continue that run, or save to "
+                              "an empty directory")
+
     # ---- restore -------------------------------------------------------------------------------------
     def step_to_restore(self) -> int | None:
         """The checkpoint step `restore` would load (reading no arrays), or None when it starts fresh."""
@@ -263,7 +278,7 @@ class Checkpointer:
             return None
         found = list_steps(self.load_dir)
         if not found:
-            same = self.save_dir and os.path.abspath(self.save_dir) == os.path.abspath(self.load_dir)
+            same = self.save_dir and _same_dir(self.save_dir, self.load_dir)
             if same and tr.ckpt_step < 0:
                 return None
             what = "does not exist" if not os.path.exists(self.load_dir) else "holds no complete checkpoint"
