@@ -62,6 +62,10 @@ def test_errors_name_the_flag(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path))
     with pytest.raises(DataError, match="--vocab-file .*missing.txt does not exist"):
         build_tokenizer("BertWordPieceCase", vocab_file=str(tmp_path / "missing.txt"))
+    (tmp_path / "vocab.json").write_text("not JSON")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(DataError, match="vocab.json and .*merges.txt could not be read as GPT2BPETokenizer"):
+        build_tokenizer("GPT2BPETokenizer", str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
 
 
 def test_train_tokenizer_cli(corpus_file, tmp_path):

@@ -17,8 +17,8 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceC
 
 
 def _need_file(path, flag, hint="pass an existing file or train one with launch/train_tokenizer.py"):
-    if path is None:
-        raise DataError(f"{flag} is required for this tokenizer type; pass the vocabulary file.")
+    if not path:
+        raise DataError(f"{flag} is required for this tokenizer type; pass it too.")
     if not os.path.exists(path):
         raise DataError(f"{flag} {path} does not exist; {hint}.")
     return path
@@ -109,6 +109,18 @@ class HFTokenizer(_HFBacked):
 def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None,
                     merge_file: str | None = None, tokenizer_file: str | None = None):
     """Build a tokenizer by Megatron's `--tokenizer-type` name from its vocabulary files."""
+    try:
+        return _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_file)
+    except (DataError, OSError):
+        raise
+    except Exception as e:  # the tokenizers library raises plain Exceptions for files it cannot parse
+        files = " and ".join(f for f in (vocab_file, merge_file, tokenizer_file) if f)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{files} could not be read as {tokenizer_type} files ({reason}); pass the files "
+                        "of that tokenizer type or train them with launch/train_tokenizer.py.") from None
+
+
+def _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_file):
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_need_file(vocab_file, "--vocab-file"),
                                 _need_file(merge_file, "--merge-file"))
