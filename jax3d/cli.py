@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="shard optimizer state (1), also grads (2), also params (3) over `data` "
                         "(default: 1 with data parallelism, else 0)")
-    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default="1f1b",
-                   help="pipeline schedule")
+    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default=None,
+                   help="pipeline schedule (default: interleaved with --num-layers-per-virtual-pipeline-stage, "
+                        "as in Megatron, else 1f1b)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per model chunk, for the interleaved schedule")
     g.add_argument("--pipeline-model-parallel-layout", default="", metavar="N,N,...",
@@ -185,9 +186,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
         layout = layer_counts(a.pipeline_model_parallel_layout, "--pipeline-model-parallel-layout")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    schedule = a.pipeline_schedule or ("interleaved" if a.num_layers_per_virtual_pipeline_stage else "1f1b")
     parallel = ParallelConfig(tensor_parallel=a.tensor_model_parallel_size,
                               pipeline_parallel=a.pipeline_model_parallel_size, zero_stage=a.zero_stage,
-                              sequence_parallel=a.sequence_parallel, pipeline_schedule=a.pipeline_schedule,
+                              sequence_parallel=a.sequence_parallel, pipeline_schedule=schedule,
                               layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage or 0,
                               pipeline_layout=layout)
     optim = OptimConfig(lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,

@@ -62,6 +62,19 @@ def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch
     assert message in str(e.value)
 
 
+def test_virtual_stages_select_the_interleaved_schedule():
+    """As in Megatron, --num-layers-per-virtual-pipeline-stage alone means the interleaved schedule; a
+    schedule given beside it is kept (and refused by the layout check when it is not interleaved)."""
+    from jax3d.cli import build_parser, config_from_args
+
+    def schedule(*argv):
+        return config_from_args(build_parser().parse_args(list(argv))).parallel.pipeline_schedule
+
+    assert schedule() == "1f1b"
+    assert schedule("--num-layers-per-virtual-pipeline-stage", "1") == "interleaved"
+    assert schedule("--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "gpipe") == "gpipe"
+
+
 def _run(tmp_path, name, *extra):
     log_dir = str(tmp_path / name)
     assert main([*BASE, "--log-dir", log_dir, *extra]) == 0
