@@ -238,9 +238,17 @@ def test_damaged_checkpoint_is_a_config_error(small_ckpt, tmp_path):
         for f in files:
             with open(os.path.join(root, f), "wb") as fh:
                 fh.write(b"garbage")
-    with pytest.raises(ConfigError, match="step 2 could not be restored"):
+    with pytest.raises(ConfigError, match="step 2 could not be restored") as e:
         _restore(cfg, steps, load=d)
-    with open(os.path.join(d, "1", "meta", "metadata"), "w") as fh:
+    assert "See full" not in str(e.value) and "bound method" not in str(e.value)
+    meta_file = os.path.join(d, "1", "meta", "metadata")
+    with open(meta_file) as fh:
+        meta = json.load(fh)
+    with open(meta_file, "w") as fh:
+        json.dump({k: v for k, v in meta.items() if k != "config"}, fh)
+    with pytest.raises(ConfigError, match="step 1 has damaged metadata \\(no config.model, config.parallel\\)"):
+        _restore(cfg, steps, load=d, ckpt_step=1)
+    with open(meta_file, "w") as fh:
         fh.write("{not json")
     with pytest.raises(ConfigError, match="step 1 is unreadable"):
         _restore(cfg, steps, load=d, ckpt_step=1)

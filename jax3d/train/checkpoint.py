@@ -187,11 +187,28 @@ def read_meta(directory: str, step: int) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != "jax3d":
         raise ConfigError(f"checkpoint {directory} step {step} has no jax3d metadata; it was not written by "
                           "jax3d's Checkpointer")
+    missing = [k for k in _META_FIELDS if not _has(meta, k)]
+    if missing:
+        raise ConfigError(f"checkpoint {directory} step {step} has damaged metadata (no {', '.join(missing)}); "
+                          "pass another --ckpt-step or --load")
     return meta
 
 
+# What every reader of a checkpoint's metadata relies on ("a.b": key b inside dict a).
+_META_FIELDS = ("step", "jax3d_version", "mesh", "loader.consumed_samples", "config.model", "config.parallel")
+
+
+def _has(meta: dict, dotted: str) -> bool:
+    for k in dotted.split("."):
+        if not isinstance(meta, dict) or k not in meta:
+            return False
+        meta = meta[k]
+    return True
+
+
 def _first_line(e: Exception, limit: int) -> str:
-    return str(e).splitlines()[0][:limit] if str(e) else ""
+    """The message's first line, without the object dump TensorStore appends ("See full ... details")."""
+    return str(e).splitlines()[0].split(" See full ")[0].rstrip(".")[:limit] if str(e) else ""
 
 
 def _check_tree(saved, directory: str, step: int, item: str, target) -> None:
