@@ -86,6 +86,8 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
     """Writes the parameters of checkpoint `step` of `load_dir` to `output`; returns a summary."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt} is not supported; choose one of {', '.join(FORMATS)}")
+    if os.path.exists(output):  # checked before the parameters are read; an export replaces nothing
+        raise ConfigError(f"--output {output} already exists; pass a new path")
     params, meta = load_params(load_dir, step)
     info = {"format": "jax3d-params", "jax3d_version": meta["jax3d_version"], "step": meta["step"],
             "source": os.path.abspath(load_dir), "layers_stacked": not split_layers,
@@ -99,8 +101,6 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
     else:
         import orbax.checkpoint as ocp
 
-        if os.path.exists(output):
-            raise ConfigError(f"--output {output} exists; orbax exports go to a new directory")
         os.makedirs(output)
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(os.path.join(os.path.abspath(output), "params"), params)

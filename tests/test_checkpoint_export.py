@@ -78,3 +78,9 @@ def test_export_errors(sharded_ckpt, tmp_path):
         export(d, str(tmp_path / "a.safetensors"), step=9)
     with pytest.raises(ConfigError, match="--format npz is not supported"):
         export(d, str(tmp_path / "a.npz"), fmt="npz")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "taken.safetensors").write_bytes(b"someone's file")
+    for fmt, taken in (("safetensors", "taken.safetensors"), ("safetensors", "dir"), ("orbax", "taken.safetensors")):
+        with pytest.raises(ConfigError, match=f"--output .*{taken} already exists; pass a new path"):
+            export(d, str(tmp_path / taken), fmt=fmt)
+    assert (tmp_path / "taken.safetensors").read_bytes() == b"someone's file"

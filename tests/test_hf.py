@@ -183,8 +183,14 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    cut = tmp_path / "cut"
+    tiny_gpt2(str(cut), n_layer=1, n_embd=8, n_head=2, vocab=10)
+    weights = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[: len(weights) - 100])
+    capsys.readouterr()  # transformers' progress bars
     cases = {str(tmp_path / "empty"): "has no config.json", str(tmp_path / "nope"): "is not a directory",
-             str(pickled): "convert them to model.safetensors", str(other): "LlamaForCausalLM"}
+             str(pickled): "convert them to model.safetensors", str(other): "LlamaForCausalLM",
+             str(cut): "model.safetensors is not a complete safetensors file"}
     for src, words in cases.items():
         out = str(tmp_path / "ckpt")
         assert convert_main(["import", "--hf-dir", src, "--save", out]) == 2
@@ -193,6 +199,9 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
         assert _no_files(out)
     assert convert_main(["export", "--load", str(tmp_path / "none"), "--hf-dir", str(tmp_path / "o")]) == 2
     assert "--load" in capsys.readouterr().err and _no_files(str(tmp_path / "o"))
+    (tmp_path / "a_file").write_text("kept")
+    assert convert_main(["export", "--load", str(tmp_path / "none"), "--hf-dir", str(tmp_path / "a_file")]) == 2
+    assert "is not an empty directory" in capsys.readouterr().err and (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_export_of_inexpressible_model_names_the_field():

@@ -8,6 +8,7 @@ parameters onto one CPU device and writes a folder `transformers` loads. Pickled
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -30,15 +31,27 @@ def read_safetensors_file(path: str) -> dict[str, np.ndarray]:
     Read directly from the documented layout (u64 header length, JSON header, raw little-endian data),
     so no deep-learning framework is needed.
     """
+    def damaged(why):
+        return ConfigError(f"{path} is not a complete safetensors file ({why}); download or write it again")
+
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        if size < 8 or 8 + n > size:
+            raise damaged("its header runs past the end of the file")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise damaged("its header is not JSON") from None
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         start, end = info["data_offsets"]
+        known = info["dtype"] == "BF16" or info["dtype"] in _DTYPES
+        if end > raw.size or (known and end - start != math.prod(info["shape"]) * _itemsize(info["dtype"])):
+            raise damaged(f"{name}'s data is cut short")
         buf = raw[start:end]
         if info["dtype"] == "BF16":
             arr = (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -48,6 +61,10 @@ def read_safetensors_file(path: str) -> dict[str, np.ndarray]:
             raise ConfigError(f"{path} stores {name} as {info['dtype']}, a dtype jax3d does not read")
         out[name] = np.array(arr.reshape(info["shape"]))
     return out
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype == "BF16" else np.dtype(_DTYPES[dtype]).itemsize
 
 
 def _weight_files(hf_dir: str) -> list[str]:
@@ -123,12 +140,16 @@ def _tokenizer_of(hf_dir: str, model_type: str) -> tuple[dict, list[str]]:
     return kw, have
 
 
+def _empty_or_new_dir(path: str) -> bool:
+    return not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))
+
+
 def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0) -> dict:
     """Writes HF folder `hf_dir` as jax3d checkpoint `save` (step 0, fresh optimizer state); returns a
     summary. Everything is checked before anything is written."""
     cfg_m, hf, files = read_hf_folder(hf_dir, divisible_by)
-    if os.path.exists(save) and os.listdir(save):
-        raise ConfigError(f"--save {save} exists and is not empty; pass a new directory")
+    if not _empty_or_new_dir(save):
+        raise ConfigError(f"--save {save} exists and is not an empty directory; pass a new directory")
     tensors = {}
     for p in files:
         tensors.update(read_safetensors_file(p))
@@ -175,8 +196,8 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     from jax3d.export import load_params
     from jax3d.train.checkpoint import config_from_dict
 
-    if os.path.exists(hf_dir) and os.listdir(hf_dir):
-        raise ConfigError(f"--hf-dir {hf_dir} exists and is not empty; pass a new directory")
+    if not _empty_or_new_dir(hf_dir):
+        raise ConfigError(f"--hf-dir {hf_dir} exists and is not an empty directory; pass a new directory")
     params, meta = load_params(load, step)
     cfg = config_from_dict(meta["config"])
     tok = meta.get("tokenizer") or {}
