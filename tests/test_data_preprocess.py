@@ -99,6 +99,14 @@ def test_cli_one_sentence_errors(corpus):
     r = _cli("--input", str(_bad_file(d)), *common, "--on-bad-line", "skip")
     assert r.returncode == 0 and "line 3" in r.stderr and "2 bad lines skipped" in r.stderr
     assert os.path.exists(d / "new" / "cli_text_document.idx")
+    before = (d / "new" / "cli_text_document.bin").read_bytes()
+    r = _cli("--input", str(d / "in.jsonl"), *common)  # the same prefix again: refused, the data kept
+    assert r.returncode != 0 and "cli_text_document.bin/.idx already exist" in r.stderr
+    assert (d / "new" / "cli_text_document.bin").read_bytes() == before
+    (d / "blank.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    r = _cli("--input", str(d / "blank.jsonl"), *[a if a != str(d / "new" / "cli") else str(d / "blank") for a in common])
+    assert r.returncode != 0 and "holds no document with text" in r.stderr
+    assert not os.path.exists(str(d / "blank_text_document.bin"))
     r = _cli("--input", str(d / "missing.jsonl"), *common)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "missing.jsonl does not exist" in r.stderr
     bad_vocab = [a if a != spec.vocab_file else str(d / "nope.json") for a in common]

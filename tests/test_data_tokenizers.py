@@ -76,6 +76,17 @@ def test_train_tokenizer_cli(corpus_file, tmp_path):
     assert r.returncode == 0, r.stderr
     tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(tmp_path / "vocab.txt"))
     assert tok.vocab_size <= 300 and tok.cls is not None
-    r = subprocess.run(cli + ["--output-dir", str(tmp_path), str(tmp_path / "nope.txt")],
+    r = subprocess.run(cli + ["--output-dir", str(tmp_path / "new"), str(tmp_path / "nope.txt")],
                        capture_output=True, text=True, env=env)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "nope.txt does not exist" in r.stderr
+    vocab = (tmp_path / "vocab.txt").read_bytes()
+    r = subprocess.run(cli + ["--type", "wordpiece", "--vocab-size", "300", "--output-dir", str(tmp_path),
+                              str(corpus_file)], capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "already holds vocab.txt" in r.stderr
+    assert (tmp_path / "vocab.txt").read_bytes() == vocab  # data built with it needs it unchanged
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    for args, words in ((["--vocab-size", "0", str(corpus_file)], "--vocab-size 0 leaves no room"),
+                        ([str(tmp_path / "blank.txt")], "hold no text")):
+        r = subprocess.run(cli + ["--output-dir", str(tmp_path / "new"), *args], capture_output=True, text=True,
+                           env=env)
+        assert r.returncode != 0 and "Traceback" not in r.stderr and words in r.stderr, r.stderr

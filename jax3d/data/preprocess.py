@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jax3d.data.indexed import DataError, IndexedDatasetBuilder, best_dtype
+from jax3d.data.indexed import DataError, IndexedDatasetBuilder, best_dtype, data_path, index_path
 from jax3d.data.tokenizers import build_tokenizer
 
 # Split after . ! ? when whitespace and then an upper-case letter, digit or opening quote follow,
@@ -177,13 +177,16 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
     except OSError as e:
         raise DataError(f"--output-prefix {output_prefix}: cannot create directory {out_dir} ({e.strerror}).") from None
     json_keys = list(json_keys)
+    prefixes = {k: output_prefix_for(output_prefix, k, split_sentences_) for k in json_keys}
     tok = tokenizer.build()  # fail here, once, on bad vocab files; also fixes the dtype
     if append_eod and tok.eod is None:
         raise DataError(f"--append-eod needs an end-of-document token but {tokenizer.tokenizer_type} "
                         "has none.")
+    taken = [p for p in prefixes.values() if os.path.exists(data_path(p)) or os.path.exists(index_path(p))]
+    if taken:  # the builder would truncate them at once, and a failed run would leave nothing
+        raise DataError(f"{taken[0]}.bin/.idx already exist; pass another --output-prefix, or delete them first.")
     dtype = best_dtype(tok.vocab_size)
     summary = PreprocessSummary()
-    prefixes = {k: output_prefix_for(output_prefix, k, split_sentences_) for k in json_keys}
     builders = {k: IndexedDatasetBuilder(p, dtype) for k, p in prefixes.items()}
     init_args = (tokenizer, json_keys, append_eod, split_sentences_, workers > 1)
     start = time.perf_counter()
@@ -216,6 +219,9 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
             summary.tokens += sum(docs[k][0].size for k in json_keys)
             if bar is not None:
                 bar.update(nbytes)
+        if not summary.documents:
+            raise DataError(f"--input {input_path} holds no document with text under --json-keys "
+                            f"{' '.join(json_keys)}; nothing was written.")
     except BaseException:
         # A failed run must not leave a .bin that looks like a finished dataset.
         for k, b in builders.items():

@@ -24,6 +24,15 @@ def _need_file(path, flag, hint="pass an existing file or train one with launch/
     return path
 
 
+def _has_text(path: str) -> bool:
+    """Whether the file holds anything but whitespace (read until the first such byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return True
+    return False
+
+
 class _HFBacked:
     """Shared interface over a `tokenizers.Tokenizer`."""
 
@@ -141,6 +150,17 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
     `texts`, if given, is an iterator of strings used instead of `files`. Returns the written paths,
     keyed by the matching `build_tokenizer` argument names.
     """
+    smallest = {"bpe": 258, "wordpiece": len(BERT_SPECIALS) + 1}.get(kind, 0)
+    if vocab_size < smallest:
+        raise DataError(f"--vocab-size {vocab_size} leaves no room for learned tokens; a {kind} vocabulary needs "
+                        f"at least {smallest} ({smallest - 1} are fixed), e.g. 32000.")
+    if texts is None:
+        for f in files:
+            _need_file(f, "input", "pass existing plain-text files")
+        if not any(_has_text(f) for f in files):
+            raise DataError(f"the input files ({', '.join(files)}) hold no text; pass files with text to learn from.")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"--output-dir {out_dir} is a file; pass a directory.")
     os.makedirs(out_dir, exist_ok=True)
     if kind == "bpe":
         tok = Tokenizer(models.BPE())
@@ -160,8 +180,6 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
     if texts is not None:
         tok.train_from_iterator(texts, trainer)
     else:
-        for f in files:
-            _need_file(f, "input", "pass existing plain-text files")
         tok.train(files, trainer)
     if kind == "bpe":
         vocab, merges = tok.model.save(out_dir)
