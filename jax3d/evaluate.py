@@ -156,6 +156,11 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     dp = dp or n_dev // (tp * pp)
     if dp < 1 or dp * tp * pp > n_dev:
         raise ConfigError(f"the layout data {dp} x stage {pp} x model {tp} needs more than the {n_dev} devices")
+    layers = saved.model.num_layers
+    if layers % pp:
+        fits = ", ".join(str(s) for s in range(1, layers + 1) if layers % s == 0)
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the checkpoint's {layers} layers; "
+                          f"pass one of {fits}")
     cfg = Config(model=saved.model, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
                  precision=PrecisionConfig(dtype=dtype), data=saved.data,
                  train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * dp * pp,

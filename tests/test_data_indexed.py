@@ -102,4 +102,6 @@ def test_truncated_bin_and_missing_files(tmp_path):
         IndexedDataset(prefix)
     with pytest.raises(DataError, match=r"nope\.idx does not exist"):
         IndexedDataset(str(tmp_path / "nope"))
+    with pytest.raises(DataError, match=r"a\.bin names a file, .* pass .*a\.$"):
+        IndexedDataset(prefix + ".bin")
     assert issubclass(DataError, ValueError)

@@ -53,7 +53,9 @@ def test_bad_input(gpt_run, tmp_path, capsys):
     ck = str(gpt_run / "ckpt")
     for argv, words in [(["--load", ck], "exactly one of"),
                         (["--load", str(tmp_path / "no"), "--text-file", "x"], "holds no complete checkpoint"),
-                        (["--load", ck, "--text-file", str(tmp_path / "missing.txt")], "is unreadable")]:
+                        (["--load", ck, "--text-file", str(tmp_path / "missing.txt")], "is unreadable"),
+                        (["--load", ck, "--text-file", "x", "--pipeline-model-parallel-size", "3"],
+                         "--pipeline-model-parallel-size 3 does not divide the checkpoint's")]:
         assert evaluate_main([*argv, "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, err

@@ -141,6 +141,10 @@ class IndexedDataset:
         bin_file = data_path(prefix)
         for path in (idx_file, bin_file):
             if not os.path.exists(path):
+                stem, ext = os.path.splitext(prefix)
+                if ext in (".bin", ".idx") and os.path.exists(index_path(stem)):
+                    raise DataError(f"{prefix} names a file, but a data path is the prefix before .bin/.idx; "
+                                    f"pass {stem}.")
                 raise DataError(f"{path} does not exist; run launch/preprocess_data.py to build it.")
         idx_bytes = os.path.getsize(idx_file)
         if idx_bytes < _HEADER.size:

@@ -52,6 +52,8 @@ def _main(argv) -> int:
         except OSError as e:
             raise ConfigError(f"--prompt-file {a.prompt_file} is unreadable ({e.strerror}); pass a text file") from None
     if not prompts:
+        if a.prompt_file:
+            raise ConfigError(f"--prompt-file {a.prompt_file} holds no prompt; put one prompt on each line")
         raise ConfigError("no prompt given; pass --prompt TEXT or --prompt-file FILE")
     if a.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {a.max_new_tokens} must be at least 1")
