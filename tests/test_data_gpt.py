@@ -55,6 +55,27 @@ def test_indices_deterministic_and_seed_dependent(tmp_path):
     np.testing.assert_array_equal(again[7]["text"], a[7]["text"])
 
 
+def test_rebuilt_data_with_the_same_counts_gets_a_fresh_index(tmp_path):
+    """The same documents in another order have the same token and document counts; the cached index of
+    the first build must not serve the second (its windows would cut the new documents elsewhere)."""
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(1, 1000, n)) + [EOD] for n in rng.integers(1, 40, 50)]
+
+    def build(order):
+        b = IndexedDatasetBuilder(str(tmp_path / "a"), np.uint16)
+        for i in order:
+            b.add_item(docs[i])
+            b.end_document()
+        b.finalize()
+        return build_gpt_datasets([str(tmp_path / "a")], "1", 8, (60, 0, 0), seed=1)[0]
+
+    first = build(range(50))
+    second = build(range(49, -1, -1))
+    fresh = build_gpt_datasets([str(tmp_path / "a")], "1", 8, (60, 0, 0), seed=1, cache_dir=str(tmp_path / "c"))[0]
+    assert not np.array_equal(first.sample_idx, fresh.sample_idx)
+    np.testing.assert_array_equal(second.sample_idx, fresh.sample_idx)
+
+
 def test_multi_epoch(tmp_path):
     prefix = _make(tmp_path / "a", 20, 2)
     tr = build_gpt_datasets([prefix], "1", 8, (1000, 0, 0), seed=0, cache_dir=str(tmp_path))[0]

@@ -102,10 +102,14 @@ def cached_arrays(cache_dir: str, name: str, key: str, build) -> dict[str, np.nd
 
 def cached_index(kind: str, indexed, name: str, doc_range, cache_dir: str | None, build,
                  **fields) -> dict[str, np.ndarray]:
-    """`cached_arrays` for one split of one indexed dataset: keyed by the data (path, token count),
-    the split and `fields`; stored beside the data unless `cache_dir` is given."""
+    """`cached_arrays` for one split of one indexed dataset: keyed by the data (path, token count, and
+    a digest of the split's sequence lengths, so data rebuilt under the same name with the same counts
+    but other documents is not served a stale index), the split and `fields`; stored beside the data
+    unless `cache_dir` is given."""
+    lo, hi = (int(indexed.doc_idx[i]) for i in doc_range)
+    lengths = hashlib.sha256(np.ascontiguousarray(indexed.sizes[lo:hi]).tobytes()).hexdigest()[:16]
     key = cache_key(prefix=os.path.abspath(indexed.prefix), name=name, doc_range=list(doc_range),
-                    num_tokens=int(indexed.tokens.size), **fields)
+                    num_tokens=int(indexed.tokens.size), lengths=lengths, **fields)
     cache_dir = cache_dir or os.path.dirname(os.path.abspath(indexed.prefix))
     return cached_arrays(cache_dir, f"{kind}_{os.path.basename(indexed.prefix)}_{name}", key, build)
 
