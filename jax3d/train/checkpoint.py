@@ -289,7 +289,9 @@ class Checkpointer:
 
     # ---- restore -------------------------------------------------------------------------------------
     def step_to_restore(self) -> int | None:
-        """The checkpoint step `restore` would load (reading no arrays), or None when it starts fresh."""
+        """The checkpoint step `restore` would load (reading no arrays), or None when it starts fresh;
+        ConfigError where the run cannot start (see also `check_save_dir`)."""
+        self.check_save_dir()
         tr = self.cfg.train
         if not self.load_dir:
             return None

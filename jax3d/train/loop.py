@@ -71,8 +71,6 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
 
     tr = cfg.train
     chief = jax.process_index() == 0
-    if checkpointer is not None:
-        checkpointer.check_save_dir()
     saved = checkpointer.step_to_restore() if checkpointer is not None else None
     if saved is not None and saved >= tr.train_iters:  # before compiling: a finished run has nothing to do
         print(f"jax3d: nothing to do: the checkpoint is already at step {saved} of {tr.train_iters}", file=sys.stderr)
