@@ -289,9 +289,12 @@ class Checkpointer:
 
     # ---- restore -------------------------------------------------------------------------------------
     def step_to_restore(self) -> int | None:
-        """The checkpoint step `restore` would load (reading no arrays), or None when it starts fresh;
-        ConfigError where the run cannot start (see also `check_save_dir`)."""
+        """The checkpoint step a run resumes from (reading no arrays), or None when it starts fresh;
+        ConfigError where the run cannot start, its `--save` directory included (`check_save_dir`)."""
         self.check_save_dir()
+        return self._load_step()
+
+    def _load_step(self) -> int | None:
         tr = self.cfg.train
         if not self.load_dir:
             return None
@@ -308,9 +311,9 @@ class Checkpointer:
     def restore(self, steps, step: int | None = -1):
         """The train state and loader position from `--load` (latest or `--ckpt-step`), or (None, 0).
 
-        `step` is what `step_to_restore` already answered (None: start fresh); -1 asks it here."""
+        `step` is what `step_to_restore` already answered (None: start fresh); -1 looks it up here."""
         if step == -1:
-            step = self.step_to_restore()
+            step = self._load_step()
         if step is None:
             if self.load_dir:
                 _log(f"jax3d: no checkpoint in {self.load_dir} yet; starting from scratch")
