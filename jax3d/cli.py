@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
-from jax3d.argparse_util import OneLineParser, layer_counts
+from jax3d.argparse_util import OneLineParser, dir_problem, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
@@ -230,7 +229,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{flag} {v} must be in [0, 1)")
     for flag, path in [("--save", a.save), ("--log-dir", a.log_dir)]:
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(f"{flag} {path} is a file, not a directory; pass a directory path")
+        problem = dir_problem(path) if path else None
+        if problem:
+            raise ConfigError(f"{flag} {path} {problem}; pass a directory path")
     cfg = Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
     return cfg

@@ -19,6 +19,7 @@ import os
 import jax
 import numpy as np
 
+from jax3d.argparse_util import dir_problem
 from jax3d.config import ConfigError
 from jax3d.train.checkpoint import config_from_dict, restore_arrays, saved_step_meta
 
@@ -88,6 +89,9 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
         raise ConfigError(f"--format {fmt} is not supported; choose one of {', '.join(FORMATS)}")
     if os.path.exists(output):  # checked before the parameters are read; an export replaces nothing
         raise ConfigError(f"--output {output} already exists; pass a new path")
+    problem = dir_problem(os.path.dirname(os.path.abspath(output)))
+    if problem:
+        raise ConfigError(f"--output {output}: its folder {problem}; pass another path")
     params, meta = load_params(load_dir, step)
     info = {"format": "jax3d-params", "jax3d_version": meta["jax3d_version"], "step": meta["step"],
             "source": os.path.abspath(load_dir), "layers_stacked": not split_layers,

@@ -222,6 +222,8 @@ def test_load_errors_are_one_sentence(small_ckpt, tmp_path):
     with pytest.raises(ConfigError, match="--ckpt-step 7 is not a complete checkpoint .* steps \\[1, 2\\]"):
         _restore(cfg, steps, load=d, ckpt_step=7)
     missing = str(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="--ckpt-step -3 is not a step"):
+        _restore(cfg, steps, load=d, ckpt_step=-3)
     with pytest.raises(ConfigError, match="--load .* does not exist"):
         _restore(cfg, steps, load=missing)
     assert _restore(cfg, steps, load=missing, save=missing) == (None, 0)  # the restart pattern

@@ -83,4 +83,6 @@ def test_export_errors(sharded_ckpt, tmp_path):
     for fmt, taken in (("safetensors", "taken.safetensors"), ("safetensors", "dir"), ("orbax", "taken.safetensors")):
         with pytest.raises(ConfigError, match=f"--output .*{taken} already exists; pass a new path"):
             export(d, str(tmp_path / taken), fmt=fmt)
+    with pytest.raises(ConfigError, match="taken.safetensors/a.safetensors: its folder is a file"):
+        export(d, str(tmp_path / "taken.safetensors" / "a.safetensors"))
     assert (tmp_path / "taken.safetensors").read_bytes() == b"someone's file"

@@ -50,6 +50,7 @@ def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
     (["--keep-checkpoints", "-2"], "--keep-checkpoints -2 must not be negative"),
     (["--adam-beta2", "1.5"], "--adam-beta2 1.5 must be in [0, 1)"),
     (["--save", "README.md"], "--save README.md is a file, not a directory"),
+    (["--log-dir", "README.md/run"], "--log-dir README.md/run lies inside"),
 ])
 def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch):
     """A zero batch size is not silently taken as "the preset's", nor a negative interval as "never"."""

@@ -130,3 +130,15 @@ def test_parse_and_split_errors():
     assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
     with pytest.raises(DataError, match="--split"):
         split_ranges("a,b", 10)
+
+
+def test_data_from_another_vocabulary_is_refused(tmp_path):
+    """Token ids at or past the tokenizer's size would index past the embedding table (NaN loss)."""
+    from jax3d.config import ConfigError
+    from jax3d.train.inputs import check_token_ids
+
+    ds = IndexedDataset(_make(tmp_path / "a", 30, 0, vocab=1000))
+    top = int(ds.tokens.max())
+    check_token_ids(ds, top + 1)
+    with pytest.raises(ConfigError, match=f"holds token id {top}, but the tokenizer has {top} tokens"):
+        check_token_ids(ds, top)

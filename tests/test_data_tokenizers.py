@@ -85,8 +85,12 @@ def test_train_tokenizer_cli(corpus_file, tmp_path):
     assert r.returncode != 0 and "already holds vocab.txt" in r.stderr
     assert (tmp_path / "vocab.txt").read_bytes() == vocab  # data built with it needs it unchanged
     (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "binary.bin").write_bytes(bytes(range(128, 256)) * 8)
     for args, words in ((["--vocab-size", "0", str(corpus_file)], "--vocab-size 0 leaves no room"),
-                        ([str(tmp_path / "blank.txt")], "hold no text")):
+                        ([str(tmp_path / "blank.txt")], "hold no text"),
+                        ([str(tmp_path / "binary.bin")], "could not be read as text"),
+                        ([str(tmp_path)], "is not a file")):
         r = subprocess.run(cli + ["--output-dir", str(tmp_path / "new"), *args], capture_output=True, text=True,
                            env=env)
         assert r.returncode != 0 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
+        assert not (tmp_path / "new").exists()  # a refused run leaves no folder behind

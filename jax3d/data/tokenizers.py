@@ -9,6 +9,7 @@ import os
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from jax3d.argparse_util import dir_problem
 from jax3d.data.indexed import DataError
 
 GPT2_EOD = "<|endoftext|>"
@@ -157,11 +158,13 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
     if texts is None:
         for f in files:
             _need_file(f, "input", "pass existing plain-text files")
+            if not os.path.isfile(f):
+                raise DataError(f"input {f} is not a file; pass plain-text files.")
         if not any(_has_text(f) for f in files):
             raise DataError(f"the input files ({', '.join(files)}) hold no text; pass files with text to learn from.")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise DataError(f"--output-dir {out_dir} is a file; pass a directory.")
-    os.makedirs(out_dir, exist_ok=True)
+    problem = dir_problem(out_dir)
+    if problem:
+        raise DataError(f"--output-dir {out_dir} {problem}; pass a directory.")
     if kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -180,7 +183,12 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
     if texts is not None:
         tok.train_from_iterator(texts, trainer)
     else:
-        tok.train(files, trainer)
+        try:
+            tok.train(files, trainer)
+        except Exception as e:  # the tokenizers library raises plain Exceptions, e.g. for binary input
+            raise DataError(f"the input files ({', '.join(files)}) could not be read as text ({e}); pass "
+                            "UTF-8 plain-text files.") from None
+    os.makedirs(out_dir, exist_ok=True)  # after training: a failed run leaves no empty folder
     if kind == "bpe":
         vocab, merges = tok.model.save(out_dir)
         return {"vocab_file": vocab, "merge_file": merges}

@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 
+from jax3d.argparse_util import dir_problem
 from jax3d.config import Config, ConfigError, DataConfig, TrainConfig
 from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf, to_hf
 
@@ -141,7 +142,7 @@ def _tokenizer_of(hf_dir: str, model_type: str) -> tuple[dict, list[str]]:
 
 
 def _empty_or_new_dir(path: str) -> bool:
-    return not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))
+    return dir_problem(path) is None and not (os.path.isdir(path) and os.listdir(path))
 
 
 def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0) -> dict:
@@ -149,7 +150,7 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     summary. Everything is checked before anything is written."""
     cfg_m, hf, files = read_hf_folder(hf_dir, divisible_by)
     if not _empty_or_new_dir(save):
-        raise ConfigError(f"--save {save} exists and is not an empty directory; pass a new directory")
+        raise ConfigError(f"--save {save} is not a new or empty directory; pass a new directory")
     tensors = {}
     for p in files:
         tensors.update(read_safetensors_file(p))
@@ -197,7 +198,7 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     from jax3d.train.checkpoint import config_from_dict
 
     if not _empty_or_new_dir(hf_dir):
-        raise ConfigError(f"--hf-dir {hf_dir} exists and is not an empty directory; pass a new directory")
+        raise ConfigError(f"--hf-dir {hf_dir} is not a new or empty directory; pass a new directory")
     params, meta = load_params(load, step)
     cfg = config_from_dict(meta["config"])
     tok = meta.get("tokenizer") or {}

@@ -51,6 +51,8 @@ def _main(argv) -> int:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except OSError as e:
             raise ConfigError(f"--prompt-file {a.prompt_file} is unreadable ({e.strerror}); pass a text file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--prompt-file {a.prompt_file} is not UTF-8 text; pass a text file") from None
     if not prompts:
         if a.prompt_file:
             raise ConfigError(f"--prompt-file {a.prompt_file} holds no prompt; put one prompt on each line")

@@ -158,6 +158,9 @@ def _manager(directory: str, *, read_only: bool, keep: int = 0, async_save: bool
 
 def resolve_step(directory: str, steps: list[int], want: int) -> int:
     """`want` when it is a complete step of `directory` (ConfigError otherwise); the latest when -1."""
+    if want < -1:
+        raise ConfigError(f"--ckpt-step {want} is not a step; pass a step of --load {directory} "
+                          f"({steps or 'none'}), or leave it out for the latest")
     if want >= 0:
         if want not in steps:
             raise ConfigError(f"--ckpt-step {want} is not a complete checkpoint in --load {directory}; "
