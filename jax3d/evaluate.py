@@ -77,6 +77,10 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
                               "--split-sentences and pass --data-path")
         ds = TextWindows(text_file, tokenizer, m.seq_length)
         return ds, min(num_samples or len(ds), len(ds))
+    from jax3d.train.inputs import check_token_ids
+
+    for prefix in data.parse_data_paths(list(data_paths))[1]:
+        check_token_ids(data.IndexedDataset(prefix), tokenizer.vocab_size)
     idx = SPLITS.index(which)
     want = [0, 0, 0]
     want[idx] = max(1, num_samples)  # 1 asks for one epoch: every window of the split
