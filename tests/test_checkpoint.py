@@ -326,3 +326,17 @@ def test_fresh_run_refuses_a_save_dir_with_checkpoints(small_ckpt, monkeypatch):
             loop.train(other, mesh_cfg, mesh, None, checkpointer=Checkpointer(other))
     assert list_steps(d) == [1, 2]
     Checkpointer(cfg.replace(train={"load": d})).check_save_dir()  # continuing the run is fine
+
+
+def test_rollback_drops_the_abandoned_steps_at_its_first_save(small_ckpt, tmp_path):
+    """Resumed from step 1 of a directory holding 1 and 2, the run's first save (at 3) removes step 2 too:
+    it belongs to the abandoned run, and --ckpt-step 2 must not later resume it."""
+    import shutil
+
+    cfg, _, _, steps = small_ckpt
+    d = str(tmp_path / "roll")
+    shutil.copytree(cfg.train.save, d)
+    ck = Checkpointer(cfg.replace(train={"load": d, "save": d, "ckpt_step": 1, "save_interval": 100}))
+    state, _ = ck.restore(steps, ck.step_to_restore())
+    ck.save(3, state, {"consumed_samples": 3 * GB}, wait=True)
+    assert list_steps(d) == [1, 3]

@@ -273,6 +273,7 @@ class Checkpointer:
         self.async_save = async_save
         self._mgr = None
         self._last_saved = -1
+        self._resumed_from = None  # the step restored, when this run continues in its --save directory
         self._signal = 0
         self._old_handlers = {}
         self._sync_every = max(1, tr.log_interval)
@@ -322,6 +323,8 @@ class Checkpointer:
                 _log(f"jax3d: no checkpoint in {self.load_dir} yet; starting from scratch")
             return None, 0
         state, meta = restore_state(self.load_dir, step, steps)
+        if self.save_dir and _same_dir(self.save_dir, self.load_dir):
+            self._resumed_from = step
         _log(f"jax3d: restored step {step} from {self.load_dir} (saved on (data, stage, model) = "
              f"{tuple(meta['mesh'].values())}, ZeRO-{meta['config']['parallel']['zero_stage']}, "
              f"jax3d {meta['jax3d_version']})")
@@ -348,7 +351,10 @@ class Checkpointer:
         mgr = self._manager()
         t0 = time.perf_counter()
         mgr.wait_until_finished()
-        stale = [s for s in mgr.all_steps() if s >= step]
+        # Steps past the one this run resumed from belong to an abandoned future (a rollback with
+        # --ckpt-step), as do any at or past this one.
+        after = step if self._resumed_from is None else min(step, self._resumed_from + 1)
+        stale = [s for s in mgr.all_steps() if s >= after]
         if stale:  # a rolled-back run overwrites the abandoned future, so "latest" stays this run's
             _log(f"jax3d: replacing checkpoints {stale} in {self.save_dir} from an earlier run")
             for s in stale:
