@@ -182,9 +182,10 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
     if append_eod and tok.eod is None:
         raise DataError(f"--append-eod needs an end-of-document token but {tokenizer.tokenizer_type} "
                         "has none.")
-    taken = [p for p in prefixes.values() if os.path.exists(data_path(p)) or os.path.exists(index_path(p))]
+    taken = [f for p in prefixes.values() for f in (data_path(p), index_path(p)) if os.path.exists(f)]
     if taken:  # the builder would truncate them at once, and a failed run would leave nothing
-        raise DataError(f"{taken[0]}.bin/.idx already exist; pass another --output-prefix, or delete them first.")
+        raise DataError(f"{' and '.join(taken)} already exist{'s' if len(taken) == 1 else ''}; pass another "
+                        "--output-prefix, or delete the old files first.")
     dtype = best_dtype(tok.vocab_size)
     summary = PreprocessSummary()
     builders = {k: IndexedDatasetBuilder(p, dtype) for k, p in prefixes.items()}
