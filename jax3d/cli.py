@@ -208,26 +208,26 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         log_interval=a.log_interval, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
                         ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops)
-    for flag, v in [("--train-iters", a.train_iters), ("--log-interval", a.log_interval),
-                    ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
-                    ("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
-                    ("--num-attention-heads", model.num_attention_heads), ("--seq-length", model.seq_length),
-                    ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)]:
-        if v < 1:
-            raise ConfigError(f"{flag} {v} must be at least 1")
-    for flag, v in [("--lr", a.lr), ("--min-lr", a.min_lr), ("--lr-warmup-iters", a.lr_warmup_iters),
+    at_least_1 = [("--train-iters", a.train_iters), ("--log-interval", a.log_interval),
+                  ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
+                  ("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
+                  ("--num-attention-heads", model.num_attention_heads), ("--seq-length", model.seq_length),
+                  ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)]
+    not_negative = [("--lr", a.lr), ("--min-lr", a.min_lr), ("--lr-warmup-iters", a.lr_warmup_iters),
                     ("--lr-decay-iters", a.lr_decay_iters), ("--weight-decay", a.weight_decay),
                     ("--clip-grad", a.clip_grad), ("--exit-interval", a.exit_interval),
                     ("--eval-interval", a.eval_interval), ("--eval-iters", a.eval_iters),
                     ("--save-interval", a.save_interval), ("--keep-checkpoints", a.keep_checkpoints),
                     ("--vocab-size", a.vocab_size), ("--init-method-std", a.init_method_std),
-                    ("--loss-scale", a.loss_scale)]:
-        if v < 0:
-            raise ConfigError(f"{flag} {v} must not be negative")
-    for flag, v in [("--hidden-dropout", a.hidden_dropout), ("--attention-dropout", a.attention_dropout),
-                    ("--adam-beta1", a.adam_beta1), ("--adam-beta2", a.adam_beta2)]:
-        if not 0.0 <= v < 1.0:
-            raise ConfigError(f"{flag} {v} must be in [0, 1)")
+                    ("--loss-scale", a.loss_scale)]
+    fractions = [("--hidden-dropout", a.hidden_dropout), ("--attention-dropout", a.attention_dropout),
+                 ("--adam-beta1", a.adam_beta1), ("--adam-beta2", a.adam_beta2)]
+    for flags, ok, rule in [(at_least_1, lambda v: v >= 1, "must be at least 1"),
+                            (not_negative, lambda v: v >= 0, "must not be negative"),
+                            (fractions, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")]:
+        for flag, v in flags:
+            if not ok(v):
+                raise ConfigError(f"{flag} {v} {rule}")
     for flag, path in [("--save", a.save), ("--log-dir", a.log_dir)]:
         problem = dir_problem(path) if path else None
         if problem:

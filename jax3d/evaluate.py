@@ -79,8 +79,7 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
         return ds, min(num_samples or len(ds), len(ds))
     from jax3d.train.inputs import check_token_ids
 
-    for prefix in data.parse_data_paths(list(data_paths))[1]:
-        check_token_ids(data.IndexedDataset(prefix), tokenizer.vocab_size)
+    check_token_ids(data_paths, tokenizer.vocab_size)
     idx = SPLITS.index(which)
     want = [0, 0, 0]
     want[idx] = max(1, num_samples)  # 1 asks for one epoch: every window of the split

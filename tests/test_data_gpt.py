@@ -137,8 +137,8 @@ def test_data_from_another_vocabulary_is_refused(tmp_path):
     from jax3d.config import ConfigError
     from jax3d.train.inputs import check_token_ids
 
-    ds = IndexedDataset(_make(tmp_path / "a", 30, 0, vocab=1000))
-    top = int(ds.tokens.max())
-    check_token_ids(ds, top + 1)
+    prefix = _make(tmp_path / "a", 30, 0, vocab=1000)
+    top = int(IndexedDataset(prefix).tokens.max())
+    check_token_ids([prefix], top + 1)
     with pytest.raises(ConfigError, match=f"holds token id {top}, but the tokenizer has {top} tokens"):
-        check_token_ids(ds, top)
+        check_token_ids(["0.5", prefix, "0.5", prefix], top)

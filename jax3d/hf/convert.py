@@ -20,6 +20,7 @@ from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
            "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_ITEMSIZE = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _DTYPES.items()}}  # the dtypes read
 _PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 # HF tokenizer files, and the jax3d tokenizer type each set of them means.
 _TOKENIZER_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
@@ -50,22 +51,17 @@ def read_safetensors_file(path: str) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         start, end = info["data_offsets"]
-        known = info["dtype"] == "BF16" or info["dtype"] in _DTYPES
-        if end > raw.size or (known and end - start != math.prod(info["shape"]) * _itemsize(info["dtype"])):
+        if info["dtype"] not in _ITEMSIZE:
+            raise ConfigError(f"{path} stores {name} as {info['dtype']}, a dtype jax3d does not read")
+        if end > raw.size or end - start != math.prod(info["shape"]) * _ITEMSIZE[info["dtype"]]:
             raise damaged(f"{name}'s data is cut short")
         buf = raw[start:end]
         if info["dtype"] == "BF16":
             arr = (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        elif info["dtype"] in _DTYPES:
-            arr = buf.view(_DTYPES[info["dtype"]])
         else:
-            raise ConfigError(f"{path} stores {name} as {info['dtype']}, a dtype jax3d does not read")
+            arr = buf.view(_DTYPES[info["dtype"]])
         out[name] = np.array(arr.reshape(info["shape"]))
     return out
-
-
-def _itemsize(dtype: str) -> int:
-    return 2 if dtype == "BF16" else np.dtype(_DTYPES[dtype]).itemsize
 
 
 def _weight_files(hf_dir: str) -> list[str]:

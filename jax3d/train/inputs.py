@@ -25,20 +25,24 @@ def tokenizer_and_paths(cfg: Config):
                               "--tokenizer-file) to know the vocabulary")
         tok = data.build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file or None,
                                    merge_file=d.merge_file or None, tokenizer_file=d.tokenizer_file or None)
-        for prefix in data.parse_data_paths(d.data_path)[1]:
-            check_token_ids(data.IndexedDataset(prefix), tok.vocab_size)
+        check_token_ids(d.data_path, tok.vocab_size)
         return tok, list(d.data_path)
     prefix, tok = data.default_corpus(cache_dir=d.cache_dir or None, kind=cfg.model.model_type)
     return tok, [prefix]
 
 
-def check_token_ids(indexed, vocab_size: int, sample: int = 1 << 22) -> None:
-    """Refuses data whose token ids (its first `sample` of them) do not fit the tokenizer: data preprocessed
-    with another vocabulary would index past the embedding table and train on NaN."""
-    top = int(indexed.tokens[:sample].max()) if indexed.tokens.size else -1
-    if top >= vocab_size:
-        raise ConfigError(f"--data-path {indexed.prefix} holds token id {top}, but the tokenizer has {vocab_size} "
-                          "tokens; pass the tokenizer files the data was preprocessed with")
+def check_token_ids(data_paths, vocab_size: int, sample: int = 1 << 22) -> None:
+    """Refuses `--data-path` data whose token ids (the first `sample` of each prefix) do not fit the
+    tokenizer: data preprocessed with another vocabulary would index past the embedding table and train
+    on NaN."""
+    from jax3d import data
+
+    for prefix in data.parse_data_paths(list(data_paths))[1]:
+        tokens = data.IndexedDataset(prefix).tokens
+        top = int(tokens[:sample].max()) if tokens.size else -1
+        if top >= vocab_size:
+            raise ConfigError(f"--data-path {prefix} holds token id {top}, but the tokenizer has {vocab_size} "
+                              "tokens; pass the tokenizer files the data was preprocessed with")
 
 
 def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, tok=None, paths=None) -> Inputs:
