@@ -11,12 +11,13 @@ from tests.helpers import rel_err
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
 @pytest.mark.parametrize("rows_bwd, programs", [(1, 1024), (2, 4)])
-def test_fused_layer_norm_matches_xla(dtype, tol, rows_bwd, programs):
+@pytest.mark.parametrize("width", [256, 192])  # 192: a masked block of 256
+def test_fused_layer_norm_matches_xla(dtype, tol, rows_bwd, programs, width):
     tuning = fused_norm.Tuning(rows_bwd=rows_bwd, bwd_programs=programs)
     k = jax.random.split(jax.random.key(0), 4)
-    x = (jax.random.normal(k[0], (2, 32, 256)) * 3 + 1).astype(dtype)
-    scale = (1 + 0.1 * jax.random.normal(k[1], (256,))).astype(dtype)
-    bias = (0.1 * jax.random.normal(k[2], (256,))).astype(dtype)
+    x = (jax.random.normal(k[0], (2, 32, width)) * 3 + 1).astype(dtype)
+    scale = (1 + 0.1 * jax.random.normal(k[1], (width,))).astype(dtype)
+    bias = (0.1 * jax.random.normal(k[2], (width,))).astype(dtype)
     dy = jax.random.normal(k[3], x.shape)
 
     def loss(norm):

@@ -39,57 +39,85 @@ DEFAULT = Tuning()
 
 
 def supported(x, tuning: Tuning = DEFAULT) -> bool:
-    """Whether `fused_layer_norm` takes this input: on a GPU, a power-of-two width (Triton blocks are
-    powers of two), whole row blocks, and a single device (the kernel is not partitioned over a mesh)."""
+    """Whether `fused_layer_norm` takes this input: on a GPU, a width of 128 to 8192, whole row blocks,
+    and a single device (the kernel is not partitioned over a mesh)."""
     d = x.shape[-1]
     rows = x.size // d if d else 0
     mesh = jax.sharding.get_abstract_mesh()
     one_device = jax.device_count() == 1 if mesh.empty else mesh.size == 1
-    return (jax.default_backend() == "gpu" and d >= 128 and d & (d - 1) == 0 and d <= 8192
+    return (jax.default_backend() == "gpu" and 128 <= d <= 8192
             and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0 and one_device)
 
 
-def _fwd_kernel(x_ref, s_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps: float):
-    x = x_ref[...].astype(F32)
-    mean = jnp.mean(x, axis=1, keepdims=True)
-    xc = x - mean
-    rstd = jax.lax.rsqrt(jnp.mean(xc * xc, axis=1, keepdims=True) + eps)
-    y = xc * rstd * s_ref[...].astype(F32)[None, :] + b_ref[...].astype(F32)[None, :]
-    y_ref[...] = y.astype(y_ref.dtype)
+def _block_width(d: int) -> int:
+    """Triton's blocks are powers of two: a row's block is the next one up, its tail masked."""
+    return 1 << (d - 1).bit_length()
+
+
+def _columns(d: int):
+    """Which of a row block's columns lie in the array (None where all do): the mask for its loads and
+    stores, shaped (1, block)."""
+    block = _block_width(d)
+    return None if d == block else jax.lax.broadcasted_iota(jnp.int32, (1, block), 1) < d
+
+
+def _load(ref, valid):
+    """A block (or a 1-d vector) as fp32, its masked tail read as 0."""
+    if valid is None:
+        return ref[...].astype(F32)
+    return pltriton.load(ref, mask=valid if len(ref.shape) == 2 else valid[0], other=0).astype(F32)
+
+
+def _store(ref, value, valid):
+    value = value.astype(ref.dtype)
+    if valid is None:
+        ref[...] = value
+    else:
+        pltriton.store(ref, value, mask=valid if len(ref.shape) == 2 else valid[0])
+
+
+def _fwd_kernel(x_ref, s_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps: float, d: int):
+    valid = _columns(d)
+    x = _load(x_ref, valid)
+    mean = jnp.sum(x, axis=1, keepdims=True) / d
+    xc = x - mean if valid is None else jnp.where(valid, x - mean, 0.0)
+    rstd = jax.lax.rsqrt(jnp.sum(xc * xc, axis=1, keepdims=True) / d + eps)
+    _store(y_ref, xc * rstd * _load(s_ref, valid)[None, :] + _load(b_ref, valid)[None, :], valid)
     mean_ref[...] = mean[:, 0]
     rstd_ref[...] = rstd[:, 0]
 
 
-def _bwd_kernel(x_ref, dy_ref, s_ref, mean_ref, rstd_ref, dx_ref, ds_ref, db_ref, *, steps: int,
+def _bwd_kernel(x_ref, dy_ref, s_ref, mean_ref, rstd_ref, dx_ref, ds_ref, db_ref, *, d: int, steps: int,
                 rows_per_step: int):
-    d = x_ref.shape[1]
-    scale = s_ref[...].astype(F32)[None, :]
+    valid = _columns(d)
+    scale = _load(s_ref, valid)[None, :]
 
     def step(i, acc):
         ds, db = acc
         rows = pl.ds(i * rows_per_step, rows_per_step)
-        x = x_ref[rows, :].astype(F32)
-        dy = dy_ref[rows, :].astype(F32)
-        xhat = (x - mean_ref[rows][:, None]) * rstd_ref[rows][:, None]
+        x = _load(x_ref.at[rows, :], valid)
+        dy = _load(dy_ref.at[rows, :], valid)
+        xhat = (x - mean_ref[rows][:, None]) * rstd_ref[rows][:, None]  # masked columns meet dy = 0 below
         g = dy * scale
-        c1 = jnp.mean(xhat * g, axis=1, keepdims=True)
-        c2 = jnp.mean(g, axis=1, keepdims=True)
-        dx_ref[rows, :] = ((g - xhat * c1 - c2) * rstd_ref[rows][:, None]).astype(dx_ref.dtype)
+        c1 = jnp.sum(xhat * g, axis=1, keepdims=True) / d
+        c2 = jnp.sum(g, axis=1, keepdims=True) / d
+        _store(dx_ref.at[rows, :], (g - xhat * c1 - c2) * rstd_ref[rows][:, None], valid)
         return ds + jnp.sum(dy * xhat, axis=0), db + jnp.sum(dy, axis=0)
 
-    zeros = jnp.zeros((d,), F32)
+    zeros = jnp.zeros((x_ref.shape[1],), F32)
     ds, db = jax.lax.fori_loop(0, steps, step, (zeros, zeros))
-    ds_ref[...] = ds[None, :]
-    db_ref[...] = db[None, :]
+    _store(ds_ref, ds[None, :], valid)
+    _store(db_ref, db[None, :], valid)
 
 
 def _forward(x2, scale, bias, eps, tuning: Tuning, interpret: bool):
     rows, d = x2.shape
-    row_block = pl.BlockSpec((tuning.rows_fwd, d), lambda i: (i, 0))
-    vec = pl.BlockSpec((d,), lambda i: (0,))
+    block = _block_width(d)
+    row_block = pl.BlockSpec((tuning.rows_fwd, block), lambda i: (i, 0))
+    vec = pl.BlockSpec((block,), lambda i: (0,))
     stat = pl.BlockSpec((tuning.rows_fwd,), lambda i: (i,))
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, eps=eps),
+        functools.partial(_fwd_kernel, eps=eps, d=d),
         grid=(rows // tuning.rows_fwd,),
         in_specs=[row_block, vec, vec],
         out_specs=[row_block, stat, stat],
@@ -103,16 +131,17 @@ def _forward(x2, scale, bias, eps, tuning: Tuning, interpret: bool):
 
 def _backward(x2, dy2, scale, mean, rstd, tuning: Tuning, interpret: bool):
     rows, d = x2.shape
+    block = _block_width(d)
     blocks = rows // tuning.rows_bwd
     programs = next(p for p in range(min(tuning.bwd_programs, blocks), 0, -1) if blocks % p == 0)
     per = rows // programs
-    row_block = pl.BlockSpec((per, d), lambda i: (i, 0))
+    row_block = pl.BlockSpec((per, block), lambda i: (i, 0))
     stat = pl.BlockSpec((per,), lambda i: (i,))
-    part = pl.BlockSpec((1, d), lambda i: (i, 0))
+    part = pl.BlockSpec((1, block), lambda i: (i, 0))
     dx, ds, db = pl.pallas_call(
-        functools.partial(_bwd_kernel, steps=per // tuning.rows_bwd, rows_per_step=tuning.rows_bwd),
+        functools.partial(_bwd_kernel, d=d, steps=per // tuning.rows_bwd, rows_per_step=tuning.rows_bwd),
         grid=(programs,),
-        in_specs=[row_block, row_block, pl.BlockSpec((d,), lambda i: (0,)), stat, stat],
+        in_specs=[row_block, row_block, pl.BlockSpec((block,), lambda i: (0,)), stat, stat],
         out_specs=[row_block, part, part],
         out_shape=[jax.ShapeDtypeStruct((rows, d), x2.dtype), jax.ShapeDtypeStruct((programs, d), F32),
                    jax.ShapeDtypeStruct((programs, d), F32)],
