@@ -31,7 +31,7 @@ VARIANTS = {
 REPEAT = 20
 
 
-def _time(step, x, iters: int) -> float:
+def time_chained(step, x, iters: int) -> float:
     """Seconds per application of `step` (x -> array of x's shape and dtype)."""
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, REPEAT, lambda i, x: step(x), x))
     jax.block_until_ready(loop(x))
@@ -55,14 +55,14 @@ def _sweep(a) -> None:
         for rows in (1, 2, 4, 8):
             for warps in (2, 4, 8, 16):
                 t = tune(rows_fwd=rows, warps_fwd=warps)
-                t = _time(lambda x, t=t: fused_norm._forward(x, s, b, 1e-5, t, False)[0], x, a.iters)
+                t = time_chained(lambda x, t=t: fused_norm._forward(x, s, b, 1e-5, t, False)[0], x, a.iters)
                 print(json.dumps({"sweep": "fwd", "width": d, "rows": rows, "warps": warps,
                                   "us": round(t * 1e6, 1), "GBps": round(4 * x.size / t / 1e9)}), flush=True)
         for rows in (1, 2, 4):
             for warps in (4, 8, 16):
                 for programs in (264, 528, 1056, 2112):
                     t = tune(rows_bwd=rows, warps_bwd=warps, bwd_programs=programs)
-                    t = _time(lambda dy, t=t: fused_norm._backward(x, dy, s, mean, rstd, t, False)[0], dy, a.iters)
+                    t = time_chained(lambda dy, t=t: fused_norm._backward(x, dy, s, mean, rstd, t, False)[0], dy, a.iters)
                     print(json.dumps({"sweep": "bwd", "width": d, "rows": rows, "warps": warps,
                                       "programs": programs, "us": round(t * 1e6, 1),
                                       "GBps": round(6 * x.size / t / 1e9)}), flush=True)
@@ -84,9 +84,9 @@ def main(argv=None) -> int:
         s, b = jnp.ones((d,), jnp.bfloat16), jnp.zeros((d,), jnp.bfloat16)
         base = {}
         for name, ln in VARIANTS.items():
-            t_f = _time(lambda x, ln=ln: ln(x, s, b), x, a.iters)
+            t_f = time_chained(lambda x, ln=ln: ln(x, s, b), x, a.iters)
             # the cotangent of x (its gradient) is the next input: a forward and a backward pass each time
-            t_b = _time(lambda x, ln=ln: jax.vjp(lambda x: ln(x, s, b), x)[1](x)[0], x, a.iters)
+            t_b = time_chained(lambda x, ln=ln: jax.vjp(lambda x: ln(x, s, b), x)[1](x)[0], x, a.iters)
             base.setdefault("f", t_f)
             base.setdefault("b", t_b)
             print(json.dumps({"variant": name, "rows": a.rows, "width": d, "fwd_us": round(t_f * 1e6, 1),

@@ -38,15 +38,19 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(x, tuning: Tuning = DEFAULT) -> bool:
-    """Whether `fused_layer_norm` takes this input: on a GPU, a width of 128 to 8192, whole row blocks,
-    and a single device (the kernel is not partitioned over a mesh)."""
-    d = x.shape[-1]
-    rows = x.size // d if d else 0
+def on_one_gpu() -> bool:
+    """Whether the computation being traced runs on a single GPU: the Pallas kernels here are not
+    partitioned over a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     one_device = jax.device_count() == 1 if mesh.empty else mesh.size == 1
-    return (jax.default_backend() == "gpu" and 128 <= d <= 8192
-            and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0 and one_device)
+    return jax.default_backend() == "gpu" and one_device
+
+
+def supported(x, tuning: Tuning = DEFAULT) -> bool:
+    """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole row blocks."""
+    d = x.shape[-1]
+    rows = x.size // d if d else 0
+    return on_one_gpu() and 128 <= d <= 8192 and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0
 
 
 def _block_width(d: int) -> int:

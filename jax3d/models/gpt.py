@@ -51,7 +51,8 @@ class GPT(TransformerLM):
         wte, targets, mask = params["embed"]["word"], mb["text"][:, 1:], self._loss_mask(mb)
         fp32 = not cfg.optimised("bf16_logits")
         if cfg.optimised("fused_loss"):
-            loss_sum = fused_lm_loss_sum(x_btd, wte, targets, mask, self.rules, cfg.unpadded_vocab_size, fp32)
+            loss_sum = fused_lm_loss_sum(x_btd, wte, targets, mask, self.rules, cfg.unpadded_vocab_size, fp32,
+                                         cfg.optimised("fused_xent"))
         else:
             logits = vocab_parallel_logits(x_btd, wte, self.rules, fp32)
             loss_sum, _ = cross_entropy_sum(logits, targets, mask, cfg.unpadded_vocab_size)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax3d.config import ModelConfig
-from jax3d.models import fused_norm
+from jax3d.models import fused_norm, fused_xent
 from jax3d.sharding.rules import ShardingRules
 
 
@@ -295,16 +295,18 @@ def loss_chunks(batch: int, seq: int) -> int:
 
 
 def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, valid_vocab: int = 0,
-                      fp32: bool = False):
+                      fp32: bool = False, kernel: bool = False):
     """`cross_entropy_sum` of the tied LM head's logits, run over `loss_chunks` slices of the sequence.
 
     Each slice's logits live only inside its loop step. When differentiated, the forward pass also
     computes the gradients (of x by one GEMM, of the table accumulated in fp32 by another), so the
     backward pass only scales them by the incoming cotangent: the full logits and their gradient are
     never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head.
+    With `kernel`, on one GPU, each chunk's cross-entropy and its gradient are `fused_xent`'s kernel.
     """
     b, t, d = x_btd.shape
     chunks = loss_chunks(b, t)
+    kernel = kernel and fused_xent.supported(x_btd)
 
     def split(a):  # (b, t, ...) -> (chunks, b, t / chunks, ...)
         return jnp.moveaxis(a.reshape(b, chunks, t // chunks, *a.shape[2:]), 1, 0)
@@ -313,12 +315,17 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
         def step(carry, xs):
             loss, dw = carry
             x_c, t_c, m_c = xs
-            nll, dnll = _token_nll(vocab_parallel_logits(x_c, w, rules, fp32), t_c, valid_vocab)
+            logits = vocab_parallel_logits(x_c, w, rules, fp32)
             m = m_c.astype(jnp.float32)
+            if kernel:
+                nll, dlogits = fused_xent.token_nll(logits, t_c, m, valid_vocab, x.dtype if with_grads else None)
+            else:
+                nll, dnll = _token_nll(logits, t_c, valid_vocab)
+                dlogits = (dnll * m[..., None]).astype(x.dtype) if with_grads else None
             loss = loss + jnp.sum(nll * m)
             if not with_grads:
                 return (loss, dw), None
-            dlogits = rules.constrain((dnll * m[..., None]).astype(x.dtype), ("batch", "seq", "vocab"))
+            dlogits = rules.constrain(dlogits, ("batch", "seq", "vocab"))
             dx_c = jnp.einsum("btv,vd->btd", dlogits, w)
             dw = dw + jnp.einsum("btv,btd->vd", dlogits, x_c, preferred_element_type=jnp.float32)
             return (loss, rules.constrain(dw, ("vocab", "embed"))), dx_c

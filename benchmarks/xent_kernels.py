@@ -1,0 +1,63 @@
+"""The LM loss's cross-entropy over one chunk of logits, XLA's against the fused Pallas kernel, in one process.
+
+Each variant computes the per-token loss and the weighted gradient of the logits (what one chunk of
+`fused_lm_loss_sum` does between its GEMMs), timed as `norm_kernels.time_chained` times a kernel: the
+gradient is the next call's logits. GB/s counts what must move at the least: read the logits, write the
+gradient.
+
+    python benchmarks/xent_kernels.py --rows 8192 --vocab 50304 --sweep
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.norm_kernels import time_chained  # noqa: E402
+from jax3d.models import fused_xent  # noqa: E402
+from jax3d.models.layers import _token_nll  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--valid", type=int, default=50257, help="real vocabulary columns (the rest is padding)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="also time the kernel over fused_xent.Tuning settings")
+    a = p.parse_args(argv)
+    k = jax.random.split(jax.random.key(0), 2)
+    logits = jax.random.normal(k[0], (1, a.rows, a.vocab), jnp.bfloat16)  # (batch, seq, vocab)
+    targets = jax.random.randint(k[1], (1, a.rows), 0, a.valid)
+    weights = jnp.ones((1, a.rows), jnp.float32)
+
+    def xla(lg):
+        _, dnll = _token_nll(lg, targets, a.valid)
+        return (dnll * weights[..., None]).astype(lg.dtype)
+
+    def kernel(tuning):
+        return lambda lg: fused_xent.token_nll(lg, targets, weights, a.valid, lg.dtype, tuning)[1]
+
+    tunings = [fused_xent.DEFAULT]
+    if a.sweep:
+        tunings += [fused_xent.Tuning(rows, block, warps) for rows in (1, 2, 4) for block in (1024, 2048, 4096, 8192)
+                    for warps in (4, 8, 16) if fused_xent.Tuning(rows, block, warps) != fused_xent.DEFAULT]
+    base = time_chained(xla, logits, a.iters)
+    moved = 2 * logits.size * logits.dtype.itemsize
+    print(json.dumps({"variant": "xla", "us": round(base * 1e6, 1), "GBps": round(moved / base / 1e9)}), flush=True)
+    for t in tunings:
+        s = time_chained(kernel(t), logits, a.iters)
+        print(json.dumps({"variant": "fused", **dataclasses.asdict(t), "us": round(s * 1e6, 1),
+                          "GBps": round(moved / s / 1e9), "speedup": round(base / s, 3)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The LM loss's softmax cross-entropy over a chunk of logits as one Pallas (Triton) kernel, for one GPU.
+
+XLA reads a chunk's logits three times before it writes their gradient: for the row maximum, for the
+sum of exponentials and the target's logit, and for the gradient itself. Here one program takes a block
+of rows and reads each row twice: once for a running (online) maximum, sum of exponentials and target
+logit, and once more, mostly from L2 (a row of 50304 bf16 logits is 100 KB), to write the gradient:
+softmax minus one-hot, times the token's loss weight.
+
+The maths is `layers._token_nll`'s: fp32 throughout, columns from `valid` on (the vocabulary's padding)
+left out of the softmax, with a zero gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jax3d.models.fused_norm import on_one_gpu
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Rows per program, columns per step of its loop over the vocabulary, and warps."""
+
+    rows: int = 1
+    block: int = 4096
+    warps: int = 8
+
+
+DEFAULT = Tuning()
+
+
+def supported(logits, tuning: Tuning = DEFAULT) -> bool:
+    """Whether `token_nll` takes these (..., vocab) logits: on one GPU, in whole row blocks."""
+    return on_one_gpu() and (logits.size // logits.shape[-1]) % tuning.rows == 0
+
+
+def _kernel(logits_ref, target_ref, weight_ref, nll_ref, *grad_ref, width: int, valid: int, block: int):
+    target = target_ref[...][:, None]
+    rows = target.shape[0]
+
+    def load(j):
+        """Columns [j * block, (j + 1) * block) in fp32, those past `valid` read as -inf."""
+        cols = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        x = pltriton.load(logits_ref.at[:, pl.ds(j * block, block)], mask=cols < valid, other=-jnp.inf)
+        return x.astype(F32), cols
+
+    def stats(j, carry):
+        top, total, picked = carry
+        x, cols = load(j)
+        new_top = jnp.maximum(top, jnp.max(x, axis=1, keepdims=True))
+        total = total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(x - new_top), axis=1, keepdims=True)
+        picked = picked + jnp.sum(jnp.where(cols == target, x, 0.0), axis=1, keepdims=True)
+        return new_top, total, picked
+
+    steps = pl.cdiv(width, block)
+    zeros = jnp.zeros((rows, 1), F32)
+    top, total, picked = jax.lax.fori_loop(0, steps, stats, (zeros - jnp.inf, zeros, zeros))
+    lse = top + jnp.log(total)
+    nll_ref[...] = (lse - picked)[:, 0]
+    if grad_ref:
+        weight = weight_ref[...].astype(F32)[:, None]
+
+        def write(j, carry):
+            x, cols = load(j)
+            grad = (jnp.exp(x - lse) - jnp.where(cols == target, 1.0, 0.0)) * weight
+            out = grad_ref[0].at[:, pl.ds(j * block, block)]
+            pltriton.store(out, grad.astype(out.dtype), mask=cols < width)
+            return carry
+
+        jax.lax.fori_loop(0, steps, write, 0)
+
+
+def token_nll(logits, targets, weights, valid: int = 0, grad_dtype=None, tuning: Tuning = DEFAULT,
+              interpret: bool = False):
+    """Each token's negative log-likelihood (fp32, the shape of `targets`) and, with `grad_dtype`, the
+    gradient of sum(nll * weights) with respect to the logits, in that dtype (else None).
+
+    `valid` (0: all) is the number of real vocabulary columns. Not differentiable itself: the caller
+    that wants gradients asks for them here. `interpret=True` runs in Pallas' interpreter (for tests).
+    """
+    width = logits.shape[-1]
+    lead = targets.shape
+    logits2 = logits.reshape(-1, width)
+    n = logits2.shape[0]
+    rows = tuning.rows
+    padded = 1 << (width - 1).bit_length()  # a row's block is a power of two; the kernel masks the tail
+    row_block = pl.BlockSpec((rows, padded), lambda i: (i, 0))
+    per_row = pl.BlockSpec((rows,), lambda i: (i,))
+    out_shape = [jax.ShapeDtypeStruct((n,), F32)]
+    out_specs = [per_row]
+    if grad_dtype is not None:
+        out_shape.append(jax.ShapeDtypeStruct((n, width), grad_dtype))
+        out_specs.append(row_block)
+    out = pl.pallas_call(
+        functools.partial(_kernel, width=width, valid=valid or width, block=min(tuning.block, padded)),
+        grid=(n // rows,),
+        in_specs=[row_block, per_row, per_row],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps),
+        interpret=interpret,
+        name="fused_xent",
+    )(logits2, targets.reshape(n).astype(jnp.int32), weights.reshape(n).astype(F32))
+    nll = out[0].reshape(lead)
+    return nll, (out[1].reshape(logits.shape) if grad_dtype is not None else None)
