@@ -142,3 +142,11 @@ def test_data_from_another_vocabulary_is_refused(tmp_path):
     check_token_ids([prefix], top + 1)
     with pytest.raises(ConfigError, match=f"holds token id {top}, but the tokenizer has {top} tokens"):
         check_token_ids(["0.5", prefix, "0.5", prefix], top)
+    # A long prefix is read in stretches; the last one ends the file, where an outlier id sits here.
+    b = IndexedDatasetBuilder(str(tmp_path / "b"), np.uint16)
+    b.add_item(list(range(1, 200)) + [5000])
+    b.end_document()
+    b.finalize()
+    check_token_ids([str(tmp_path / "b")], 5001, sample=32, windows=4)
+    with pytest.raises(ConfigError, match="holds token id 5000"):
+        check_token_ids([str(tmp_path / "b")], 5000, sample=32, windows=4)

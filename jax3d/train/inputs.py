@@ -31,15 +31,22 @@ def tokenizer_and_paths(cfg: Config):
     return tok, [prefix]
 
 
-def check_token_ids(data_paths, vocab_size: int, sample: int = 1 << 22) -> None:
-    """Refuses `--data-path` data whose token ids (the first `sample` of each prefix) do not fit the
-    tokenizer: data preprocessed with another vocabulary would index past the embedding table and train
-    on NaN."""
+def check_token_ids(data_paths, vocab_size: int, sample: int = 1 << 22, windows: int = 16) -> None:
+    """Refuses `--data-path` data whose token ids do not fit the tokenizer: data preprocessed with another
+    vocabulary would index past the embedding table and train on NaN. A prefix of more than `sample`
+    tokens is checked in `windows` stretches spread from its start to its end (a blend of files, one of
+    another vocabulary, has it anywhere), which keeps the check to a few MB read."""
+    import numpy as np
+
     from jax3d import data
 
     for prefix in data.parse_data_paths(list(data_paths))[1]:
         tokens = data.IndexedDataset(prefix).tokens
-        top = int(tokens[:sample].max()) if tokens.size else -1
+        if tokens.size > sample:
+            width = sample // windows
+            starts = np.linspace(0, tokens.size - width, windows).astype(np.int64)
+            tokens = np.concatenate([tokens[s:s + width] for s in starts])
+        top = int(tokens.max()) if tokens.size else -1
         if top >= vocab_size:
             raise ConfigError(f"--data-path {prefix} holds token id {top}, but the tokenizer has {vocab_size} "
                               "tokens; pass the tokenizer files the data was preprocessed with")
