@@ -177,6 +177,9 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
     except OSError as e:
         raise DataError(f"--output-prefix {output_prefix}: cannot create directory {out_dir} ({e.strerror}).") from None
     json_keys = list(json_keys)
+    if not all(json_keys) or len(set(json_keys)) < len(json_keys):
+        raise DataError(f"--json-keys {' '.join(map(repr, json_keys))} has an empty or repeated key; name each "
+                        "JSON field to tokenize once, e.g. --json-keys text.")
     prefixes = {k: output_prefix_for(output_prefix, k, split_sentences_) for k in json_keys}
     tok = tokenizer.build()  # fail here, once, on bad vocab files; also fixes the dtype
     if append_eod and tok.eod is None:
