@@ -183,6 +183,10 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    no_width = tmp_path / "no_width"
+    no_width.mkdir()
+    (no_width / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 1,
+                                                        "n_head": 2, "vocab_size": 10, "n_positions": 8}))
     cut = tmp_path / "cut"
     tiny_gpt2(str(cut), n_layer=1, n_embd=8, n_head=2, vocab=10)
     weights = (cut / "model.safetensors").read_bytes()
@@ -190,7 +194,8 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
     capsys.readouterr()  # transformers' progress bars
     cases = {str(tmp_path / "empty"): "has no config.json", str(tmp_path / "nope"): "is not a directory",
              str(pickled): "convert them to model.safetensors", str(other): "LlamaForCausalLM",
-             str(cut): "model.safetensors is not a complete safetensors file"}
+             str(cut): "model.safetensors is not a complete safetensors file",
+             str(no_width): "lacks 'n_embd', which its architecture needs; add it"}
     for src, words in cases.items():
         out = str(tmp_path / "ckpt")
         assert convert_main(["import", "--hf-dir", src, "--save", out]) == 2

@@ -100,7 +100,8 @@ def read_hf_folder(hf_dir: str, divisible_by: int = 128):
     try:
         cfg = model_config_from_hf(hf, divisible_by)
     except KeyError as e:
-        raise ConfigError(f"{cfg_path} lacks {e.args[0]!r}, which its architecture needs") from None
+        raise ConfigError(f"{cfg_path} lacks {e.args[0]!r}, which its architecture needs; add it, or save the "
+                          "model again with transformers' save_pretrained") from None
     return cfg, hf, _weight_files(hf_dir)
 
 
