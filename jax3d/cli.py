@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234, help="seed of the init, data order and dropout")
     g.add_argument("--log-interval", type=int, default=10, help="steps between metric lines")
     g.add_argument("--eval-interval", type=int, default=100, help="steps between validations (0: none)")
-    g.add_argument("--eval-iters", type=int, default=4, help="global batches per validation")
+    g.add_argument("--eval-iters", type=int, default=4, help="global batches per validation (0: none, as Megatron)")
     g.add_argument("--log-dir", default="runs/latest", help="metrics.jsonl and TensorBoard events go here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar; print one line per log interval instead")
     g.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: by device kind)")
