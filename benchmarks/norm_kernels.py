@@ -62,7 +62,8 @@ def _sweep(a) -> None:
             for warps in (4, 8, 16):
                 for programs in (264, 528, 1056, 2112):
                     t = tune(rows_bwd=rows, warps_bwd=warps, bwd_programs=programs)
-                    t = time_chained(lambda dy, t=t: fused_norm._backward(x, dy, s, mean, rstd, t, False)[0], dy, a.iters)
+                    t = time_chained(lambda dy, t=t: fused_norm._backward(x, dy, s, mean, rstd, t, False)[0], dy,
+                                     a.iters)
                     print(json.dumps({"sweep": "bwd", "width": d, "rows": rows, "warps": warps,
                                       "programs": programs, "us": round(t * 1e6, 1),
                                       "GBps": round(6 * x.size / t / 1e9)}), flush=True)

@@ -7,29 +7,35 @@ import jax.numpy as jnp
 import pytest
 
 from jax3d.models import fused_xent
-from jax3d.models.layers import _token_nll
+from jax3d.models.layers import token_nll
 from tests.helpers import rel_err
+
+
+ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
 @pytest.mark.parametrize("rows, block", [(1, 64), (2, 128)])
-@pytest.mark.parametrize("width, valid", [(300, 290), (256, 0)])  # 300: a masked tail, 290 real columns
-def test_fused_xent_matches_xla(dtype, tol, rows, block, width, valid):
+# 300: a masked tail; 290 or 100 real columns (100: whole blocks of padding columns past them)
+@pytest.mark.parametrize("width, valid", [(300, 290), (300, 100), (256, 0)])
+# The interpreter pads blocks, so it cannot see a load or store past a row's end; the GPU can.
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=ON_GPU)])
+def test_fused_xent_matches_xla(dtype, tol, rows, block, width, valid, interpret):
     tuning = fused_xent.Tuning(rows=rows, block=block)
     k = jax.random.split(jax.random.key(0), 3)
     logits = (jax.random.normal(k[0], (2, 8, width)) * 4).astype(dtype)
-    targets = jax.random.randint(k[1], (2, 8), 0, valid or width)
+    targets = jax.random.randint(k[1], (2, 8), 0, valid or width).at[0, 0].set(width + 3)  # one past the row
     weights = (jax.random.uniform(k[2], (2, 8)) > 0.3).astype(jnp.float32)
 
-    nll, grad = jax.jit(lambda l, t, w: fused_xent.token_nll(l, t, w, valid, dtype, tuning, True))(
+    nll, grad = jax.jit(lambda l, t, w: fused_xent.token_nll(l, t, w, valid, dtype, tuning, interpret))(
         logits, targets, weights)
-    ref_nll, ref_dnll = _token_nll(logits, targets, valid)
+    ref_nll, ref_dnll = token_nll(logits, targets, valid)
     assert nll.dtype == jnp.float32 and grad.dtype == dtype
     assert rel_err(nll, ref_nll) < 1e-6
     assert rel_err(grad, (ref_dnll * weights[..., None]).astype(dtype)) < tol
     if valid:
         assert not jnp.any(grad[..., valid:]), "padding columns must get no gradient"
-    loss_only, none = fused_xent.token_nll(logits, targets, weights, valid, None, tuning, True)
+    loss_only, none = fused_xent.token_nll(logits, targets, weights, valid, None, tuning, interpret)
     assert none is None
     assert rel_err(loss_only, ref_nll) < 1e-6
 
@@ -50,7 +56,7 @@ def test_gpt_with_fused_xent_matches_xla_loss(monkeypatch):
         return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text, "loss_mask": mask})[0]))(params)
 
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_xent",)))
-    monkeypatch.setattr(fused_xent, "supported", lambda x: True)
+    monkeypatch.setattr(fused_xent, "supported", lambda rows: True)
     calls = []
     real = fused_xent.token_nll
     monkeypatch.setattr(fused_xent, "token_nll",  # the kernel in Pallas' interpreter, counted
@@ -60,3 +66,11 @@ def test_gpt_with_fused_xent_matches_xla_loss(monkeypatch):
     assert abs(float(loss) - float(ref_loss)) < 1e-6
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert rel_err(g, r) < 1e-5
+
+
+def test_fused_xent_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="powers of two"):
+        fused_xent.Tuning(block=3000)
+    with pytest.raises(ValueError, match="blocks of 2 rows"):
+        fused_xent.token_nll(jnp.zeros((1, 3, 256)), jnp.zeros((1, 3), jnp.int32), jnp.ones((1, 3)),
+                             tuning=fused_xent.Tuning(rows=2), interpret=True)

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jax3d.models.pallas_gpu import block_width, on_one_gpu
+
 F32 = jnp.float32
 
 
@@ -38,14 +40,6 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def on_one_gpu() -> bool:
-    """Whether the computation being traced runs on a single GPU: the Pallas kernels here are not
-    partitioned over a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    one_device = jax.device_count() == 1 if mesh.empty else mesh.size == 1
-    return jax.default_backend() == "gpu" and one_device
-
-
 def supported(x, tuning: Tuning = DEFAULT) -> bool:
     """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole row blocks."""
     d = x.shape[-1]
@@ -53,15 +47,10 @@ def supported(x, tuning: Tuning = DEFAULT) -> bool:
     return on_one_gpu() and 128 <= d <= 8192 and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0
 
 
-def _block_width(d: int) -> int:
-    """Triton's blocks are powers of two: a row's block is the next one up, its tail masked."""
-    return 1 << (d - 1).bit_length()
-
-
 def _columns(d: int):
     """Which of a row block's columns lie in the array (None where all do): the mask for its loads and
     stores, shaped (1, block)."""
-    block = _block_width(d)
+    block = block_width(d)
     return None if d == block else jax.lax.broadcasted_iota(jnp.int32, (1, block), 1) < d
 
 
@@ -116,7 +105,7 @@ def _bwd_kernel(x_ref, dy_ref, s_ref, mean_ref, rstd_ref, dx_ref, ds_ref, db_ref
 
 def _forward(x2, scale, bias, eps, tuning: Tuning, interpret: bool):
     rows, d = x2.shape
-    block = _block_width(d)
+    block = block_width(d)
     row_block = pl.BlockSpec((tuning.rows_fwd, block), lambda i: (i, 0))
     vec = pl.BlockSpec((block,), lambda i: (0,))
     stat = pl.BlockSpec((tuning.rows_fwd,), lambda i: (i,))
@@ -135,7 +124,7 @@ def _forward(x2, scale, bias, eps, tuning: Tuning, interpret: bool):
 
 def _backward(x2, dy2, scale, mean, rstd, tuning: Tuning, interpret: bool):
     rows, d = x2.shape
-    block = _block_width(d)
+    block = block_width(d)
     blocks = rows // tuning.rows_bwd
     programs = next(p for p in range(min(tuning.bwd_programs, blocks), 0, -1) if blocks % p == 0)
     per = rows // programs

@@ -3,10 +3,9 @@
 XLA reads a chunk's logits three times before it writes their gradient: for the row maximum, for the
 sum of exponentials and the target's logit, and for the gradient itself. Here one program takes a block
 of rows and reads each row twice: once for a running (online) maximum, sum of exponentials and target
-logit, and once more, mostly from L2 (a row of 50304 bf16 logits is 100 KB), to write the gradient:
-softmax minus one-hot, times the token's loss weight.
+logit, and once more to write the gradient: softmax minus one-hot, times the token's loss weight.
 
-The maths is `layers._token_nll`'s: fp32 throughout, columns from `valid` on (the vocabulary's padding)
+The maths is `layers.token_nll`'s: fp32 throughout, columns from `valid` on (the vocabulary's padding)
 left out of the softmax, with a zero gradient.
 """
 from __future__ import annotations
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax3d.models.fused_norm import on_one_gpu
+from jax3d.models.pallas_gpu import block_width, on_one_gpu
 
 F32 = jnp.float32
 
@@ -32,13 +31,17 @@ class Tuning:
     block: int = 4096
     warps: int = 8
 
+    def __post_init__(self):
+        if self.block != block_width(self.block) or self.rows != block_width(self.rows):
+            raise ValueError(f"{self} needs powers of two for rows and block (Triton's block shapes)")
+
 
 DEFAULT = Tuning()
 
 
-def supported(logits, tuning: Tuning = DEFAULT) -> bool:
-    """Whether `token_nll` takes these (..., vocab) logits: on one GPU, in whole row blocks."""
-    return on_one_gpu() and (logits.size // logits.shape[-1]) % tuning.rows == 0
+def supported(rows: int, tuning: Tuning = DEFAULT) -> bool:
+    """Whether `token_nll` takes logits of `rows` tokens: on one GPU, in whole row blocks."""
+    return on_one_gpu() and rows % tuning.rows == 0
 
 
 def _kernel(logits_ref, target_ref, weight_ref, nll_ref, *grad_ref, width: int, valid: int, block: int):
@@ -56,12 +59,13 @@ def _kernel(logits_ref, target_ref, weight_ref, nll_ref, *grad_ref, width: int, 
         x, cols = load(j)
         new_top = jnp.maximum(top, jnp.max(x, axis=1, keepdims=True))
         total = total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(x - new_top), axis=1, keepdims=True)
-        picked = picked + jnp.sum(jnp.where(cols == target, x, 0.0), axis=1, keepdims=True)
+        picked = picked + jnp.sum(jnp.where((cols == target) & (cols < width), x, 0.0), axis=1, keepdims=True)
         return new_top, total, picked
 
     steps = pl.cdiv(width, block)
     zeros = jnp.zeros((rows, 1), F32)
-    top, total, picked = jax.lax.fori_loop(0, steps, stats, (zeros - jnp.inf, zeros, zeros))
+    # The maximum starts finite: from -inf, a first block of masked columns would rescale by exp(-inf + inf).
+    top, total, picked = jax.lax.fori_loop(0, steps, stats, (zeros + jnp.finfo(F32).min, zeros, zeros))
     lse = top + jnp.log(total)
     nll_ref[...] = (lse - picked)[:, 0]
     if grad_ref:
@@ -90,7 +94,9 @@ def token_nll(logits, targets, weights, valid: int = 0, grad_dtype=None, tuning:
     logits2 = logits.reshape(-1, width)
     n = logits2.shape[0]
     rows = tuning.rows
-    padded = 1 << (width - 1).bit_length()  # a row's block is a power of two; the kernel masks the tail
+    if n % rows:
+        raise ValueError(f"{n} tokens of logits do not split into blocks of {rows} rows; see fused_xent.supported")
+    padded = block_width(width)  # the kernel masks the tail
     row_block = pl.BlockSpec((rows, padded), lambda i: (i, 0))
     per_row = pl.BlockSpec((rows,), lambda i: (i,))
     out_shape = [jax.ShapeDtypeStruct((n,), F32)]
@@ -99,7 +105,7 @@ def token_nll(logits, targets, weights, valid: int = 0, grad_dtype=None, tuning:
         out_shape.append(jax.ShapeDtypeStruct((n, width), grad_dtype))
         out_specs.append(row_block)
     out = pl.pallas_call(
-        functools.partial(_kernel, width=width, valid=valid or width, block=min(tuning.block, padded)),
+        functools.partial(_kernel, width=width, valid=min(valid or width, width), block=min(tuning.block, padded)),
         grid=(n // rows,),
         in_specs=[row_block, per_row, per_row],
         out_specs=out_specs,

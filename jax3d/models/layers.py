@@ -306,7 +306,7 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
     """
     b, t, d = x_btd.shape
     chunks = loss_chunks(b, t)
-    kernel = kernel and fused_xent.supported(x_btd)
+    kernel = kernel and fused_xent.supported(b * (t // chunks))
 
     def split(a):  # (b, t, ...) -> (chunks, b, t / chunks, ...)
         return jnp.moveaxis(a.reshape(b, chunks, t // chunks, *a.shape[2:]), 1, 0)
@@ -320,7 +320,7 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
             if kernel:
                 nll, dlogits = fused_xent.token_nll(logits, t_c, m, valid_vocab, x.dtype if with_grads else None)
             else:
-                nll, dnll = _token_nll(logits, t_c, valid_vocab)
+                nll, dnll = token_nll(logits, t_c, valid_vocab)
                 dlogits = (dnll * m[..., None]).astype(x.dtype) if with_grads else None
             loss = loss + jnp.sum(nll * m)
             if not with_grads:
@@ -372,12 +372,12 @@ def cross_entropy_sum(logits_btv, targets_bt, mask_bt, valid_vocab: int = 0):
     reductions plus an all-reduce of (batch, seq) scalars; the one-hot compare fuses into the reduce.
     With `valid_vocab` the padding columns past it are left out, as in the unpadded model it came from.
     """
-    nll, _ = _token_nll(logits_btv, targets_bt, valid_vocab)
+    nll, _ = token_nll(logits_btv, targets_bt, valid_vocab)
     mask = mask_bt.astype(jnp.float32)
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def _token_nll(logits_btv, targets_bt, valid_vocab: int):
+def token_nll(logits_btv, targets_bt, valid_vocab: int):
     """Each token's negative log-likelihood, and its gradient with respect to the logits (unscaled).
 
     The logits go to fp32 inside the reductions (never stored); padding columns past `valid_vocab` are
