@@ -128,7 +128,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
         stacked_params = to_pipeline_order(stacked_params, layout)
     shard_grads = shard_grads or gather_stacked
     st_dims, sh_dims = data_dims if data_dims is not None else (None, None)
-    st_dims = _dims(stacked_params, st_dims if (shard_grads or gather_stacked) else None)
+    st_dims = _dims(stacked_params, st_dims if shard_grads else None)
     sh_dims = _dims(shared_params, sh_dims if shard_grads else None)
     if shard_grads and any(d == 0 for d in jax.tree.leaves(st_dims)):
         raise PipelineError("data_dims cannot shard stacked params over `data` on their layer dim, "

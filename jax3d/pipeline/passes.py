@@ -55,19 +55,22 @@ def _sub_jaxpr(eqn):
     return (j.jaxpr, j.consts) if hasattr(j, "consts") else (j, ())
 
 
+def _read(env, v):
+    """A jaxpr variable's value: a literal's own, else what `env` holds."""
+    return v.val if isinstance(v, Literal) else env[v]
+
+
 def _eval(eqns, env):
     """Evaluate equations in order into env (var -> value), inlining calls and checkpoints."""
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
     for eqn in eqns:
-        vals = [read(v) for v in eqn.invars]
+        vals = [_read(env, v) for v in eqn.invars]
         sub = _sub_jaxpr(eqn)
         if sub is not None:
             jaxpr, consts = sub
             inner = dict(zip(jaxpr.constvars, consts))
             inner.update(zip(jaxpr.invars, vals))
             _eval(jaxpr.eqns, inner)
-            outs = [v.val if isinstance(v, Literal) else inner[v] for v in jaxpr.outvars]
+            outs = [_read(inner, v) for v in jaxpr.outvars]
         else:
             params = eqn.primitive.get_bind_params(eqn.params)
             subfuns, params = params if isinstance(params, tuple) else ((), params)  # older JAX: a pair
@@ -98,7 +101,6 @@ class Split:
     b_eqns: list
     w_eqns: list
     cut: list  # vars B computes and W reads
-    n_leaves: int
     grad_tree: object  # treedef of the weight grads
 
     def _env(self, leaves, ct):
@@ -113,16 +115,14 @@ class Split:
         """B: (input grad, what W reads from it)."""
         env = self._env(leaves, ct)
         _eval(self.b_eqns, env)
-        dx_var = self.jaxpr.outvars[-1]
-        read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
-        return read(dx_var), [env[v] for v in self.cut]
+        return _read(env, self.jaxpr.outvars[-1]), [env[v] for v in self.cut]
 
     def w(self, leaves, ct, cut):
         """W: the weight grads from the residuals, the output grad and B's cut values."""
         env = self._env(leaves, ct)
         env.update(zip(self.cut, cut))
         _eval(self.w_eqns, env)
-        outs = [v.val if isinstance(v, Literal) else env[v] for v in self.jaxpr.outvars[:-1]]
+        outs = [_read(env, v) for v in self.jaxpr.outvars[:-1]]
         return jax.tree.unflatten(self.grad_tree, outs)
 
 
@@ -141,7 +141,7 @@ def split(chunk, wc, zero_x, mask, stored, ct) -> Split:
         env = dict(zip(closed.jaxpr.constvars, closed.consts))
         env.update(zip(closed.jaxpr.invars, list(leaves) + [ct]))
         _eval(closed.jaxpr.eqns, env)
-        return [v.val if isinstance(v, Literal) else env[v] for v in closed.jaxpr.outvars]
+        return [_read(env, v) for v in closed.jaxpr.outvars]
 
     closed = jax.make_jaxpr(inlined)(leaves, ct)
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
@@ -173,5 +173,5 @@ def split(chunk, wc, zero_x, mask, stored, ct) -> Split:
             seen.add(v)
             cut.append(v)
     return Split(jaxpr, list(closed.consts), [eqns[n] for n in sorted(in_b)], [eqns[n] for n in sorted(in_w)], cut,
-                 len(leaves), grad_tree)
+                 grad_tree)
 

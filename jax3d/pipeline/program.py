@@ -2,15 +2,18 @@
 
 The loop needs, for every tick and stage, more than the schedule's (action, micro-batch, chunk):
 which pass to run (F, B and W differ at the first and last virtual stage: a branch index), which
-buffer slot holds the saved input activation and the output grad, and into which slot the
-activation or grad arriving from a neighbour at the end of the tick goes. All of it is static, so it
-is worked out here in numpy, once, at trace time.
+buffer slots the pass reads and writes, and into which slot the activation or grad arriving from a
+neighbour at the end of the tick goes. All of it is static, so it is worked out here in numpy, once,
+at trace time.
 
-Buffer slots are allocated by interval colouring: an activation occupies a slot on its stage from the
-end of the tick its producer ran (when the ppermute delivers it) until the last pass that reads it
-(B for fused schedules, W for split ones). Output grads likewise, from arrival until B (fused) or
-W (split). The slot count is the peak occupancy, which for 1F1B-family schedules does not grow
-with the number of micro-batches.
+Slots are allocated by interval colouring, one pool per buffer and stage:
+- an input activation, from the end of its producer's tick (when the ppermute delivers it) until its
+  own F reads it;
+- F's stored residuals, from F until B (fused schedules) or W (split ones);
+- an output grad, from its arrival (at the last virtual stage, from its own F) until B or W;
+- in split schedules, B's side of the cut, from B until W.
+The slot count is the peak occupancy, which for 1F1B-family schedules does not grow with the number
+of micro-batches.
 """
 from __future__ import annotations
 

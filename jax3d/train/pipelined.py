@@ -25,11 +25,6 @@ from jax3d.sharding import cast_for_compute, constrain_tree
 from jax3d.train.layer_order import state_layout
 
 
-def layer_counts(cfg: Config):
-    """Layers per virtual stage (in virtual-stage order) when the user gave an explicit layout."""
-    return list(cfg.parallel.pipeline_layout) or None
-
-
 def data_dim(spec) -> int:
     """The dim a PartitionSpec shards over `data`, or -1."""
     for d, part in enumerate(spec):
@@ -38,7 +33,7 @@ def data_dim(spec) -> int:
     return -1
 
 
-def _zero_dims(specs, zero_stage):
+def _zero_dims(specs):
     """(stacked, shared) dims for the loop's `data_dims`. The layer dim is on `stage`, so ZeRO never
     shards it over `data`; should a spec do so, that leaf stays whole in the loop."""
     grads = specs["grads"]
@@ -50,12 +45,13 @@ def _zero_dims(specs, zero_stage):
 
 
 def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
-
+    """`grads_fn(params, batch, rng, scale, norms) -> (grads, loss, aux)` through the pipeline loop, for
+    meshes with stage > 1; params and grads stay in the state's layer order."""
     par = cfg.parallel
     deterministic = cfg.model.deterministic
     stages = mesh.shape["stage"]
     zero = par.zero_stage if mesh.shape["data"] > 1 else 0
-    stacked_dims, shared_dims = _zero_dims(specs, zero)
+    stacked_dims, shared_dims = _zero_dims(specs)
     in_pipeline_order = state_layout(cfg, stages) is not None
 
     def first_fn(shared, mb, key):
@@ -81,7 +77,7 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
         shared["_norms"], shared["_scale"] = norms, jnp.asarray(scale, jnp.float32)
         loss, aux, g_stacked, g_shared = pipeline_value_and_grad(
             first_fn, stage_fn, last_fn, stacked, shared, batch, mesh=mesh, schedule=schedule,
-            layers_per_virtual_stage=layer_counts(cfg), params_in_pipeline_order=in_pipeline_order,
+            layers_per_virtual_stage=list(par.pipeline_layout) or None, params_in_pipeline_order=in_pipeline_order,
             rng=None if deterministic else rng,
             data_dims=(stacked_dims, shared_dims), shard_grads=zero >= 2, gather_stacked=zero >= 3)
         grads = {k: v for k, v in g_shared.items() if k not in ("_norms", "_scale")}
