@@ -215,26 +215,26 @@ class Block(nn.Module):
         cfg = self.cfg
         r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
-        pre, post = (None, LayerNorm) if cfg.post_layernorm else (LayerNorm, None)
+        before = not cfg.post_layernorm  # each layer norm before its sublayer, or after the residual add
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
-            h = _norm(pre, cfg, "ln_attn", x_btd)
+            h = _norm_if(before, cfg, "ln_attn", x_btd)
             h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic, cache)
             if cache is not None:
                 h, cache = h
             h = self.rules.constrain(h, stream)
-            x_btd = _norm(post, cfg, "ln_attn", x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic))
+            x_btd = _norm_if(not before, cfg, "ln_attn", x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic))
         with jax.named_scope("mlp"):
-            h = _norm(pre, cfg, "ln_mlp", x_btd)
+            h = _norm_if(before, cfg, "ln_mlp", x_btd)
             h = MLP(cfg, self.rules, name="mlp")(h)
             h = self.rules.constrain(h, stream)
-            x_btd = _norm(post, cfg, "ln_mlp", x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic))
+            x_btd = _norm_if(not before, cfg, "ln_mlp", x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic))
         return x_btd if cache is None else (x_btd, cache)
 
 
-def _norm(kind, cfg: ModelConfig, name: str, x):
-    """A named LayerNorm of x when `kind` is LayerNorm, else x (the pre- / post-LN switch)."""
-    return norm_for(cfg, name)(x) if kind is LayerNorm else x
+def _norm_if(on: bool, cfg: ModelConfig, name: str, x):
+    """x through the named layer norm when `on`, else x: the pre- / post-LN switch."""
+    return norm_for(cfg, name)(x) if on else x
 
 
 class Embedding(nn.Module):
@@ -250,17 +250,17 @@ class Embedding(nn.Module):
         init = nn.initializers.normal(cfg.init_method_std)
         wte = _param(self, "word", ("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size), init)
         wpe = _param(self, "position", ("pos", "embed"), (cfg.max_position_embeddings, cfg.hidden_size), init)
-        # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
-        # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
-        # Explicit positions are for generation, where left-padded rows start counting at their first token.
-        # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
-        # lay the whole residual stream out batch-minor and transpose it around every GEMM.
         if tokens_bt.shape[1] > wpe.shape[0]:
             raise ValueError(f"a sequence of {tokens_bt.shape[1]} tokens is longer than the model's "
                              f"{wpe.shape[0]} position embeddings; shorten it or raise --max-position-embeddings")
+        # Explicit positions are for generation, where left-padded rows start counting at their first token.
+        # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
+        # lay the whole residual stream out batch-minor and transpose it around every GEMM.
         if positions_bt is None and cfg.optimised("positions_gathered"):
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         pos = wpe[None, : tokens_bt.shape[1]] if positions_bt is None else jnp.take(wpe, positions_bt, axis=0)
+        # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
+        # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
         x_btd = jnp.take(wte, tokens_bt, axis=0) + pos
         if self.num_tokentypes:
             wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)

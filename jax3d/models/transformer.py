@@ -52,7 +52,8 @@ def unstack_layers(blocks, num: int, split: bool = True) -> list:
 
 
 class TransformerLM:
-    """Base of GPT and BERT. Subclasses define the ends: `_embed_module`, `embed`, `head_loss`."""
+    """Base of GPT and BERT. Subclasses define the ends: `_modules`, `_init_ends`, `sample_shapes`, `embed`,
+    `head_loss`, `normalizers` (and `block_mask` when blocks take a mask)."""
 
     causal = True
 
@@ -92,16 +93,13 @@ class TransformerLM:
         return sum(math.prod(a.shape) for a in jax.tree.leaves(jax.eval_shape(self.init, jax.random.key(0))))
 
     # ---- forward ------------------------------------------------------------------------------
-    def run_blocks(self, blocks, x, rng=None, deterministic=True, mask=None, layer_offset=0, keys=None):
-        """Applies stacked blocks in order; `layer_offset` is the global index of the first one.
-
-        Layer i's dropout key is `layer_rng(rng, i)`, or `keys[i]` when a stack of keys is given
-        (the pipeline derives them the same way).
-        """
+    def run_blocks(self, blocks, x, rng=None, deterministic=True, mask=None, keys=None):
+        """Applies stacked blocks in order. Block i's dropout key is `layer_rng(rng, i)`, or `keys[i]` when
+        a stack of keys is given (the pipeline derives them the same way)."""
         num = jax.tree.leaves(blocks)[0].shape[0]
 
         def one(p, x, i):
-            key = layer_rng(rng, i) if keys is None else keys[i - layer_offset]
+            key = layer_rng(rng, i) if keys is None else keys[i]
             return self.block.apply({"params": p}, x, mask, key, deterministic)
 
         if self.cfg.recompute in _POLICIES:
@@ -110,10 +108,10 @@ class TransformerLM:
             def body(x, pi):
                 p, i = pi
                 return one(p, x, i), None
-            x, _ = jax.lax.scan(body, x, (blocks, layer_offset + jnp.arange(num)))
+            x, _ = jax.lax.scan(body, x, (blocks, jnp.arange(num)))
             return x
         for i, p in enumerate(unstack_layers(blocks, num, self.cfg.optimised("split_layers"))):
-            x = one(p, x, layer_offset + i)
+            x = one(p, x, i)
         return x
 
     def embed(self, params, mb, rng=None, deterministic=True):
