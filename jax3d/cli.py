@@ -208,6 +208,12 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         log_interval=a.log_interval, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
                         ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops)
+    _refuse_bad_values(a, model, train)
+    return Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
+
+
+def _refuse_bad_values(a: argparse.Namespace, model, train) -> None:
+    """Range and directory checks, each failure one ConfigError sentence naming the flag."""
     at_least_1 = [("--train-iters", a.train_iters), ("--log-interval", a.log_interval),
                   ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
                   ("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
@@ -232,5 +238,4 @@ def config_from_args(a: argparse.Namespace) -> Config:
         problem = dir_problem(path) if path else None
         if problem:
             raise ConfigError(f"{flag} {path} {problem}; pass a directory path")
-    cfg = Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
-    return cfg
+

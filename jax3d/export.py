@@ -67,19 +67,19 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
         keys = name.split(".")
         if keys[0] == "blocks" and keys[1].isdigit():
             layers.setdefault(".".join(["blocks", *keys[2:]]), {})[int(keys[1])] = arr
-            continue
-        node = tree
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = arr
+        else:
+            _set(tree, name, arr)
     for name, per_layer in layers.items():
-        stacked = np.stack([per_layer[i] for i in range(len(per_layer))])
-        node = tree
-        keys = name.split(".")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = stacked
+        _set(tree, name, np.stack([per_layer[i] for i in range(len(per_layer))]))
     return tree
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    """tree[a][b][c] = value for dotted name "a.b.c", creating the dicts on the way."""
+    *parents, leaf = dotted.split(".")
+    for k in parents:
+        tree = tree.setdefault(k, {})
+    tree[leaf] = value
 
 
 def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensors",

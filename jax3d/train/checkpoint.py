@@ -82,7 +82,7 @@ def config_from_dict(d: dict) -> Config:
         kw = {}
         for k, v in (sub or {}).items():
             if k in names:
-                kw[k] = tuple(v) if isinstance(v, list) else v
+                kw[k] = _as_tuple(v)
         return cls(**kw)
     return Config(model=build(ModelConfig, d.get("model")), parallel=build(ParallelConfig, d.get("parallel")),
                   optim=build(OptimConfig, d.get("optim")), precision=build(PrecisionConfig, d.get("precision")),
@@ -93,7 +93,6 @@ def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> Non
     """Raises ConfigError naming the first shape-defining model field that differs from the checkpoint."""
     cur = dataclasses.asdict(current)
     for field, value in cur.items():
-        # JSON gave tuple fields back as lists
         if field in FREE_MODEL_FIELDS or field not in saved or _as_tuple(saved[field]) == _as_tuple(value):
             continue
         hint = ""
@@ -106,6 +105,7 @@ def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> Non
 
 
 def _as_tuple(v):
+    """A tuple field of the config as the config holds it: JSON gives tuples back as lists."""
     return tuple(v) if isinstance(v, list) else v
 
 
@@ -123,7 +123,7 @@ def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[st
     for flag in given_flags:
         explicit.update(_FLAG_FIELDS.get(flag, (flag,)))
     names = {f.name for f in dataclasses.fields(ModelConfig)}
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in names and k not in explicit}
+    kw = {k: _as_tuple(v) for k, v in saved.items() if k in names and k not in explicit}
     model = dataclasses.replace(cfg.model, **kw)
     if "seq_length" not in given_flags and "preset" not in given_flags:
         model = dataclasses.replace(model, seq_length=min(saved.get("seq_length", model.seq_length),
