@@ -147,7 +147,7 @@ def default_corpus(cache_dir: str | None = None, vocab_size: int = 4096, kind: s
     line per sentence with its indentation depth kept as leading `§` marks; lower-cased WordPiece
     with [CLS] [SEP] [MASK] [PAD] [UNK].
     Cached under `cache_dir`, else `$JAX3D_CACHE`, else `~/.cache/jax3d/default_corpus`, keyed by
-    Python version, kind and vocabulary size. The build happens in a temporary folder that is
+    Python version, kind, vocabulary size, `max_bytes` and the build's version (`default_corpus_dir`). The build happens in a temporary folder that is
     renamed into place, so an interrupted build leaves nothing that looks finished.
     """
     if kind not in ("gpt", "bert"):

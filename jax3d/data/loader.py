@@ -15,7 +15,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax3d.data.indexed import DataError
 
-_DONE = object()
 
 
 class BatchLoader:

@@ -130,7 +130,7 @@ def blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy blending: sample `i` goes to the source whose count lags its target
     `weight * i` the most, so the running proportions track the weights at every prefix.
 
-    Returns (dataset_index uint8/int16 [size], dataset_sample_index int64 [size]).
+    Returns (dataset_index int16 [size], dataset_sample_index int64 [size]).
     """
     w = [float(x) for x in weights]
     n = len(w)

@@ -22,7 +22,7 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.in
            "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _ITEMSIZE = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _DTYPES.items()}}  # the dtypes read
 _PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
-# HF tokenizer files, and the jax3d tokenizer type each set of them means.
+# The HF tokenizer files an import copies (`_tokenizer_of` says which tokenizer type a set of them means).
 _TOKENIZER_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
                     "special_tokens_map.json")
 
