@@ -25,12 +25,6 @@ def main(argv=None) -> int:
     p.add_argument("--cased", action="store_true", help="WordPiece only: keep case")
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)
-    written = ("vocab.json", "merges.txt") if args.type == "bpe" else ("vocab.txt",)
-    taken = [f for f in written if os.path.exists(os.path.join(args.output_dir, f))]
-    if taken:  # data preprocessed with that vocabulary needs it unchanged
-        print(f"error: --output-dir {args.output_dir} already holds {' and '.join(taken)}; pass a new directory",
-              file=sys.stderr)
-        return 1
     try:
         paths = train_tokenizer(args.inputs, args.output_dir, args.type, args.vocab_size,
                                 lower_case=not args.cased, min_frequency=args.min_frequency)

@@ -155,6 +155,13 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
     if vocab_size < smallest:
         raise DataError(f"--vocab-size {vocab_size} leaves no room for learned tokens; a {kind} vocabulary needs "
                         f"at least {smallest} ({smallest - 1} are fixed), e.g. 32000.")
+    problem = dir_problem(out_dir)
+    if problem:
+        raise DataError(f"--output-dir {out_dir} {problem}; pass a directory.")
+    written = ("vocab.json", "merges.txt") if kind == "bpe" else ("vocab.txt",)
+    taken = [f for f in written if os.path.exists(os.path.join(out_dir, f))]
+    if taken:  # data preprocessed with that vocabulary needs it unchanged
+        raise DataError(f"--output-dir {out_dir} already holds {' and '.join(taken)}; pass a new directory")
     if texts is None:
         for f in files:
             _need_file(f, "input", "pass existing plain-text files")
@@ -162,9 +169,6 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
                 raise DataError(f"input {f} is not a file; pass plain-text files.")
         if not any(_has_text(f) for f in files):
             raise DataError(f"the input files ({', '.join(files)}) hold no text; pass files with text to learn from.")
-    problem = dir_problem(out_dir)
-    if problem:
-        raise DataError(f"--output-dir {out_dir} {problem}; pass a directory.")
     if kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
