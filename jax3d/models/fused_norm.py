@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jax3d.models.pallas_gpu import block_width, on_one_gpu
+from jax3d.sharding.rules import ShardingRules
 
 F32 = jnp.float32
 
@@ -40,11 +41,11 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(x, tuning: Tuning = DEFAULT) -> bool:
+def supported(x, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
     """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole row blocks."""
     d = x.shape[-1]
     rows = x.size // d if d else 0
-    return on_one_gpu() and 128 <= d <= 8192 and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0
+    return on_one_gpu(rules) and 128 <= d <= 8192 and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0
 
 
 def _columns(d: int):

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jax3d.models.pallas_gpu import block_width, on_one_gpu
+from jax3d.sharding.rules import ShardingRules
 
 F32 = jnp.float32
 
@@ -39,9 +40,9 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(rows: int, tuning: Tuning = DEFAULT) -> bool:
+def supported(rows: int, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
     """Whether `token_nll` takes logits of `rows` tokens: on one GPU, in whole row blocks."""
-    return on_one_gpu() and rows % tuning.rows == 0
+    return on_one_gpu(rules) and rows % tuning.rows == 0
 
 
 def _kernel(logits_ref, target_ref, weight_ref, nll_ref, *grad_ref, width: int, valid: int, block: int):

@@ -15,7 +15,7 @@ class GPT(TransformerLM):
 
     def _modules(self):
         return (Embedding(self.cfg, self.rules, name="embed"),
-                norm_for(self.cfg, "final_norm"))
+                norm_for(self.cfg, self.rules, "final_norm"))
 
     def _init_ends(self, rng):
         emb, norm = self._modules()

@@ -84,24 +84,25 @@ class LayerNorm(nn.Module):
     eps: float = 1e-5
     lean: bool = True  # recompute its intermediates in the backward pass
     keep_stats: bool = True  # when lean, keep the per-token mean and inverse deviation
-    fused: bool = True  # one Pallas kernel each way, where fused_norm.supported(x)
+    fused: bool = True  # one Pallas kernel each way, where fused_norm.supported(x, rules)
+    rules: ShardingRules = ShardingRules()  # where it runs: the kernels take one GPU only
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
         bias = _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
-        if self.fused and fused_norm.supported(x):
+        if self.fused and fused_norm.supported(x, self.rules):
             return fused_norm.fused_layer_norm(x, scale, bias, self.eps)
         if not self.lean:
             return layer_norm(x, scale, bias, self.eps)
         return (_layer_norm_lean_stats if self.keep_stats else _layer_norm_lean)(x, scale, bias, self.eps)
 
 
-def norm_for(cfg: ModelConfig, name: str) -> LayerNorm:
+def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str) -> LayerNorm:
     """The model's layer norm: its epsilon, and what it keeps for the backward pass (cfg.ablate)."""
     return LayerNorm(cfg.layernorm_epsilon, cfg.optimised("lean_layernorm"),
-                     cfg.optimised("layernorm_keeps_stats"), cfg.optimised("fused_layernorm"), name=name)
+                     cfg.optimised("layernorm_keeps_stats"), cfg.optimised("fused_layernorm"), rules, name=name)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -218,23 +219,25 @@ class Block(nn.Module):
         before = not cfg.post_layernorm  # each layer norm before its sublayer, or after the residual add
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
-            h = _norm_if(before, cfg, "ln_attn", x_btd)
+            h = _norm_if(before, cfg, self.rules, "ln_attn", x_btd)
             h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic, cache)
             if cache is not None:
                 h, cache = h
             h = self.rules.constrain(h, stream)
-            x_btd = _norm_if(not before, cfg, "ln_attn", x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic))
+            x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic)
+            x_btd = _norm_if(not before, cfg, self.rules, "ln_attn", x_btd)
         with jax.named_scope("mlp"):
-            h = _norm_if(before, cfg, "ln_mlp", x_btd)
+            h = _norm_if(before, cfg, self.rules, "ln_mlp", x_btd)
             h = MLP(cfg, self.rules, name="mlp")(h)
             h = self.rules.constrain(h, stream)
-            x_btd = _norm_if(not before, cfg, "ln_mlp", x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic))
+            x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic)
+            x_btd = _norm_if(not before, cfg, self.rules, "ln_mlp", x_btd)
         return x_btd if cache is None else (x_btd, cache)
 
 
-def _norm_if(on: bool, cfg: ModelConfig, name: str, x):
+def _norm_if(on: bool, cfg: ModelConfig, rules: ShardingRules, name: str, x):
     """x through the named layer norm when `on`, else x: the pre- / post-LN switch."""
-    return norm_for(cfg, name)(x) if on else x
+    return norm_for(cfg, rules, name)(x) if on else x
 
 
 class Embedding(nn.Module):
@@ -266,7 +269,7 @@ class Embedding(nn.Module):
             wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)
             x_btd = x_btd + jnp.take(wtt, types_bt, axis=0)
         if cfg.embedding_layernorm:
-            x_btd = norm_for(cfg, "norm")(x_btd)
+            x_btd = norm_for(cfg, self.rules, "norm")(x_btd)
         x_btd = self.rules.constrain(x_btd, ("batch", "act_seq", "embed"))
         return _dropout(x_btd, cfg.hidden_dropout, rng, deterministic)
 
@@ -306,7 +309,7 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
     """
     b, t, d = x_btd.shape
     chunks = loss_chunks(b, t)
-    kernel = kernel and fused_xent.supported(b * (t // chunks))
+    kernel = kernel and fused_xent.supported(b * (t // chunks), rules)
 
     def split(a):  # (b, t, ...) -> (chunks, b, t / chunks, ...)
         return jnp.moveaxis(a.reshape(b, chunks, t // chunks, *a.shape[2:]), 1, 0)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import jax
 
+from jax3d.sharding.rules import ShardingRules
 
-def on_one_gpu() -> bool:
+
+def on_one_gpu(rules: ShardingRules) -> bool:
     """Whether the computation being traced runs on a single GPU: the kernels are not partitioned over a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    one_device = jax.device_count() == 1 if mesh.empty else mesh.size == 1
-    return jax.default_backend() == "gpu" and one_device
+    return jax.default_backend() == "gpu" and rules.single_device()
 
 
 def block_width(n: int) -> int:

@@ -67,6 +67,12 @@ class ShardingRules:
             out.append(axis)
         return P(*out)
 
+    def single_device(self) -> bool:
+        """Whether the computation being traced runs on one device: a mesh of one in context, or no mesh
+        and one device. Kernels that are not partitioned over a mesh ask this."""
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.device_count() == 1 if mesh.empty else mesh.size == 1
+
     def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()
         if not self.active or mesh.empty:
