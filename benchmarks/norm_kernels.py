@@ -31,9 +31,21 @@ VARIANTS = {
 REPEAT = 20
 
 
-def time_chained(step, x, iters: int) -> float:
-    """Seconds per application of `step` (x -> array of x's shape and dtype)."""
-    loop = jax.jit(lambda x: jax.lax.fori_loop(0, REPEAT, lambda i, x: step(x), x))
+def time_chained(step, x, iters: int, unroll: bool = True) -> float:
+    """Seconds per application of `step` (a pytree -> a pytree of the same shapes and dtypes).
+
+    The chain is unrolled with an optimization barrier between applications, so XLA neither fuses one
+    into the next nor copies a loop carry: a `fori_loop` chain (`unroll=False`) put a full copy of the
+    output after each Pallas call, which the train step does not have."""
+    if unroll:
+        def chain(x):
+            for _ in range(REPEAT):
+                x = jax.lax.optimization_barrier(step(x))
+            return x
+    else:
+        def chain(x):
+            return jax.lax.fori_loop(0, REPEAT, lambda i, x: step(x), x)
+    loop = jax.jit(chain)
     jax.block_until_ready(loop(x))
     times = []
     for _ in range(iters):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax3d.config import ModelConfig
-from jax3d.models import fused_norm, fused_xent
+from jax3d.models import fused_gelu, fused_norm, fused_xent
 from jax3d.sharding.rules import ShardingRules
 
 
@@ -192,6 +192,11 @@ class MLP(nn.Module):
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
         b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
         h_btf = jnp.einsum("btd,df->btf", x_btd, w_up)
+        if (cfg.optimised("fused_gelu") and cfg.activation == "gelu_tanh"
+                and fused_gelu.supported(h_btf, self.rules)):
+            # Keeps h (inside the kernel's vjp) and GELU's output (the down-projection's input), as
+            # gelu_keeps_output does.
+            return jnp.einsum("btf,fd->btd", fused_gelu.gelu_bias(h_btf, b_up), w_down) + b_down
         if not cfg.optimised("lean_gelu"):
             down = _gelu_then_dense
         else:

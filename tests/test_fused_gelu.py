@@ -1,0 +1,90 @@
+"""The fused GELU kernels (run in Pallas' interpreter on CPU, compiled on a GPU) against XLA's gelu(h + b):
+the same output and the same gradients for h and b; then the whole GPT with its MLPs through the kernels
+against fused_gelu off."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax3d.models import fused_gelu
+from tests.helpers import rel_err
+
+ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
+
+
+def _reference(h, b):
+    return jax.nn.gelu(h.astype(jnp.float32) + b.astype(jnp.float32), approximate=True).astype(h.dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("tuning", [fused_gelu.Tuning(cols_fwd=128, rows_fwd=2, cols_bwd=256, rows_bwd=2, rows_per_program=8),
+                                    fused_gelu.Tuning(cols_fwd=256, rows_fwd=4, cols_bwd=128, rows_bwd=4, rows_per_program=64)])
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=ON_GPU)])
+def test_fused_gelu_matches_xla(dtype, tol, tuning, interpret):
+    k = jax.random.split(jax.random.key(0), 3)
+    h = (jax.random.normal(k[0], (2, 64, 512)) * 4).astype(dtype)  # out to where the tanh saturates
+    b = jax.random.normal(k[1], (512,)).astype(dtype)
+    dg = jax.random.normal(k[2], h.shape)
+
+    def loss(gelu):
+        return lambda h, b: jnp.sum(gelu(h, b).astype(jnp.float32) * dg)
+
+    def kernel(h, b):
+        return fused_gelu.gelu_bias(h, b, tuning, interpret)
+
+    out = jax.jit(kernel)(h, b)
+    assert out.dtype == dtype
+    assert rel_err(out, _reference(h, b)) < tol
+    got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1)))(h, b)
+    want = jax.jit(jax.grad(loss(_reference), argnums=(0, 1)))(h, b)
+    # Where the tanh saturates (h + b below about -5) the reference's 1 + tanh(u) and 1 - tanh(u)^2 cancel:
+    # against the derivative in float64 over [-9, 3], its fp32 gradient is off by up to 3.1e-6, the
+    # kernel's sigmoid form by 6.6e-7. Hence the looser bound on the gradients in fp32.
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == dtype
+        assert rel_err(g, w) < max(tol, 2e-5)
+
+
+def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
+    """The whole GPT, each MLP's GELU through the kernels, against fused_gelu off: the same loss and
+    gradients in fp32. With erf GELU (imported BERT-style models) the kernels are not used."""
+    from jax3d.models import GPT
+    from tests.helpers import random_text, tiny_model
+
+    cfg = tiny_model(vocab_size=384, num_layers=2)
+    params = GPT(cfg).init(jax.random.key(0))
+    text = random_text(4, cfg.seq_length, cfg.vocab_size)
+
+    def loss_and_grads(cfg):
+        model = GPT(cfg)
+        with jax.default_matmul_precision("highest"):  # no TF32 on a GPU: the two programs' GEMMs agree
+            return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text})[0]))(params)
+
+    ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_gelu",)))
+    monkeypatch.setattr(fused_gelu, "supported", lambda h, rules: True)
+    calls = []
+    real = fused_gelu.gelu_bias
+    tuning = fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)
+    monkeypatch.setattr(fused_gelu, "gelu_bias",  # the kernels in Pallas' interpreter, counted
+                        lambda h, b: calls.append(1) or real(h, b, tuning, True))
+    loss, grads = loss_and_grads(cfg)
+    assert len(calls) == cfg.num_layers, "not every MLP went through the kernels"
+    assert abs(float(loss) - float(ref_loss)) < 1e-6
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert rel_err(g, r) < 1e-5
+
+    calls.clear()
+    loss_and_grads(dataclasses.replace(cfg, activation="gelu_erf"))
+    assert not calls, "the kernels compute the tanh form only"
+
+
+def test_fused_gelu_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="powers of two"):
+        fused_gelu.Tuning(cols_fwd=1000)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        fused_gelu.Tuning(rows_bwd=8, rows_per_program=4)
+    with pytest.raises(ValueError, match="does not split"):
+        fused_gelu.gelu_bias(jnp.zeros((3, 256)), jnp.zeros((256,)), interpret=True)
+    assert fused_gelu.DEFAULT.fits(rows=128, f=2048)
+    assert not fused_gelu.DEFAULT.fits(rows=128, f=1000) and not fused_gelu.DEFAULT.fits(rows=100, f=2048)
