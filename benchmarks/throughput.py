@@ -4,7 +4,9 @@ Every configuration runs in its own process (its own peak-memory counter and XLA
 JSON line: tokens/s, TFLOP/s per device, MFU (model FLOPs over 989 TFLOP/s on an H100/H200, counted as
 the peer counts them), step time, compile time and peak device memory. With `--peer` the peer runs at
 each shape too and a ratio line follows. `--ablate NAME` (repeatable, or `all`) adds a run with that
-optimisation off, so each one's worth is measured in the same call.
+optimisation off, so each one's worth is measured in the same call. Because each run is a fresh
+process, a change patched into this one (a kernel's settings, a replaced function) never reaches the
+step; to compare such variants, call `step_bench.measure` in the process that holds the patch.
 
     python benchmarks/throughput.py --shape 1.3b-b16 --peer --ablate all --ablate together
     python benchmarks/throughput.py --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer
