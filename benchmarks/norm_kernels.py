@@ -34,9 +34,10 @@ REPEAT = 20
 def time_chained(step, x, iters: int, unroll: bool = True) -> float:
     """Seconds per application of `step` (a pytree -> a pytree of the same shapes and dtypes).
 
-    The chain is unrolled with an optimization barrier between applications, so XLA neither fuses one
-    into the next nor copies a loop carry: a `fori_loop` chain (`unroll=False`) put a full copy of the
-    output after each Pallas call, which the train step does not have."""
+    The chain is unrolled with an optimization barrier between applications, so XLA cannot fuse one
+    into the next. A `fori_loop` chain (`unroll=False`) nearly doubled the GELU kernels' time on an H200
+    (570 against 301 us at [32768, 8192]) while moving XLA's fusions by under 5%: about the cost of one
+    copy of the array per call, which the train step does not have."""
     if unroll:
         def chain(x):
             for _ in range(REPEAT):

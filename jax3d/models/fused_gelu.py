@@ -1,10 +1,11 @@
 """The MLP's gelu(h + b), tanh form, as Pallas (Triton) kernels forward and backward, for one GPU.
 
-XLA fuses gelu(h + b) into one kernel each way, but computes it op by op in the input's dtype (bf16),
-and at 1.3B both fusions ran at about 2.5 TB/s. Here the forward kernel reads h once and writes
-gelu(h + b); the backward kernel reads h and the incoming gradient once, writes h's gradient, and leaves
-per-program partial sums of the bias gradient, which XLA adds up (a few MB). The maths is fp32 inside,
-in the exact identity 0.5 * (1 + tanh(u)) = sigmoid(2u), one exponential per element.
+XLA fuses gelu(h + b) into one kernel each way, but computes it op by op in the input's dtype (bf16);
+in the 1.3B step those fusions moved 2.3 (forward) and 2.5 TB/s (backward), these kernels 3.5 and 3.2.
+The forward kernel reads h once and writes gelu(h + b); the backward kernel reads h and the incoming
+gradient once, writes h's gradient, and leaves per-program partial sums of the bias gradient, which
+XLA adds up (a few MB). The maths is fp32 inside, in the exact identity 0.5 * (1 + tanh(u)) =
+sigmoid(2u): one exponential per element, and no cancellation where the tanh saturates.
 """
 from __future__ import annotations
 
