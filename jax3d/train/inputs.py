@@ -8,10 +8,11 @@ from jax3d.config import Config, ConfigError
 
 @dataclass
 class Inputs:
+    """A run's tokenizer and its sample datasets (`valid` None when validation is off)."""
+
     tokenizer: object
     train: object
     valid: object | None
-    vocab_size: int  # the tokenizer's, before padding
 
 
 def tokenizer_and_paths(cfg: Config):
@@ -66,4 +67,4 @@ def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, to
     else:
         train, valid, _ = data.build_gpt_datasets(paths, d.split, model.seq_length, num, cfg.train.seed,
                                                   cache_dir=d.cache_dir or None)
-    return Inputs(tok, train, valid, tok.vocab_size)
+    return Inputs(tok, train, valid)
