@@ -40,6 +40,8 @@ class Run:
     recompute: str = "none"
     dtype: str = "bfloat16"
     xla_flags: str = ""
+    # Kernel settings for this run, as (module, "field=value,...") pairs: ("fused_gelu", "cols_fwd=2048").
+    tunings: tuple[tuple[str, str], ...] = ()
 
     def dims(self):
         layers, d, heads, seq, batch = SHAPES[self.shape]
@@ -54,7 +56,36 @@ class Run:
             parts.append(f"recompute={self.recompute}")
         if self.xla_flags:
             parts.append(f"xla[{self.xla_flags}]")
+        parts += [f"{module}[{fields}]" for module, fields in self.tunings]
         return " ".join(parts)
+
+
+KERNELS = ("fused_gelu", "fused_norm", "fused_xent")
+
+
+def kernel_tuning(module: str, fields: str):
+    """The Tuning of jax3d.models.`module` with "field=value,..." changed from its DEFAULT.
+    ValueError names what is wrong."""
+    import importlib
+
+    if module not in KERNELS:
+        raise ValueError(f"no kernel {module!r}; choose from {', '.join(KERNELS)}")
+    default = importlib.import_module(f"jax3d.models.{module}").DEFAULT
+    changes = {}
+    for item in filter(None, fields.split(",")):
+        name, _, value = item.partition("=")
+        if name not in {f.name for f in dataclasses.fields(default)} or not value.isdigit():
+            raise ValueError(f"{module}: {item!r} is not FIELD=INTEGER for a field of {default}")
+        changes[name] = int(value)
+    return dataclasses.replace(default, **changes)
+
+
+def apply_tunings(tunings) -> None:
+    """Sets each named kernel's DEFAULT in this process, which the kernels read at each call."""
+    import importlib
+
+    for module, fields in tunings:
+        importlib.import_module(f"jax3d.models.{module}").DEFAULT = kernel_tuning(module, fields)
 
 
 def config_for(run: Run):
@@ -69,7 +100,9 @@ def config_for(run: Run):
 
 
 def build(run: Run):
-    """(steps, state, batch, compiled train step, compile seconds) on one device."""
+    """(steps, state, batch, compiled train step, compile seconds) on one device, with the run's kernel
+    settings applied in this process."""
+    apply_tunings(run.tunings)
     return build_config(config_for(run), 1)
 
 

@@ -5,11 +5,12 @@ JSON line: tokens/s, TFLOP/s per device, MFU (model FLOPs over 989 TFLOP/s on an
 the peer counts them), step time, compile time and peak device memory. With `--peer` the peer runs at
 each shape too and a ratio line follows. `--ablate NAME` (repeatable, or `all`) adds a run with that
 optimisation off, so each one's worth is measured in the same call. Because each run is a fresh
-process, a change patched into this one (a kernel's settings, a replaced function) never reaches the
-step; to compare such variants, call `step_bench.measure` in the process that holds the patch.
+process, a change patched into this one (a replaced function, say) never reaches the step; kernel
+settings travel with the run instead (`--tune`).
 
     python benchmarks/throughput.py --shape 1.3b-b16 --peer --ablate all --ablate together
     python benchmarks/throughput.py --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer
+    python benchmarks/throughput.py --shape 125m-b32 --tune fused_xent:block=2048,warps=4
     python benchmarks/throughput.py --shape tiny --dtype float32 --ablate all   # tries it on a CPU
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from step_bench import DEFAULT_PEER, SHAPES, Run, run_isolated, run_peer  # noqa: E402
+from step_bench import DEFAULT_PEER, SHAPES, Run, kernel_tuning, run_isolated, run_peer  # noqa: E402
 
 from jax3d.config import OPTIMISATIONS  # noqa: E402
 
@@ -37,6 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"])
     p.add_argument("--xla-flags", action="append", default=[],
                    help="also run with these XLA flags (one string per extra run)")
+    p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
+                   help="also run with these kernel settings, e.g. fused_gelu:cols_fwd=2048,rows_fwd=2 "
+                        "(one run per --tune; fields of the kernel module's Tuning)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 warm-up steps)")
     p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None,
@@ -45,6 +49,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.peer and not os.path.exists(a.peer):
         p.error(f"--peer: no script at {a.peer}; copy the peer there or pass its path")
+    tunings = []
+    for t in a.tune:
+        module, _, fields = t.partition(":")
+        try:
+            kernel_tuning(module, fields)
+        except ValueError as e:
+            p.error(f"--tune {t}: {e}")
+        tunings.append(((module, fields),))
     ablations = [(name,) for name in (OPTIMISATIONS if "all" in a.ablate else a.ablate) if name != "together"]
     if "together" in a.ablate:
         ablations.append(tuple(OPTIMISATIONS))
@@ -65,6 +77,7 @@ def main(argv=None) -> int:
             runs = [Run(shape, batch, recompute=r, dtype=a.dtype) for r in a.recompute]
             runs += [Run(shape, batch, ablate=names, dtype=a.dtype) for names in ablations]
             runs += [Run(shape, batch, dtype=a.dtype, xla_flags=f) for f in a.xla_flags]
+            runs += [Run(shape, batch, dtype=a.dtype, tunings=t) for t in tunings]
             base = None
             for run in runs:
                 rec = run_isolated(run, a.steps)

@@ -50,7 +50,7 @@ class Tuning:
         return not (f % self.cols_fwd or f % self.cols_bwd or rows % self.rows_fwd or rows % self.rows_per_program)
 
 
-DEFAULT = Tuning()
+DEFAULT = Tuning()  # read at each call: `benchmarks/throughput.py --tune` sets it in its runs
 
 
 def supported(h, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
@@ -126,8 +126,8 @@ def _backward(h2, b, dg2, tuning: Tuning, interpret: bool):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def gelu_bias(h, b, tuning: Tuning | None = None, interpret: bool = False):
     """gelu(h + b), tanh form, over h's last dim (fp32 maths, h's dtype out), as one kernel each way.
-    Keeps only h and b for the backward pass. `tuning` None is `DEFAULT`; `interpret=True` runs the
-    kernels in Pallas' interpreter, on any backend (for tests)."""
+    Keeps only h and b for the backward pass. `tuning` None is `DEFAULT`, read at the call;
+    `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
     return _fwd(h, b, tuning, interpret)[0]
 
 

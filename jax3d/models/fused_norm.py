@@ -38,11 +38,12 @@ class Tuning:
     bwd_programs: int = 1024  # at most: fewer partial sums to write, enough to fill the GPU
 
 
-DEFAULT = Tuning()
+DEFAULT = Tuning()  # read at each call: `benchmarks/throughput.py --tune` sets it in its runs
 
 
-def supported(x, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
+def supported(x, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
     """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole row blocks."""
+    tuning = tuning or DEFAULT
     d = x.shape[-1]
     rows = x.size // d if d else 0
     return on_one_gpu(rules) and 128 <= d <= 8192 and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0
@@ -147,22 +148,23 @@ def _backward(x2, dy2, scale, mean, rstd, tuning: Tuning, interpret: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def fused_layer_norm(x, scale, bias, eps: float, tuning: Tuning = DEFAULT, interpret: bool = False):
-    """Layer norm over the last dim (fp32 maths, x's dtype out) as one kernel each way.
-    `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
+def fused_layer_norm(x, scale, bias, eps: float, tuning: Tuning | None = None, interpret: bool = False):
+    """Layer norm over the last dim (fp32 maths, x's dtype out) as one kernel each way. `tuning` None is
+    `DEFAULT`, read at the call; `interpret=True` runs the kernels in Pallas' interpreter, on any backend
+    (for tests)."""
     return _fwd(x, scale, bias, eps, tuning, interpret)[0]
 
 
 def _fwd(x, scale, bias, eps, tuning, interpret):
     d = x.shape[-1]
-    y, mean, rstd = _forward(x.reshape(-1, d), scale, bias, eps, tuning, interpret)
+    y, mean, rstd = _forward(x.reshape(-1, d), scale, bias, eps, tuning or DEFAULT, interpret)
     return y.reshape(x.shape), (x, scale, bias, mean, rstd)
 
 
 def _bwd(eps, tuning, interpret, res, dy):
     x, scale, bias, mean, rstd = res
     d = x.shape[-1]
-    dx, ds, db = _backward(x.reshape(-1, d), dy.reshape(-1, d), scale, mean, rstd, tuning, interpret)
+    dx, ds, db = _backward(x.reshape(-1, d), dy.reshape(-1, d), scale, mean, rstd, tuning or DEFAULT, interpret)
     return dx.reshape(x.shape), ds.astype(scale.dtype), db.astype(bias.dtype)
 
 
