@@ -6,6 +6,11 @@ and out with fp32 accumulation, in the three layouts a linear layer needs: forwa
 gradient dy @ W^T, and weight gradient x^T @ dy (contracting over every token). Slow backward layouts
 in both XLA and cuBLAS-through-PyTorch point at the shapes; slow in XLA alone, at how XLA calls them.
 
+Its first run (an H200, 10 calls a round, XLA's product in fp32 cast to bf16) had every layout at
+570-800 TFLOP/s, below the same GEMMs inside the step (docs/performance.md, per layout), so it said
+nothing about the step. It now asks for bf16 out, as the model does, and times 50 calls a round; check
+its forward rates against the step's before reading its backward ones.
+
     python benchmarks/gemm_shapes.py --torch                  # 1.3B: d 2048, 32768 tokens
     python benchmarks/gemm_shapes.py --d 768 --tokens 32768   # 125M
 """
@@ -37,9 +42,10 @@ def gemms(d: int, ffn: int, vocab: int) -> dict:
 
 
 def jax_gemm(layout: str):
+    """The layout's product as the model's einsums ask for it: bf16 in, bf16 out (fp32 accumulation is
+    XLA's own). An fp32 result cast back to bf16 would add a pass over the output to every timing."""
     contract = LAYOUTS[layout][1]
-    return jax.jit(lambda a, b: jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
-                   .astype(a.dtype))
+    return jax.jit(lambda a, b: jax.lax.dot_general(a, b, (contract, ((), ()))))
 
 
 def _seconds(call, wait, reps: int) -> float:
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--ffn", type=int, default=0, help="MLP hidden size (0: 4 x d)")
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--tokens", type=int, default=32768, help="tokens per step (batch x sequence)")
-    p.add_argument("--reps", type=int, default=10, help="back-to-back calls per timing round")
+    p.add_argument("--reps", type=int, default=50, help="back-to-back calls per timing round")
     p.add_argument("--torch", action="store_true", help="also time each GEMM through PyTorch (GPU only)")
     a = p.parse_args(argv)
     check_layouts()
