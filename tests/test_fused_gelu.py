@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax3d.models import fused_gelu
@@ -17,9 +18,12 @@ def _reference(h, b):
     return jax.nn.gelu(h.astype(jnp.float32) + b.astype(jnp.float32), approximate=True).astype(h.dtype)
 
 
+SMALL = fused_gelu.Tuning(cols_fwd=128, rows_fwd=2, cols_bwd=256, rows_bwd=2, rows_per_program=8)
+TALL = fused_gelu.Tuning(cols_fwd=256, rows_fwd=4, cols_bwd=128, rows_bwd=4, rows_per_program=64)
+
+
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("tuning", [fused_gelu.Tuning(cols_fwd=128, rows_fwd=2, cols_bwd=256, rows_bwd=2, rows_per_program=8),
-                                    fused_gelu.Tuning(cols_fwd=256, rows_fwd=4, cols_bwd=128, rows_bwd=4, rows_per_program=64)])
+@pytest.mark.parametrize("tuning", [SMALL, TALL])
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=ON_GPU)])
 def test_fused_gelu_matches_xla(dtype, tol, tuning, interpret):
     k = jax.random.split(jax.random.key(0), 3)
@@ -36,14 +40,35 @@ def test_fused_gelu_matches_xla(dtype, tol, tuning, interpret):
     out = jax.jit(kernel)(h, b)
     assert out.dtype == dtype
     assert rel_err(out, _reference(h, b)) < tol
+    if dtype == jnp.bfloat16:  # each element within half a bf16 step of the fp32 maths: fp32 inside
+        exact = _reference(h.astype(jnp.float32), b.astype(jnp.float32))
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(exact), rtol=2 ** -8, atol=1e-6)
     got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1)))(h, b)
     want = jax.jit(jax.grad(loss(_reference), argnums=(0, 1)))(h, b)
     # Where the tanh saturates (h + b below about -5) the reference's 1 + tanh(u) and 1 - tanh(u)^2 cancel:
     # against the derivative in float64 over [-9, 3], its fp32 gradient is off by up to 3.1e-6, the
-    # kernel's sigmoid form by 6.6e-7. Hence the looser bound on the gradients in fp32.
+    # kernel's sigmoid form by 6.6e-7. Hence the looser bound on h's gradient in fp32.
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == dtype
         assert rel_err(g, w) < max(tol, 2e-5)
+    assert rel_err(got[1], want[1]) < (1e-3 if dtype == jnp.bfloat16 else 2e-5), "bias gradient summed in fp32"
+
+
+def test_fused_gelu_matches_the_derivative_in_float64():
+    """Each element of the fp32 value and gradient against the tanh form evaluated in float64."""
+    z = np.linspace(-9, 12, 4096).reshape(8, 512)
+    b = np.linspace(-0.5, 0.5, 512)
+    x = z + b
+    u = np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)
+    t = np.tanh(u)
+    value = 0.5 * x * (1 + t)
+    slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x ** 2)
+    h32, b32 = jnp.asarray(z, jnp.float32), jnp.asarray(b, jnp.float32)
+    out, vjp = jax.vjp(lambda h, b: fused_gelu.gelu_bias(h, b, SMALL, True), h32, b32)
+    dh, db = vjp(jnp.ones_like(out))
+    np.testing.assert_allclose(np.asarray(out), value, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dh), slope, rtol=0, atol=2.5e-6)
+    np.testing.assert_allclose(np.asarray(db), slope.sum(0), rtol=1e-6, atol=1e-5)
 
 
 def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
@@ -54,6 +79,10 @@ def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
 
     cfg = tiny_model(vocab_size=384, num_layers=2)
     params = GPT(cfg).init(jax.random.key(0))
+    # Biases start at zero; give the MLP's up-projection bias values so a kernel that dropped it shows.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.5 * jax.random.normal(jax.random.key(1), a.shape, a.dtype)
+        if "up_bias" in jax.tree_util.keystr(path) else a, params)
     text = random_text(4, cfg.seq_length, cfg.vocab_size)
 
     def loss_and_grads(cfg):
@@ -79,6 +108,15 @@ def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
     assert not calls, "the kernels compute the tanh form only"
 
 
+def test_fused_gelu_is_taken_where_it_fits(monkeypatch):
+    monkeypatch.setattr(fused_gelu, "on_one_gpu", lambda rules: True)
+    assert fused_gelu.supported(jnp.zeros((2, 64, 2048)), None)
+    assert not fused_gelu.supported(jnp.zeros((2, 64, 1000)), None)
+    assert not fused_gelu.supported(jnp.zeros((0, 2048)), None)
+    monkeypatch.setattr(fused_gelu, "on_one_gpu", lambda rules: False)
+    assert not fused_gelu.supported(jnp.zeros((2, 64, 2048)), None)
+
+
 def test_fused_gelu_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="powers of two"):
         fused_gelu.Tuning(cols_fwd=1000)
@@ -86,5 +124,13 @@ def test_fused_gelu_refuses_what_it_cannot_run():
         fused_gelu.Tuning(rows_bwd=8, rows_per_program=4)
     with pytest.raises(ValueError, match="does not split"):
         fused_gelu.gelu_bias(jnp.zeros((3, 256)), jnp.zeros((256,)), interpret=True)
+    with pytest.raises(ValueError, match="one per column"):
+        fused_gelu.gelu_bias(jnp.zeros((16, 256)), jnp.zeros((128,)), SMALL, True)
     assert fused_gelu.DEFAULT.fits(rows=128, f=2048)
     assert not fused_gelu.DEFAULT.fits(rows=128, f=1000) and not fused_gelu.DEFAULT.fits(rows=100, f=2048)
+    assert not fused_gelu.DEFAULT.fits(rows=0, f=2048)
+    # Each dimension is checked against both of its blocks: forward and backward differ here.
+    assert not fused_gelu.Tuning(cols_fwd=64, cols_bwd=128).fits(rows=128, f=64)
+    assert not fused_gelu.Tuning(cols_fwd=128, cols_bwd=64).fits(rows=128, f=64)
+    assert not fused_gelu.Tuning(rows_fwd=16, rows_bwd=8, rows_per_program=8).fits(rows=8, f=1024)
+    assert not fused_gelu.Tuning(rows_fwd=8, rows_bwd=8, rows_per_program=16).fits(rows=8, f=1024)

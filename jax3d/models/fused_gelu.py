@@ -5,7 +5,8 @@ in the 1.3B step those fusions moved 2.3 (forward) and 2.5 TB/s (backward), thes
 The forward kernel reads h once and writes gelu(h + b); the backward kernel reads h and the incoming
 gradient once, writes h's gradient, and leaves per-program partial sums of the bias gradient, which
 XLA adds up (a few MB). The maths is fp32 inside, in the exact identity 0.5 * (1 + tanh(u)) =
-sigmoid(2u): one exponential per element, and no cancellation where the tanh saturates.
+sigmoid(2u): one exponential per element, and no cancellation in the negative tail, where the tanh
+form's 1 + tanh(u) loses every digit.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ _A = 0.044715
 class Tuning:
     """Block shapes and warps (powers of two). Forward programs take a (rows_fwd, cols_fwd) tile; backward
     programs walk rows_per_program rows of a cols_bwd-wide strip, rows_bwd at a time, summing the bias
-    gradient as they go."""
+    gradient as they go. In the 1.3B step these defaults tied with the best of
+    `benchmarks/gelu_kernels.py --sweep` (docs/performance.md)."""
 
     cols_fwd: int = 1024
     rows_fwd: int = 4
@@ -41,13 +43,15 @@ class Tuning:
     warps_bwd: int = 4
 
     def __post_init__(self):
-        sizes = (self.cols_fwd, self.rows_fwd, self.cols_bwd, self.rows_bwd, self.rows_per_program)
+        sizes = (self.cols_fwd, self.rows_fwd, self.warps_fwd, self.cols_bwd, self.rows_bwd,
+                 self.rows_per_program, self.warps_bwd)
         if any(n < 1 or n & (n - 1) for n in sizes) or self.rows_per_program < self.rows_bwd:
-            raise ValueError(f"{self}: blocks must be powers of two, rows_per_program at least rows_bwd")
+            raise ValueError(f"{self}: blocks and warps must be powers of two, rows_per_program at least rows_bwd")
 
     def fits(self, rows: int, f: int) -> bool:
-        """Whether a [rows, f] input splits into whole blocks."""
-        return not (f % self.cols_fwd or f % self.cols_bwd or rows % self.rows_fwd or rows % self.rows_per_program)
+        """Whether a non-empty [rows, f] input splits into whole blocks."""
+        return rows > 0 and f > 0 and not (f % self.cols_fwd or f % self.cols_bwd or rows % self.rows_fwd
+                                           or rows % self.rows_per_program)
 
 
 DEFAULT = Tuning()  # read at each call: `benchmarks/throughput.py --tune` sets it in its runs
@@ -60,15 +64,13 @@ def supported(h, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
 
 
 def _sigmoid_2u(z):
-    """sigmoid(2u) = 0.5 * (1 + tanh(u)), and du/dz."""
-    z2 = z * z
-    s = 1.0 / (1.0 + jnp.exp(-2.0 * _C * z * (1.0 + _A * z2)))
-    return s, _C * (1.0 + 3.0 * _A * z2)
+    """sigmoid(2u) = 0.5 * (1 + tanh(u)), u = C (z + A z^3)."""
+    return 1.0 / (1.0 + jnp.exp(-2.0 * _C * z * (1.0 + _A * z * z)))
 
 
 def _fwd_kernel(h_ref, b_ref, g_ref):
     z = h_ref[...].astype(F32) + b_ref[...].astype(F32)[None, :]
-    g_ref[...] = (z * _sigmoid_2u(z)[0]).astype(g_ref.dtype)
+    g_ref[...] = (z * _sigmoid_2u(z)).astype(g_ref.dtype)
 
 
 def _bwd_kernel(h_ref, b_ref, dg_ref, dh_ref, db_ref, *, steps: int, rows_per_step: int):
@@ -77,7 +79,8 @@ def _bwd_kernel(h_ref, b_ref, dg_ref, dh_ref, db_ref, *, steps: int, rows_per_st
     def step(i, db):
         rows = pl.ds(i * rows_per_step, rows_per_step)
         z = h_ref[rows, :].astype(F32) + b
-        s, du = _sigmoid_2u(z)
+        s = _sigmoid_2u(z)
+        du = _C * (1.0 + 3.0 * _A * z * z)
         # d/dz [z * sigmoid(2u)] = s + z * 2 s (1 - s) du
         dh = dg_ref[rows, :].astype(F32) * (s + 2.0 * z * s * (1.0 - s) * du)
         dh_ref[rows, :] = dh.astype(dh_ref.dtype)
@@ -89,6 +92,8 @@ def _bwd_kernel(h_ref, b_ref, dg_ref, dh_ref, db_ref, *, steps: int, rows_per_st
 
 def _forward(h2, b, tuning: Tuning, interpret: bool):
     rows, f = h2.shape
+    if b.shape != (f,):
+        raise ValueError(f"gelu_bias: the bias has shape {b.shape}; it must be ({f},), one per column of h")
     if not tuning.fits(rows, f):
         raise ValueError(f"gelu_bias: a [{rows}, {f}] input does not split into the blocks of {tuning}; "
                          "see fused_gelu.supported")
@@ -125,7 +130,8 @@ def _backward(h2, b, dg2, tuning: Tuning, interpret: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def gelu_bias(h, b, tuning: Tuning | None = None, interpret: bool = False):
-    """gelu(h + b), tanh form, over h's last dim (fp32 maths, h's dtype out), as one kernel each way.
+    """gelu(h + b), tanh form, b one value per column of h (fp32 maths, h's dtype out, no promotion to
+    b's), as one kernel each way. Reverse-mode only (a custom vjp).
     Keeps only h and b for the backward pass. `tuning` None is `DEFAULT`, read at the call;
     `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
     return _fwd(h, b, tuning, interpret)[0]
