@@ -4,8 +4,9 @@ XLA's variants are the model's own maths (GELU in the activations' dtype, bf16) 
 maths. Each direction is timed alone, as `norm_kernels.time_chained` times a kernel: forward, h ->
 gelu(h + b); backward, h -> the gradient of h given h and an incoming gradient equal to h, with the
 bias gradient summed on the side (the forward value is unused, so only the backward runs). Each
-variant is also timed in a `fori_loop` chain, the harness the earlier kernel sweeps used. GB/s counts what must move at the least: forward, read h
-and write the output; backward, read h and the gradient, write h's gradient.
+variant is also timed in a `fori_loop` chain, the harness the earlier kernel sweeps used. GB/s counts
+what must move at the least: forward, read h and write the output; backward, read h and the gradient,
+write h's gradient.
 
     python benchmarks/gelu_kernels.py --rows 32768 --ffn 8192 --sweep
 """
@@ -81,12 +82,12 @@ def main(argv=None) -> int:
                 print(json.dumps({"sweep": "fwd", "cols": t.cols_fwd, "rows": t.rows_fwd, "warps": t.warps_fwd,
                                   "us": round(f * 1e6, 1), "GBps": round(2 * nbytes / f / 1e9)}), flush=True)
         for t in [tune(cols_bwd=c, rows_bwd=r, rows_per_program=p, warps_bwd=w) for c in (256, 512, 1024)
-                  for r in (4, 8, 16) for p in (256, 1024) for w in (4, 8)]:
+                  for r in (4, 8, 16) for p in (64, 128, 256) for w in (4, 8)]:
             if t.fits(a.rows, a.ffn):
                 bw = time_chained(_steps(_kernel(t), b)[1], (h, jnp.zeros(b.shape, jnp.float32)), a.iters)
-                print(json.dumps({"sweep": "bwd", "cols": t.cols_bwd, "rows": t.rows_bwd, "per_program": t.rows_per_program,
-                                  "warps": t.warps_bwd, "us": round(bw * 1e6, 1), "GBps": round(3 * nbytes / bw / 1e9)}),
-                      flush=True)
+                print(json.dumps({"sweep": "bwd", "cols": t.cols_bwd, "rows": t.rows_bwd,
+                                  "per_program": t.rows_per_program, "warps": t.warps_bwd,
+                                  "us": round(bw * 1e6, 1), "GBps": round(3 * nbytes / bw / 1e9)}), flush=True)
     return 0
 
 

@@ -26,7 +26,8 @@ OPTIMISATIONS = {
     "fused_layernorm": "on one GPU, layer norm runs as one Pallas kernel forward and one backward (x and dy "
                        "read once) instead of XLA's separate reductions",
     "fused_gelu": "on one GPU, the MLP's gelu(h + b) runs as one Pallas kernel forward and one backward (fp32 "
-                  "maths, the bias gradient summed in the same pass) instead of XLA's bf16 fusions",
+                  "maths, the bias gradient summed in the same pass) instead of XLA's bf16 fusions; where it "
+                  "runs, the three GELU options above do not apply (it keeps what gelu_keeps_output keeps)",
     "layernorm_keeps_stats": "with lean_layernorm, layer norm also keeps each token's mean and inverse deviation",
     "positions_gathered": "position embeddings are gathered per token, not broadcast over the batch, which "
                           "XLA laid out batch-minor with transposes around every GEMM",
