@@ -24,7 +24,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from step_bench import DEFAULT_PEER, SHAPES, VOCAB, Run, _child, build  # noqa: E402
+from step_bench import DEFAULT_PEER, SHAPES, VOCAB, Run, _child, build, is_bert  # noqa: E402
 
 CLASSES = ("matmul", "attention", "elementwise_norm", "optimizer", "communication", "copies")
 _COMM = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -193,7 +193,9 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(profile_peer(a.shape, a.batch, a.steps, a.peer)))
         return 0
     recs = []
-    if a.peer:  # first, in its own process: once JAX starts here it holds most of the device memory
+    if a.peer and is_bert(a.shape):
+        print(f"--peer: the peer is a GPT; {a.shape} is profiled alone", file=sys.stderr)
+    elif a.peer:  # first, in its own process: once JAX starts here it holds most of the device memory
         cmd = [sys.executable, os.path.abspath(__file__), "--peer-only", "--peer", a.peer, "--shape", a.shape,
                "--batch", str(a.batch), "--steps", str(a.steps)]
         recs.append(_child(cmd, dict(os.environ), "peer profile"))

@@ -26,8 +26,18 @@ SHAPES = {
     "2.7b-b8": (32, 2560, 32, 2048, 8),  # for the largest model that trains on one device
     "6.7b-b2": (32, 4096, 32, 2048, 2),
     "tiny": (2, 128, 8, 128, 4),  # for trying the scripts on a CPU
+    # BERT (Megatron's pre-LN BERT with its MLM and sentence-order heads); the peer is GPT only.
+    "bert-large-b32": (24, 1024, 16, 512, 32),
+    "bert-tiny": (2, 128, 8, 128, 4),
 }
 VOCAB = 50304
+BERT_VOCAB = 30592  # BERT's 30522 WordPiece ids, padded to a multiple of 128
+# Batch keys whose values are 0 or 1 (masks, segment types, the sentence-order flag); the rest are token ids.
+_BINARY_KEYS = ("types", "loss_mask", "padding_mask", "is_random")
+
+
+def is_bert(shape: str) -> bool:
+    return shape.startswith("bert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +102,9 @@ def config_for(run: Run):
     from jax3d.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 
     layers, d, heads, seq, batch = run.dims()
-    model = ModelConfig(num_layers=layers, hidden_size=d, num_attention_heads=heads, seq_length=seq,
-                        vocab_size=VOCAB if run.shape != "tiny" else 4096, hidden_dropout=0.0,
+    vocab = 4096 if run.shape in ("tiny", "bert-tiny") else BERT_VOCAB if is_bert(run.shape) else VOCAB
+    model = ModelConfig(model_type="bert" if is_bert(run.shape) else "gpt", num_layers=layers, hidden_size=d,
+                        num_attention_heads=heads, seq_length=seq, vocab_size=vocab, hidden_dropout=0.0,
                         attention_dropout=0.0, recompute=run.recompute, ablate=tuple(run.ablate))
     return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype),
                   train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
@@ -120,7 +131,8 @@ def build_config(cfg, num_devices: int):
     state = steps.init_state(cfg.train.seed)
     shapes = abstract_batch(steps, steps.model.sample_shapes())
     rng = np.random.default_rng(0)
-    batch = {k: jax.device_put(rng.integers(0, cfg.model.vocab_size, a.shape).astype(a.dtype), a.sharding)
+    batch = {k: jax.device_put(rng.integers(0, 2 if k in _BINARY_KEYS else cfg.model.vocab_size, a.shape)
+                               .astype(a.dtype), a.sharding)
              for k, a in shapes.items()}
     t0 = time.perf_counter()
     compiled = steps.train_step.lower(state, batch).compile()

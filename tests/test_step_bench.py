@@ -1,5 +1,6 @@
-"""`throughput.py --tune`: a kernel's settings parsed from "FIELD=V,..." equal the Tuning built directly,
-bad settings are refused with one sentence, and the settings a run carries reach the kernel's call."""
+"""The step benchmark's runs: `throughput.py --tune` settings parsed from "FIELD=V,..." equal the Tuning
+built directly, bad settings are refused with one sentence, the settings a run carries reach the
+kernel's call, and a BERT shape gets a batch in Megatron's BERT layout."""
 import dataclasses
 
 import jax.numpy as jnp
@@ -35,3 +36,16 @@ def test_a_runs_settings_reach_the_kernel(monkeypatch):
     step_bench.apply_tunings([("fused_gelu", "rows_per_program=256")])  # 128 rows no longer split
     with pytest.raises(ValueError, match="does not split"):
         fused_gelu.gelu_bias(h, b, interpret=True)
+
+
+def test_bert_shape_gets_a_bert_batch():
+    """The benchmark's BERT batch has Megatron's layout: token ids across the vocabulary, and masks,
+    segment types and the sentence-order flag of 0 or 1 only."""
+    import numpy as np
+
+    steps, _state, batch, _compiled, _ = step_bench.build(step_bench.Run("bert-tiny", dtype="float32"))
+    assert steps.cfg.model.model_type == "bert"
+    assert set(batch) == set(steps.model.sample_shapes())
+    for key in ("types", "loss_mask", "padding_mask", "is_random"):
+        assert set(np.unique(np.asarray(batch[key]))) <= {0, 1}, key
+    assert np.asarray(batch["text"]).max() > 1
