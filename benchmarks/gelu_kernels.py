@@ -81,8 +81,8 @@ def main(argv=None) -> int:
                 f = time_chained(_steps(_kernel(t), b)[0], h, a.iters)
                 print(json.dumps({"sweep": "fwd", "cols": t.cols_fwd, "rows": t.rows_fwd, "warps": t.warps_fwd,
                                   "us": round(f * 1e6, 1), "GBps": round(2 * nbytes / f / 1e9)}), flush=True)
-        for t in [tune(cols_bwd=c, rows_bwd=r, rows_per_program=p, warps_bwd=w) for c in (256, 512, 1024)
-                  for r in (4, 8, 16) for p in (64, 128, 256) for w in (4, 8)]:
+        for t in [tune(cols_bwd=c, rows_bwd=r, rows_per_program=per, warps_bwd=w) for c in (256, 512, 1024)
+                  for r in (4, 8, 16) for per in (64, 128, 256) for w in (4, 8)]:
             if t.fits(a.rows, a.ffn):
                 bw = time_chained(_steps(_kernel(t), b)[1], (h, jnp.zeros(b.shape, jnp.float32)), a.iters)
                 print(json.dumps({"sweep": "bwd", "cols": t.cols_bwd, "rows": t.rows_bwd,

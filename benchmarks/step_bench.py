@@ -37,6 +37,7 @@ _BINARY_KEYS = ("types", "loss_mask", "padding_mask", "is_random")
 
 
 def is_bert(shape: str) -> bool:
+    """Whether a SHAPES entry is a BERT (the rest are GPTs, the peer's model)."""
     return shape.startswith("bert")
 
 
@@ -52,6 +53,17 @@ class Run:
     xla_flags: str = ""
     # Kernel settings for this run, as (module, "field=value,...") pairs: ("fused_gelu", "cols_fwd=2048").
     tunings: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):  # tuples again after a trip through JSON
+        object.__setattr__(self, "ablate", tuple(self.ablate))
+        object.__setattr__(self, "tunings", tuple(tuple(t) for t in self.tunings))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Run":
+        return cls(**json.loads(text))
 
     def dims(self):
         layers, d, heads, seq, batch = SHAPES[self.shape]
@@ -70,39 +82,53 @@ class Run:
         return " ".join(parts)
 
 
-KERNELS = ("fused_gelu", "fused_norm", "fused_xent")
+# Each kernel module, and the pallas_call name that shows in a compiled step which runs it.
+KERNELS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_xent": "fused_xent"}
 
 
 def kernel_tuning(module: str, fields: str):
-    """The Tuning of jax3d.models.`module` with "field=value,..." changed from its DEFAULT.
+    """The module's default Tuning (not its DEFAULT as rebound now) with "field=value,..." changed.
     ValueError names what is wrong."""
     import importlib
 
     if module not in KERNELS:
         raise ValueError(f"no kernel {module!r}; choose from {', '.join(KERNELS)}")
-    default = importlib.import_module(f"jax3d.models.{module}").DEFAULT
+    tuning = type(importlib.import_module(f"jax3d.models.{module}").DEFAULT)
+    names = {f.name for f in dataclasses.fields(tuning)}
     changes = {}
-    for item in filter(None, fields.split(",")):
+    for item in fields.split(","):
         name, _, value = item.partition("=")
-        if name not in {f.name for f in dataclasses.fields(default)} or not value.isdigit():
-            raise ValueError(f"{module}: {item!r} is not FIELD=INTEGER for a field of {default}")
-        changes[name] = int(value)
-    return dataclasses.replace(default, **changes)
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if name not in names or number is None:
+            raise ValueError(f"{module}: {item!r} is not FIELD=INTEGER for a field of {tuning()}")
+        if name in changes:
+            raise ValueError(f"{module}: {name} is given twice")
+        changes[name] = number
+    return tuning(**changes)
 
 
 def apply_tunings(tunings) -> None:
-    """Sets each named kernel's DEFAULT in this process, which the kernels read at each call."""
+    """Rebinds every kernel's DEFAULT in this process: the run's settings where it names the kernel, the
+    module's own defaults elsewhere (so one run's settings never leak into the next)."""
     import importlib
 
-    for module, fields in tunings:
-        importlib.import_module(f"jax3d.models.{module}").DEFAULT = kernel_tuning(module, fields)
+    chosen = dict(tunings)
+    for module in KERNELS:
+        mod = importlib.import_module(f"jax3d.models.{module}")
+        mod.DEFAULT = kernel_tuning(module, chosen[module]) if module in chosen else type(mod.DEFAULT)()
 
 
 def config_for(run: Run):
     from jax3d.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 
     layers, d, heads, seq, batch = run.dims()
-    vocab = 4096 if run.shape in ("tiny", "bert-tiny") else BERT_VOCAB if is_bert(run.shape) else VOCAB
+    if run.shape in ("tiny", "bert-tiny"):
+        vocab = 4096
+    else:
+        vocab = BERT_VOCAB if is_bert(run.shape) else VOCAB
     model = ModelConfig(model_type="bert" if is_bert(run.shape) else "gpt", num_layers=layers, hidden_size=d,
                         num_attention_heads=heads, seq_length=seq, vocab_size=vocab, hidden_dropout=0.0,
                         attention_dropout=0.0, recompute=run.recompute, ablate=tuple(run.ablate))
@@ -139,6 +165,11 @@ def build_config(cfg, num_devices: int):
     return steps, state, batch, compiled, time.perf_counter() - t0
 
 
+def kernels_used(hlo_text: str) -> list[str]:
+    """The jax3d Pallas kernels (KERNELS' modules) that a compiled step runs."""
+    return [module for module, call in KERNELS.items() if call in hlo_text]
+
+
 def hlo_transposes(hlo_text: str) -> int:
     """Non-root instructions whose name holds "transpose" in the compiled HLO: a transpose fusion's call
     site, and the transposes inside fused computations (a computation's ROOT is not counted). A proxy,
@@ -154,7 +185,13 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
     from jax3d.train.metrics import memory_gb, model_flops_per_token, peak_tflops
 
     steps, state, batch, compiled, compile_s = build(run)
-    transposes = hlo_transposes(compiled.as_text())
+    hlo = compiled.as_text()
+    kernels = kernels_used(hlo)
+    unused = [module for module, _ in run.tunings if module not in kernels]
+    if unused:  # the step fell back to XLA there: timing it would mislabel XLA's time as the kernel's
+        return {"who": "jax3d", "run": run.label(), "error": f"{', '.join(unused)} does not run in this step "
+                "(not on one GPU, or the settings do not fit the shape), so its settings were not measured"}
+    transposes = hlo_transposes(hlo)
     with jax.set_mesh(steps.mesh):
         for _ in range(warmup):
             state, metrics = compiled(state, batch)
@@ -173,7 +210,8 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
             "batch": batch_size, "ablate": list(run.ablate), "recompute": run.recompute,
             "xla_flags": run.xla_flags, "step_s": round(dt, 5), "tokens_per_s": round(tokens / dt),
             "tflops_per_device": round(tflops, 1), "mfu": round(tflops / peak, 4) if peak else None,
-            "compile_s": round(compile_s, 1), "hlo_transposes": transposes, "mem_gb": round(memory_gb(), 2),
+            "compile_s": round(compile_s, 1), "hlo_transposes": transposes, "kernels": kernels,
+            "tunings": [list(t) for t in run.tunings], "mem_gb": round(memory_gb(), 2),
             "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind}
 
 
@@ -186,10 +224,9 @@ def run_isolated(run: Run, steps_timed: int) -> dict:
     if run.xla_flags:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + run.xla_flags).strip()
     code = ("import json, sys; sys.path.insert(0, %r); from step_bench import Run, measure; "
-            "print('RESULT', json.dumps(measure(Run(**json.loads(sys.argv[1])), %d)))"
+            "print('RESULT', json.dumps(measure(Run.from_json(sys.argv[1]), %d)))"
             % (os.path.dirname(os.path.abspath(__file__)), steps_timed))
-    arg = json.dumps({**dataclasses.asdict(run), "ablate": list(run.ablate)})
-    return _child([sys.executable, "-c", code, arg], env, run.label())
+    return _child([sys.executable, "-c", code, run.to_json()], env, run.label())
 
 
 def run_peer(shape: str, batch: int, steps_timed: int, script: str = DEFAULT_PEER) -> dict:

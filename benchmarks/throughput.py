@@ -41,7 +41,8 @@ def main(argv=None) -> int:
                    help="also run with these XLA flags (one string per extra run)")
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
                    help="also run with these kernel settings, e.g. fused_gelu:cols_fwd=2048,rows_fwd=2 "
-                        "(one run per --tune; fields of the kernel module's Tuning)")
+                        "(one run per --tune; fields of the kernel module's Tuning). A run in which that "
+                        "kernel does not run (a CPU, or settings that do not fit the shape) reports an error")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 warm-up steps)")
     p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None,
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     rows = []
     for shape in a.shape:
         for batch in a.batch:
+            if a.peer and is_bert(shape):
+                print(f"--peer: the peer is a GPT; {shape} runs alone", file=sys.stderr)
             peer = run_peer(shape, batch, a.steps, a.peer) if a.peer and not is_bert(shape) else None
             if peer:
                 emit(peer)

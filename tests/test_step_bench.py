@@ -1,41 +1,61 @@
 """The step benchmark's runs: `throughput.py --tune` settings parsed from "FIELD=V,..." equal the Tuning
-built directly, bad settings are refused with one sentence, the settings a run carries reach the
-kernel's call, and a BERT shape gets a batch in Megatron's BERT layout."""
-import dataclasses
-
+built directly, bad settings are refused with one sentence, a run reaches its child process intact and
+its settings reach the kernel (and no further run), and a BERT shape gets a batch in Megatron's layout."""
 import jax.numpy as jnp
 import pytest
 
 from benchmarks import step_bench
-from jax3d.models import fused_gelu, fused_xent
+from jax3d.models import fused_gelu, fused_norm, fused_xent
 
 
-def test_parsed_settings_equal_the_tuning_built_directly():
+def test_parsed_settings_equal_the_tuning_built_directly(monkeypatch):
     assert step_bench.kernel_tuning("fused_xent", "block=2048,warps=4") == fused_xent.Tuning(block=2048, warps=4)
-    assert step_bench.kernel_tuning("fused_gelu", "") == fused_gelu.DEFAULT
+    # From the module's own defaults, whatever DEFAULT is rebound to in this process.
+    monkeypatch.setattr(fused_xent, "DEFAULT", fused_xent.Tuning(rows=2))
+    assert step_bench.kernel_tuning("fused_xent", "warps=4") == fused_xent.Tuning(warps=4)
     run = step_bench.Run("125m-b32", tunings=(("fused_xent", "block=2048"),))
     assert run.label() == "125m-b32 fused_xent[block=2048]"
 
 
+def test_a_run_survives_the_trip_to_its_process():
+    """run_isolated hands the child process the run as JSON: the same run comes back, tuples and all."""
+    run = step_bench.Run("125m-b32", ablate=("fused_gelu",), tunings=(("fused_xent", "block=2048"),))
+    back = step_bench.Run.from_json(run.to_json())
+    assert back == run and hash(back) == hash(run)
+
+
 @pytest.mark.parametrize("module, fields, match", [("fused_nope", "rows=1", "no kernel"),
+                                                   ("fused_xent", "", "not FIELD=INTEGER"),
                                                    ("fused_xent", "blocks=2048", "not FIELD=INTEGER"),
                                                    ("fused_xent", "block=big", "not FIELD=INTEGER"),
-                                                   ("fused_xent", "block=3000", "powers of two")])
+                                                   ("fused_xent", "block=1,block=2", "given twice"),
+                                                   ("fused_xent", "block=3000", "power of two"),
+                                                   ("fused_norm", "rows_fwd=3", "power of two"),
+                                                   ("fused_norm", "bwd_programs=0", "at least 1")])
 def test_bad_settings_are_refused(module, fields, match):
     with pytest.raises(ValueError, match=match):
         step_bench.kernel_tuning(module, fields)
 
 
-def test_a_runs_settings_reach_the_kernel(monkeypatch):
-    monkeypatch.setattr(fused_gelu, "DEFAULT", fused_gelu.DEFAULT)  # restored after the test
+def test_a_runs_settings_reach_the_kernel_and_leave_with_it(monkeypatch):
+    for module in (fused_gelu, fused_norm, fused_xent):
+        monkeypatch.setattr(module, "DEFAULT", module.DEFAULT)  # restored after the test
     h, b = jnp.zeros((128, 256)), jnp.zeros((256,))
-    ok = dataclasses.replace(fused_gelu.DEFAULT, cols_fwd=128, cols_bwd=128, rows_per_program=64)
-    step_bench.apply_tunings([("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=64")])
-    assert fused_gelu.DEFAULT == ok
-    assert fused_gelu.gelu_bias(h, b, interpret=True).shape == h.shape
-    step_bench.apply_tunings([("fused_gelu", "rows_per_program=256")])  # 128 rows no longer split
-    with pytest.raises(ValueError, match="does not split"):
+    step_bench.apply_tunings([("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=64"),
+                              ("fused_xent", "rows=2")])
+    assert fused_gelu.DEFAULT == fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)
+    assert fused_xent.DEFAULT == fused_xent.Tuning(rows=2)
+    fused_gelu.gelu_bias(h, b, interpret=True)  # 128 x 256 splits into these blocks: no error
+    step_bench.apply_tunings([("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=256")])
+    with pytest.raises(ValueError, match="does not split"):  # 128 rows do not fill a 256-row strip
         fused_gelu.gelu_bias(h, b, interpret=True)
+    assert fused_xent.DEFAULT == fused_xent.Tuning(), "a setting the next run does not name must not linger"
+
+
+def test_kernels_used_reads_the_compiled_step():
+    hlo = 'custom-call(...), name="fused_gelu_fwd" ... metadata={op_name="jit(f)/fused_xent/pallas_call"}'
+    assert step_bench.kernels_used(hlo) == ["fused_gelu", "fused_xent"]
+    assert step_bench.kernels_used("fusion(...) dot(...)") == []
 
 
 def test_bert_shape_gets_a_bert_batch():
@@ -45,7 +65,6 @@ def test_bert_shape_gets_a_bert_batch():
 
     steps, _state, batch, _compiled, _ = step_bench.build(step_bench.Run("bert-tiny", dtype="float32"))
     assert steps.cfg.model.model_type == "bert"
-    assert set(batch) == set(steps.model.sample_shapes())
     for key in ("types", "loss_mask", "padding_mask", "is_random"):
         assert set(np.unique(np.asarray(batch[key]))) <= {0, 1}, key
     assert np.asarray(batch["text"]).max() > 1

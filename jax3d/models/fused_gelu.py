@@ -1,7 +1,7 @@
 """The MLP's gelu(h + b), tanh form, as Pallas (Triton) kernels forward and backward, for one GPU.
 
 XLA fuses gelu(h + b) into one kernel each way, but computes it op by op in the input's dtype (bf16);
-in the 1.3B step those fusions moved 2.3 (forward) and 2.5 TB/s (backward), these kernels 3.5 and 3.2.
+in the 1.3B step those fusions moved 2.4 (forward) and 2.6 TB/s (backward), these kernels 3.4 and 3.2.
 The forward kernel reads h once and writes gelu(h + b); the backward kernel reads h and the incoming
 gradient once, writes h's gradient, and leaves per-program partial sums of the bias gradient, which
 XLA adds up (a few MB). The maths is fp32 inside, in the exact identity 0.5 * (1 + tanh(u)) =
@@ -17,9 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from jax3d.models.pallas_gpu import on_one_gpu
+from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, fields, on_one_gpu
 from jax3d.sharding.rules import ShardingRules
 
 F32 = jnp.float32
@@ -43,10 +42,9 @@ class Tuning:
     warps_bwd: int = 4
 
     def __post_init__(self):
-        sizes = (self.cols_fwd, self.rows_fwd, self.warps_fwd, self.cols_bwd, self.rows_bwd,
-                 self.rows_per_program, self.warps_bwd)
-        if any(n < 1 or n & (n - 1) for n in sizes) or self.rows_per_program < self.rows_bwd:
-            raise ValueError(f"{self}: blocks and warps must be powers of two, rows_per_program at least rows_bwd")
+        check_powers_of_two(self, *fields(self))
+        if self.rows_per_program < self.rows_bwd:
+            raise ValueError(f"fused_gelu.{self}: rows_per_program must be at least rows_bwd")
 
     def fits(self, rows: int, f: int) -> bool:
         """Whether a non-empty [rows, f] input splits into whole blocks."""
@@ -54,7 +52,7 @@ class Tuning:
                                            or rows % self.rows_per_program)
 
 
-DEFAULT = Tuning()  # read at each call: `benchmarks/throughput.py --tune` sets it in its runs
+DEFAULT = Tuning()  # read when a caller passes no Tuning, at trace time; benchmarks rebind it
 
 
 def supported(h, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
@@ -104,7 +102,7 @@ def _forward(h2, b, tuning: Tuning, interpret: bool):
         in_specs=[tile, pl.BlockSpec((tuning.cols_fwd,), lambda i, j: (j,))],
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct((rows, f), h2.dtype),
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps_fwd),
+        compiler_params=compiler_params(tuning.warps_fwd, interpret),
         interpret=interpret,
         name="fused_gelu_fwd",
     )(h2, b)
@@ -112,16 +110,15 @@ def _forward(h2, b, tuning: Tuning, interpret: bool):
 
 def _backward(h2, b, dg2, tuning: Tuning, interpret: bool):
     rows, f = h2.shape
-    per = tuning.rows_per_program
-    cols = tuning.cols_bwd
-    strip = pl.BlockSpec((per, cols), lambda i, j: (i, j))
+    strip_rows, cols = tuning.rows_per_program, tuning.cols_bwd
+    strip = pl.BlockSpec((strip_rows, cols), lambda i, j: (i, j))
     dh, db = pl.pallas_call(
-        functools.partial(_bwd_kernel, steps=per // tuning.rows_bwd, rows_per_step=tuning.rows_bwd),
-        grid=(rows // per, f // cols),
+        functools.partial(_bwd_kernel, steps=strip_rows // tuning.rows_bwd, rows_per_step=tuning.rows_bwd),
+        grid=(rows // strip_rows, f // cols),
         in_specs=[strip, pl.BlockSpec((cols,), lambda i, j: (j,)), strip],
         out_specs=[strip, pl.BlockSpec((1, cols), lambda i, j: (i, j))],
-        out_shape=[jax.ShapeDtypeStruct((rows, f), h2.dtype), jax.ShapeDtypeStruct((rows // per, f), F32)],
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps_bwd),
+        out_shape=[jax.ShapeDtypeStruct((rows, f), h2.dtype), jax.ShapeDtypeStruct((rows // strip_rows, f), F32)],
+        compiler_params=compiler_params(tuning.warps_bwd, interpret),
         interpret=interpret,
         name="fused_gelu_bwd",
     )(h2, b, dg2)
@@ -132,7 +129,7 @@ def _backward(h2, b, dg2, tuning: Tuning, interpret: bool):
 def gelu_bias(h, b, tuning: Tuning | None = None, interpret: bool = False):
     """gelu(h + b), tanh form, b one value per column of h (fp32 maths, h's dtype out, no promotion to
     b's), as one kernel each way. Reverse-mode only (a custom vjp).
-    Keeps only h and b for the backward pass. `tuning` None is `DEFAULT`, read at the call;
+    Keeps only h and b for the backward pass. `tuning` None is `DEFAULT` (read when traced);
     `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
     return _fwd(h, b, tuning, interpret)[0]
 

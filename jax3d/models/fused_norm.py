@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax3d.models.pallas_gpu import block_width, on_one_gpu
+from jax3d.models.pallas_gpu import block_width, check_powers_of_two, compiler_params, on_one_gpu
 from jax3d.sharding.rules import ShardingRules
 
 F32 = jnp.float32
@@ -37,8 +37,13 @@ class Tuning:
     warps_bwd: int = 4
     bwd_programs: int = 1024  # at most: fewer partial sums to write, enough to fill the GPU
 
+    def __post_init__(self):
+        check_powers_of_two(self, "rows_fwd", "warps_fwd", "rows_bwd", "warps_bwd")
+        if self.bwd_programs < 1:
+            raise ValueError(f"fused_norm.{self}: bwd_programs must be at least 1")
 
-DEFAULT = Tuning()  # read at each call: `benchmarks/throughput.py --tune` sets it in its runs
+
+DEFAULT = Tuning()  # read when a caller passes no Tuning, at trace time; benchmarks rebind it
 
 
 def supported(x, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
@@ -118,7 +123,7 @@ def _forward(x2, scale, bias, eps, tuning: Tuning, interpret: bool):
         out_specs=[row_block, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((rows, d), x2.dtype), jax.ShapeDtypeStruct((rows,), F32),
                    jax.ShapeDtypeStruct((rows,), F32)],
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps_fwd),
+        compiler_params=compiler_params(tuning.warps_fwd, interpret),
         interpret=interpret,
         name="fused_layer_norm_fwd",
     )(x2, scale, bias)
@@ -140,7 +145,7 @@ def _backward(x2, dy2, scale, mean, rstd, tuning: Tuning, interpret: bool):
         out_specs=[row_block, part, part],
         out_shape=[jax.ShapeDtypeStruct((rows, d), x2.dtype), jax.ShapeDtypeStruct((programs, d), F32),
                    jax.ShapeDtypeStruct((programs, d), F32)],
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps_bwd),
+        compiler_params=compiler_params(tuning.warps_bwd, interpret),
         interpret=interpret,
         name="fused_layer_norm_bwd",
     )(x2, dy2, scale, mean, rstd)
@@ -150,7 +155,7 @@ def _backward(x2, dy2, scale, mean, rstd, tuning: Tuning, interpret: bool):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def fused_layer_norm(x, scale, bias, eps: float, tuning: Tuning | None = None, interpret: bool = False):
     """Layer norm over the last dim (fp32 maths, x's dtype out) as one kernel each way. `tuning` None is
-    `DEFAULT`, read at the call; `interpret=True` runs the kernels in Pallas' interpreter, on any backend
+    `DEFAULT` (read when traced); `interpret=True` runs the kernels in Pallas' interpreter, on any backend
     (for tests)."""
     return _fwd(x, scale, bias, eps, tuning, interpret)[0]
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax3d.models.pallas_gpu import block_width, on_one_gpu
+from jax3d.models.pallas_gpu import block_width, check_powers_of_two, compiler_params, fields, on_one_gpu
 from jax3d.sharding.rules import ShardingRules
 
 F32 = jnp.float32
@@ -33,11 +33,10 @@ class Tuning:
     warps: int = 8
 
     def __post_init__(self):
-        if self.block != block_width(self.block) or self.rows != block_width(self.rows):
-            raise ValueError(f"{self} needs powers of two for rows and block (Triton's block shapes)")
+        check_powers_of_two(self, *fields(self))
 
 
-DEFAULT = Tuning()  # read at each call: `benchmarks/throughput.py --tune` sets it in its runs
+DEFAULT = Tuning()  # read when a caller passes no Tuning, at trace time; benchmarks rebind it
 
 
 def supported(rows: int, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
@@ -88,7 +87,7 @@ def token_nll(logits, targets, weights, valid: int = 0, grad_dtype=None, tuning:
     gradient of sum(nll * weights) with respect to the logits, in that dtype (else None).
 
     `valid` (0: all) is the number of real vocabulary columns. Not differentiable itself: the caller
-    that wants gradients asks for them here. `tuning` None is `DEFAULT`, read at the call.
+    that wants gradients asks for them here. `tuning` None is `DEFAULT` (read when traced).
     `interpret=True` runs in Pallas' interpreter (for tests).
     """
     tuning = tuning or DEFAULT
@@ -113,7 +112,7 @@ def token_nll(logits, targets, weights, valid: int = 0, grad_dtype=None, tuning:
         in_specs=[row_block, per_row, per_row],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps),
+        compiler_params=compiler_params(tuning.warps, interpret),
         interpret=interpret,
         name="fused_xent",
     )(logits2, targets.reshape(n).astype(jnp.int32), weights.reshape(n).astype(F32))

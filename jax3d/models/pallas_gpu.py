@@ -1,7 +1,11 @@
-"""What jax3d's Pallas (Triton) kernels share: where they may run, and the block a dimension gets."""
+"""What jax3d's Pallas (Triton) kernels share: where they may run, the block a dimension gets, and the
+checks and compiler settings of their `Tuning`s."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+from jax.experimental.pallas import triton as pltriton
 
 from jax3d.sharding.rules import ShardingRules
 
@@ -14,3 +18,21 @@ def on_one_gpu(rules: ShardingRules) -> bool:
 def block_width(n: int) -> int:
     """Triton's blocks are powers of two: a dimension of `n` gets the next one up, its tail masked."""
     return 1 << (n - 1).bit_length()
+
+
+def check_powers_of_two(tuning, *fields: str) -> None:
+    """Raises ValueError naming the first of `fields` of `tuning` that is not a power of two (Triton's
+    block shapes and warp counts are)."""
+    for name in fields:
+        n = getattr(tuning, name)
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"{type(tuning).__module__.split('.')[-1]}.{tuning}: {name}={n} must be a power of two")
+
+
+def compiler_params(num_warps: int, interpret: bool):
+    """Triton's settings for a pallas_call; none in Pallas' interpreter."""
+    return None if interpret else pltriton.CompilerParams(num_warps=num_warps)
+
+
+def fields(tuning) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(tuning))
