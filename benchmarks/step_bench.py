@@ -82,43 +82,23 @@ class Run:
         return " ".join(parts)
 
 
-# Each kernel module, and the pallas_call name that shows in a compiled step which runs it.
+# Each Pallas kernel (jax3d.config.PALLAS_KERNELS), and the pallas_call name a compiled step that runs it holds.
 KERNELS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_xent": "fused_xent"}
 
 
-def kernel_tuning(module: str, fields: str):
-    """The module's default Tuning (not its DEFAULT as rebound now) with "field=value,..." changed.
-    ValueError names what is wrong."""
+def kernel_tuning(kernel: str, settings: str):
+    """The kernel's Tuning with "field=value,..." changed from its defaults (as `--tune` gives them; at
+    least one). ValueError names what is wrong."""
     import importlib
 
-    if module not in KERNELS:
-        raise ValueError(f"no kernel {module!r}; choose from {', '.join(KERNELS)}")
-    tuning = type(importlib.import_module(f"jax3d.models.{module}").DEFAULT)
-    names = {f.name for f in dataclasses.fields(tuning)}
-    changes = {}
-    for item in fields.split(","):
-        name, _, value = item.partition("=")
-        try:
-            number = int(value)
-        except ValueError:
-            number = None
-        if name not in names or number is None:
-            raise ValueError(f"{module}: {item!r} is not FIELD=INTEGER for a field of {tuning()}")
-        if name in changes:
-            raise ValueError(f"{module}: {name} is given twice")
-        changes[name] = number
-    return tuning(**changes)
+    from jax3d.models.pallas_gpu import parse_tuning
 
-
-def apply_tunings(tunings) -> None:
-    """Rebinds every kernel's DEFAULT in this process: the run's settings where it names the kernel, the
-    module's own defaults elsewhere (so one run's settings never leak into the next)."""
-    import importlib
-
-    chosen = dict(tunings)
-    for module in KERNELS:
-        mod = importlib.import_module(f"jax3d.models.{module}")
-        mod.DEFAULT = kernel_tuning(module, chosen[module]) if module in chosen else type(mod.DEFAULT)()
+    if kernel not in KERNELS:
+        raise ValueError(f"no kernel {kernel!r}; choose from {', '.join(KERNELS)}")
+    cls = importlib.import_module(f"jax3d.models.{kernel}").Tuning
+    if not settings:
+        raise ValueError(f"{kernel}: no FIELD=INTEGER given; the fields are those of {cls()}")
+    return parse_tuning(cls, settings)
 
 
 def config_for(run: Run):
@@ -131,15 +111,14 @@ def config_for(run: Run):
         vocab = BERT_VOCAB if is_bert(run.shape) else VOCAB
     model = ModelConfig(model_type="bert" if is_bert(run.shape) else "gpt", num_layers=layers, hidden_size=d,
                         num_attention_heads=heads, seq_length=seq, vocab_size=vocab, hidden_dropout=0.0,
-                        attention_dropout=0.0, recompute=run.recompute, ablate=tuple(run.ablate))
+                        attention_dropout=0.0, recompute=run.recompute, ablate=tuple(run.ablate),
+                        kernel_tunings=run.tunings)
     return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype),
                   train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
 
 
 def build(run: Run):
-    """(steps, state, batch, compiled train step, compile seconds) on one device, with the run's kernel
-    settings applied in this process."""
-    apply_tunings(run.tunings)
+    """(steps, state, batch, compiled train step, compile seconds) on one device."""
     return build_config(config_for(run), 1)
 
 

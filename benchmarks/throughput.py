@@ -6,7 +6,7 @@ the peer counts them), step time, compile time and peak device memory. With `--p
 each shape too and a ratio line follows. `--ablate NAME` (repeatable, or `all`) adds a run with that
 optimisation off, so each one's worth is measured in the same call. Because each run is a fresh
 process, a change patched into this one (a replaced function, say) never reaches the step; kernel
-settings travel with the run instead (`--tune`).
+settings travel with the run in its model config instead (`--tune`, `ModelConfig.kernel_tunings`).
 
     python benchmarks/throughput.py --shape 1.3b-b16 --peer --ablate all --ablate together
     python benchmarks/throughput.py --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer

@@ -38,6 +38,10 @@ OPTIMISATIONS = {
 }
 
 
+# jax3d.models' Pallas kernel modules, each with a `Tuning` of block shapes and warps.
+PALLAS_KERNELS = ("fused_gelu", "fused_norm", "fused_xent")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Transformer shape and regularisation. `ffn_hidden_size` defaults to 4 x hidden."""
@@ -61,6 +65,9 @@ class ModelConfig:
     attention_impl: str = "auto"  # auto | xla | cudnn
     # Speed optimisations to turn off, by name (see OPTIMISATIONS): for benchmarks that measure each one.
     ablate: tuple[str, ...] = ()
+    # Settings of the Pallas kernels (PALLAS_KERNELS) over their defaults, as (kernel, "field=value,...")
+    # pairs, e.g. (("fused_gelu", "cols_fwd=2048"),): for tuning them on a GPU (throughput.py --tune).
+    kernel_tunings: tuple[tuple[str, str], ...] = ()
     # Architecture variants that reproduce imported models exactly (jax3d.hf); defaults are GPT-2 / Megatron.
     activation: str = "gelu_tanh"  # gelu_tanh | gelu_erf
     post_layernorm: bool = False  # layer norm after each residual add and no final norm (original BERT)
@@ -71,6 +78,10 @@ class ModelConfig:
         unknown = set(self.ablate) - set(OPTIMISATIONS)
         if unknown:
             raise ConfigError(f"unknown optimisation(s) to ablate {sorted(unknown)}; choose from {sorted(OPTIMISATIONS)}")
+        object.__setattr__(self, "kernel_tunings", tuple(tuple(t) for t in self.kernel_tunings))  # JSON gives lists
+        unknown = {k for k, _ in self.kernel_tunings} - set(PALLAS_KERNELS)
+        if unknown:
+            raise ConfigError(f"kernel_tunings names unknown kernel(s) {sorted(unknown)}; choose from {PALLAS_KERNELS}")
         if self.activation not in ("gelu_tanh", "gelu_erf"):
             raise ConfigError(f"activation {self.activation!r} must be gelu_tanh or gelu_erf")
         if not self.ffn_hidden_size:

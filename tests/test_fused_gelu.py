@@ -72,12 +72,14 @@ def test_fused_gelu_matches_the_derivative_in_float64():
 
 
 def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
-    """The whole GPT, each MLP's GELU through the kernels, against fused_gelu off: the same loss and
-    gradients in fp32. With erf GELU (imported BERT-style models) the kernels are not used."""
+    """The whole GPT, each MLP's GELU through the kernels with the settings its config names, against
+    fused_gelu off: the same loss and gradients in fp32. With erf GELU (imported BERT-style models) the
+    kernels are not used."""
     from jax3d.models import GPT
     from tests.helpers import random_text, tiny_model
 
-    cfg = tiny_model(vocab_size=384, num_layers=2)
+    cfg = tiny_model(vocab_size=384, num_layers=2,
+                     kernel_tunings=(("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=64"),))
     params = GPT(cfg).init(jax.random.key(0))
     # Biases start at zero; give the MLP's up-projection bias values so a kernel that dropped it shows.
     params = jax.tree_util.tree_map_with_path(
@@ -91,14 +93,13 @@ def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
             return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text})[0]))(params)
 
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_gelu",)))
-    monkeypatch.setattr(fused_gelu, "supported", lambda h, rules: True)
+    monkeypatch.setattr(fused_gelu, "supported", lambda h, rules, tuning: True)
     calls = []
     real = fused_gelu.gelu_bias
-    tuning = fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)
-    monkeypatch.setattr(fused_gelu, "gelu_bias",  # the kernels in Pallas' interpreter, counted
-                        lambda h, b: calls.append(1) or real(h, b, tuning, True))
+    monkeypatch.setattr(fused_gelu, "gelu_bias",  # the kernels in Pallas' interpreter, their settings kept
+                        lambda h, b, tuning: calls.append(tuning) or real(h, b, tuning, True))
     loss, grads = loss_and_grads(cfg)
-    assert len(calls) == cfg.num_layers, "not every MLP went through the kernels"
+    assert calls == [fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)] * cfg.num_layers
     assert abs(float(loss) - float(ref_loss)) < 1e-6
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert rel_err(g, r) < 1e-5

@@ -55,11 +55,11 @@ def test_gpt_with_fused_norms_matches_xla_norms(monkeypatch):
             return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text})[0]))(params)
 
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_layernorm",)))
-    monkeypatch.setattr(fused_norm, "supported", lambda x, rules: True)
+    monkeypatch.setattr(fused_norm, "supported", lambda x, rules, tuning: True)
     calls = []
     real = fused_norm.fused_layer_norm
     monkeypatch.setattr(fused_norm, "fused_layer_norm",  # the kernels in Pallas' interpreter, counted
-                        lambda x, s, b, eps: calls.append(1) or real(x, s, b, eps, fused_norm.DEFAULT, True))
+                        lambda x, s, b, eps, tuning: calls.append(1) or real(x, s, b, eps, tuning, True))
     loss, grads = loss_and_grads(cfg)
     assert len(calls) == 2 * cfg.num_layers + 1, "not every layer norm went through the kernels"
     assert abs(float(loss) - float(ref_loss)) < 1e-6

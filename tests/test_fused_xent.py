@@ -56,11 +56,11 @@ def test_gpt_with_fused_xent_matches_xla_loss(monkeypatch):
         return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text, "loss_mask": mask})[0]))(params)
 
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_xent",)))
-    monkeypatch.setattr(fused_xent, "supported", lambda rows, rules: True)
+    monkeypatch.setattr(fused_xent, "supported", lambda rows, rules, tuning: True)
     calls = []
     real = fused_xent.token_nll
     monkeypatch.setattr(fused_xent, "token_nll",  # the kernel in Pallas' interpreter, counted
-                        lambda *a: calls.append(1) or real(*a, fused_xent.DEFAULT, True))
+                        lambda *a: calls.append(1) or real(*a, True))
     loss, grads = loss_and_grads(cfg)
     assert calls, "the loss did not go through the kernel"
     assert abs(float(loss) - float(ref_loss)) < 1e-6

@@ -1,20 +1,27 @@
 """The step benchmark's runs: `throughput.py --tune` settings parsed from "FIELD=V,..." equal the Tuning
 built directly, bad settings are refused with one sentence, a run reaches its child process intact and
-its settings reach the kernel (and no further run), and a BERT shape gets a batch in Megatron's layout."""
-import jax.numpy as jnp
+its settings its model config, and a BERT shape gets a batch in Megatron's layout."""
 import pytest
 
 from benchmarks import step_bench
+from jax3d.config import ConfigError, ModelConfig
 from jax3d.models import fused_gelu, fused_norm, fused_xent
+from jax3d.models.pallas_gpu import tuning_for
 
 
-def test_parsed_settings_equal_the_tuning_built_directly(monkeypatch):
+def test_parsed_settings_equal_the_tuning_built_directly():
     assert step_bench.kernel_tuning("fused_xent", "block=2048,warps=4") == fused_xent.Tuning(block=2048, warps=4)
-    # From the module's own defaults, whatever DEFAULT is rebound to in this process.
-    monkeypatch.setattr(fused_xent, "DEFAULT", fused_xent.Tuning(rows=2))
-    assert step_bench.kernel_tuning("fused_xent", "warps=4") == fused_xent.Tuning(warps=4)
     run = step_bench.Run("125m-b32", tunings=(("fused_xent", "block=2048"),))
     assert run.label() == "125m-b32 fused_xent[block=2048]"
+
+
+def test_a_runs_settings_reach_its_model_config():
+    """A run's settings go into the model config it builds; the kernels it does not name keep their defaults."""
+    cfg = step_bench.config_for(step_bench.Run("tiny", tunings=(("fused_xent", "block=2048"),))).model
+    assert tuning_for(cfg, fused_xent) == fused_xent.Tuning(block=2048)
+    assert tuning_for(cfg, fused_gelu) == fused_gelu.Tuning() and tuning_for(cfg, fused_norm) == fused_norm.Tuning()
+    with pytest.raises(ConfigError, match="unknown kernel"):
+        ModelConfig(kernel_tunings=(("fused_nope", "rows=1"),))
 
 
 def test_a_run_survives_the_trip_to_its_process():
@@ -25,7 +32,7 @@ def test_a_run_survives_the_trip_to_its_process():
 
 
 @pytest.mark.parametrize("module, fields, match", [("fused_nope", "rows=1", "no kernel"),
-                                                   ("fused_xent", "", "not FIELD=INTEGER"),
+                                                   ("fused_xent", "", "no FIELD=INTEGER given"),
                                                    ("fused_xent", "blocks=2048", "not FIELD=INTEGER"),
                                                    ("fused_xent", "block=big", "not FIELD=INTEGER"),
                                                    ("fused_xent", "block=1,block=2", "given twice"),
@@ -35,21 +42,6 @@ def test_a_run_survives_the_trip_to_its_process():
 def test_bad_settings_are_refused(module, fields, match):
     with pytest.raises(ValueError, match=match):
         step_bench.kernel_tuning(module, fields)
-
-
-def test_a_runs_settings_reach_the_kernel_and_leave_with_it(monkeypatch):
-    for module in (fused_gelu, fused_norm, fused_xent):
-        monkeypatch.setattr(module, "DEFAULT", module.DEFAULT)  # restored after the test
-    h, b = jnp.zeros((128, 256)), jnp.zeros((256,))
-    step_bench.apply_tunings([("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=64"),
-                              ("fused_xent", "rows=2")])
-    assert fused_gelu.DEFAULT == fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)
-    assert fused_xent.DEFAULT == fused_xent.Tuning(rows=2)
-    fused_gelu.gelu_bias(h, b, interpret=True)  # 128 x 256 splits into these blocks: no error
-    step_bench.apply_tunings([("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=256")])
-    with pytest.raises(ValueError, match="does not split"):  # 128 rows do not fill a 256-row strip
-        fused_gelu.gelu_bias(h, b, interpret=True)
-    assert fused_xent.DEFAULT == fused_xent.Tuning(), "a setting the next run does not name must not linger"
 
 
 def test_kernels_used_reads_the_compiled_step():

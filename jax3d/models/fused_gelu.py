@@ -52,13 +52,13 @@ class Tuning:
                                            or rows % self.rows_per_program)
 
 
-DEFAULT = Tuning()  # read when a caller passes no Tuning, at trace time; benchmarks rebind it
+DEFAULT = Tuning()
 
 
-def supported(h, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
+def supported(h, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
     """Whether `gelu_bias` takes this input: on one GPU, in whole blocks of rows and columns."""
     f = h.shape[-1]
-    return on_one_gpu(rules) and f > 0 and (tuning or DEFAULT).fits(h.size // f, f)
+    return on_one_gpu(rules) and f > 0 and tuning.fits(h.size // f, f)
 
 
 def _sigmoid_2u(z):
@@ -126,23 +126,22 @@ def _backward(h2, b, dg2, tuning: Tuning, interpret: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def gelu_bias(h, b, tuning: Tuning | None = None, interpret: bool = False):
+def gelu_bias(h, b, tuning: Tuning = DEFAULT, interpret: bool = False):
     """gelu(h + b), tanh form, b one value per column of h (fp32 maths, h's dtype out, no promotion to
-    b's), as one kernel each way. Reverse-mode only (a custom vjp).
-    Keeps only h and b for the backward pass. `tuning` None is `DEFAULT` (read when traced);
-    `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
+    b's), as one kernel each way. Reverse-mode only (a custom vjp). Keeps only h and b for the backward
+    pass. `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
     return _fwd(h, b, tuning, interpret)[0]
 
 
 def _fwd(h, b, tuning, interpret):
     f = h.shape[-1]
-    return _forward(h.reshape(-1, f), b, tuning or DEFAULT, interpret).reshape(h.shape), (h, b)
+    return _forward(h.reshape(-1, f), b, tuning, interpret).reshape(h.shape), (h, b)
 
 
 def _bwd(tuning, interpret, res, dg):
     h, b = res
     f = h.shape[-1]
-    dh, db = _backward(h.reshape(-1, f), b, dg.reshape(-1, f), tuning or DEFAULT, interpret)
+    dh, db = _backward(h.reshape(-1, f), b, dg.reshape(-1, f), tuning, interpret)
     return dh.reshape(h.shape), db.astype(b.dtype)
 
 

@@ -43,12 +43,11 @@ class Tuning:
             raise ValueError(f"fused_norm.{self}: bwd_programs must be at least 1")
 
 
-DEFAULT = Tuning()  # read when a caller passes no Tuning, at trace time; benchmarks rebind it
+DEFAULT = Tuning()
 
 
-def supported(x, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
+def supported(x, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
     """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole row blocks."""
-    tuning = tuning or DEFAULT
     d = x.shape[-1]
     rows = x.size // d if d else 0
     return on_one_gpu(rules) and 128 <= d <= 8192 and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0
@@ -153,23 +152,22 @@ def _backward(x2, dy2, scale, mean, rstd, tuning: Tuning, interpret: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def fused_layer_norm(x, scale, bias, eps: float, tuning: Tuning | None = None, interpret: bool = False):
-    """Layer norm over the last dim (fp32 maths, x's dtype out) as one kernel each way. `tuning` None is
-    `DEFAULT` (read when traced); `interpret=True` runs the kernels in Pallas' interpreter, on any backend
-    (for tests)."""
+def fused_layer_norm(x, scale, bias, eps: float, tuning: Tuning = DEFAULT, interpret: bool = False):
+    """Layer norm over the last dim (fp32 maths, x's dtype out) as one kernel each way.
+    `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
     return _fwd(x, scale, bias, eps, tuning, interpret)[0]
 
 
 def _fwd(x, scale, bias, eps, tuning, interpret):
     d = x.shape[-1]
-    y, mean, rstd = _forward(x.reshape(-1, d), scale, bias, eps, tuning or DEFAULT, interpret)
+    y, mean, rstd = _forward(x.reshape(-1, d), scale, bias, eps, tuning, interpret)
     return y.reshape(x.shape), (x, scale, bias, mean, rstd)
 
 
 def _bwd(eps, tuning, interpret, res, dy):
     x, scale, bias, mean, rstd = res
     d = x.shape[-1]
-    dx, ds, db = _backward(x.reshape(-1, d), dy.reshape(-1, d), scale, mean, rstd, tuning or DEFAULT, interpret)
+    dx, ds, db = _backward(x.reshape(-1, d), dy.reshape(-1, d), scale, mean, rstd, tuning, interpret)
     return dx.reshape(x.shape), ds.astype(scale.dtype), db.astype(bias.dtype)
 
 

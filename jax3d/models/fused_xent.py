@@ -36,12 +36,12 @@ class Tuning:
         check_powers_of_two(self, *fields(self))
 
 
-DEFAULT = Tuning()  # read when a caller passes no Tuning, at trace time; benchmarks rebind it
+DEFAULT = Tuning()
 
 
-def supported(rows: int, rules: ShardingRules, tuning: Tuning | None = None) -> bool:
+def supported(rows: int, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
     """Whether `token_nll` takes logits of `rows` tokens: on one GPU, in whole row blocks."""
-    return on_one_gpu(rules) and rows % (tuning or DEFAULT).rows == 0
+    return on_one_gpu(rules) and rows % tuning.rows == 0
 
 
 def _kernel(logits_ref, target_ref, weight_ref, nll_ref, *grad_ref, width: int, valid: int, block: int):
@@ -81,16 +81,14 @@ def _kernel(logits_ref, target_ref, weight_ref, nll_ref, *grad_ref, width: int, 
         jax.lax.fori_loop(0, steps, write, 0)
 
 
-def token_nll(logits, targets, weights, valid: int = 0, grad_dtype=None, tuning: Tuning | None = None,
+def token_nll(logits, targets, weights, valid: int = 0, grad_dtype=None, tuning: Tuning = DEFAULT,
               interpret: bool = False):
     """Each token's negative log-likelihood (fp32, the shape of `targets`) and, with `grad_dtype`, the
     gradient of sum(nll * weights) with respect to the logits, in that dtype (else None).
 
     `valid` (0: all) is the number of real vocabulary columns. Not differentiable itself: the caller
-    that wants gradients asks for them here. `tuning` None is `DEFAULT` (read when traced).
-    `interpret=True` runs in Pallas' interpreter (for tests).
+    that wants gradients asks for them here. `interpret=True` runs in Pallas' interpreter (for tests).
     """
-    tuning = tuning or DEFAULT
     width = logits.shape[-1]
     lead = targets.shape
     logits2 = logits.reshape(-1, width)

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax3d.models import fused_xent
 from jax3d.models.layers import (Embedding, cross_entropy_sum, fused_lm_loss_sum, norm_for,
                                  vocab_parallel_logits)
+from jax3d.models.pallas_gpu import tuning_for
 from jax3d.models.transformer import TransformerLM
 
 
@@ -51,8 +53,9 @@ class GPT(TransformerLM):
         wte, targets, mask = params["embed"]["word"], mb["text"][:, 1:], self._loss_mask(mb)
         fp32 = not cfg.optimised("bf16_logits")
         if cfg.optimised("fused_loss"):
+            kernel = tuning_for(cfg, fused_xent) if cfg.optimised("fused_xent") else None
             loss_sum = fused_lm_loss_sum(x_btd, wte, targets, mask, self.rules, cfg.unpadded_vocab_size, fp32,
-                                         cfg.optimised("fused_xent"))
+                                         kernel)
         else:
             logits = vocab_parallel_logits(x_btd, wte, self.rules, fp32)
             loss_sum, _ = cross_entropy_sum(logits, targets, mask, cfg.unpadded_vocab_size)

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d.config import ModelConfig
 from jax3d.models import fused_gelu, fused_norm, fused_xent
+from jax3d.models.pallas_gpu import tuning_for
 from jax3d.sharding.rules import ShardingRules
 
 
@@ -86,14 +87,15 @@ class LayerNorm(nn.Module):
     keep_stats: bool = True  # when lean, keep the per-token mean and inverse deviation
     fused: bool = True  # one Pallas kernel each way, where fused_norm.supported(x, rules)
     rules: ShardingRules = ShardingRules()  # where it runs: the kernels take one GPU only
+    tuning: fused_norm.Tuning = fused_norm.DEFAULT  # the kernels' block shapes and warps
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
         bias = _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
-        if self.fused and fused_norm.supported(x, self.rules):
-            return fused_norm.fused_layer_norm(x, scale, bias, self.eps)
+        if self.fused and fused_norm.supported(x, self.rules, self.tuning):
+            return fused_norm.fused_layer_norm(x, scale, bias, self.eps, self.tuning)
         if not self.lean:
             return layer_norm(x, scale, bias, self.eps)
         return (_layer_norm_lean_stats if self.keep_stats else _layer_norm_lean)(x, scale, bias, self.eps)
@@ -102,7 +104,8 @@ class LayerNorm(nn.Module):
 def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str) -> LayerNorm:
     """The model's layer norm: its epsilon, and what it keeps for the backward pass (cfg.ablate)."""
     return LayerNorm(cfg.layernorm_epsilon, cfg.optimised("lean_layernorm"),
-                     cfg.optimised("layernorm_keeps_stats"), cfg.optimised("fused_layernorm"), rules, name=name)
+                     cfg.optimised("layernorm_keeps_stats"), cfg.optimised("fused_layernorm"), rules,
+                     tuning_for(cfg, fused_norm), name=name)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -192,11 +195,12 @@ class MLP(nn.Module):
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
         b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
         h_btf = jnp.einsum("btd,df->btf", x_btd, w_up)
+        tuning = tuning_for(cfg, fused_gelu)
         if (cfg.optimised("fused_gelu") and cfg.activation == "gelu_tanh"
-                and fused_gelu.supported(h_btf, self.rules)):
+                and fused_gelu.supported(h_btf, self.rules, tuning)):
             # Keeps h (inside the kernel's vjp) and GELU's output (the down-projection's input), as
             # gelu_keeps_output does.
-            return jnp.einsum("btf,fd->btd", fused_gelu.gelu_bias(h_btf, b_up), w_down) + b_down
+            return jnp.einsum("btf,fd->btd", fused_gelu.gelu_bias(h_btf, b_up, tuning), w_down) + b_down
         if not cfg.optimised("lean_gelu"):
             down = _gelu_then_dense
         else:
@@ -303,18 +307,20 @@ def loss_chunks(batch: int, seq: int) -> int:
 
 
 def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, valid_vocab: int = 0,
-                      fp32: bool = False, kernel: bool = False):
+                      fp32: bool = False, kernel: fused_xent.Tuning | None = None):
     """`cross_entropy_sum` of the tied LM head's logits, run over `loss_chunks` slices of the sequence.
 
     Each slice's logits live only inside its loop step. When differentiated, the forward pass also
     computes the gradients (of x by one GEMM, of the table accumulated in fp32 by another), so the
     backward pass only scales them by the incoming cotangent: the full logits and their gradient are
     never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head.
-    With `kernel`, on one GPU, each chunk's cross-entropy and its gradient are `fused_xent`'s kernel.
+    With `kernel` (its Tuning), on one GPU, each chunk's cross-entropy and its gradient are `fused_xent`'s
+    kernel.
     """
     b, t, d = x_btd.shape
     chunks = loss_chunks(b, t)
-    kernel = kernel and fused_xent.supported(b * (t // chunks), rules)
+    if kernel and not fused_xent.supported(b * (t // chunks), rules, kernel):
+        kernel = None
 
     def split(a):  # (b, t, ...) -> (chunks, b, t / chunks, ...)
         return jnp.moveaxis(a.reshape(b, chunks, t // chunks, *a.shape[2:]), 1, 0)
@@ -326,7 +332,8 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
             logits = vocab_parallel_logits(x_c, w, rules, fp32)
             m = m_c.astype(jnp.float32)
             if kernel:
-                nll, dlogits = fused_xent.token_nll(logits, t_c, m, valid_vocab, x.dtype if with_grads else None)
+                nll, dlogits = fused_xent.token_nll(logits, t_c, m, valid_vocab, x.dtype if with_grads else None,
+                                                    kernel)
             else:
                 nll, dnll = token_nll(logits, t_c, valid_vocab)
                 dlogits = (dnll * m[..., None]).astype(x.dtype) if with_grads else None

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 from jax.experimental.pallas import triton as pltriton
 
+from jax3d.config import ModelConfig
 from jax3d.sharding.rules import ShardingRules
 
 
@@ -36,3 +37,29 @@ def compiler_params(num_warps: int, interpret: bool):
 
 def fields(tuning) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(tuning))
+
+
+def parse_tuning(cls, settings: str):
+    """`cls()` (a kernel's Tuning) with "field=value,..." changed; "" is the defaults. ValueError names
+    what is wrong."""
+    names = fields(cls)
+    changes = {}
+    for item in filter(None, settings.split(",")):
+        name, _, value = item.partition("=")
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if name not in names or number is None:
+            raise ValueError(f"{cls.__module__.split('.')[-1]}: {item!r} is not FIELD=INTEGER for a field of {cls()}")
+        if name in changes:
+            raise ValueError(f"{cls.__module__.split('.')[-1]}: {name} is given twice")
+        changes[name] = number
+    return cls(**changes)
+
+
+def tuning_for(cfg: ModelConfig, kernel) -> object:
+    """The Tuning that `kernel` (one of the kernel modules) runs with in this model: its defaults, with
+    the changes `cfg.kernel_tunings` names for it."""
+    name = kernel.__name__.rsplit(".", 1)[-1]
+    return parse_tuning(kernel.Tuning, dict(cfg.kernel_tunings).get(name, ""))

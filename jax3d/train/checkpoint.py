@@ -33,7 +33,7 @@ from jax3d.sharding import with_shardings
 FORMAT_VERSION = 1
 # Model fields that don't change the parameters and may differ between the saved run and this one.
 FREE_MODEL_FIELDS = frozenset({"hidden_dropout", "attention_dropout", "recompute", "scan_layers",
-                               "attention_impl", "init_method_std", "seq_length",
+                               "attention_impl", "init_method_std", "seq_length", "kernel_tunings",
                                # the padded vocab_size it produced is what the checkpoint's shapes hold
                                "make_vocab_size_divisible_by"})
 # Command-line flags (argparse dests) -> the model fields each one sets explicitly.
