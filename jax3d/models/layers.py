@@ -319,7 +319,7 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
     """
     b, t, d = x_btd.shape
     chunks = loss_chunks(b, t)
-    if kernel and not fused_xent.supported(b * (t // chunks), rules, kernel):
+    if kernel is not None and not fused_xent.supported(b * (t // chunks), rules, kernel):
         kernel = None
 
     def split(a):  # (b, t, ...) -> (chunks, b, t / chunks, ...)
@@ -331,7 +331,7 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
             x_c, t_c, m_c = xs
             logits = vocab_parallel_logits(x_c, w, rules, fp32)
             m = m_c.astype(jnp.float32)
-            if kernel:
+            if kernel is not None:
                 nll, dlogits = fused_xent.token_nll(logits, t_c, m, valid_vocab, x.dtype if with_grads else None,
                                                     kernel)
             else:
