@@ -1,0 +1,59 @@
+"""A fingerprint of each Pallas kernel as it runs at the 1.3B shapes: the hash of its jaxpr.
+
+A kernel timed on a GPU at one commit is the same kernel at another when these hashes agree, which a
+machine without a GPU can check (run this in a worktree of each commit and compare). Source lines and
+names do not enter the hash; the operations, their order, dtypes and block shapes do.
+
+    python benchmarks/kernel_jaxprs.py
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jax3d.models import fused_gelu, fused_norm, fused_xent  # noqa: E402
+
+
+def cases(tokens: int = 32768, d: int = 2048, ffn: int = 8192, vocab: int = 50304, chunk: int = 8192) -> dict:
+    """name -> (function, example arguments): each kernel, forward and backward, at the step's shapes."""
+    bf = jnp.bfloat16
+    h, b = jnp.zeros((tokens, ffn), bf), jnp.zeros((ffn,), bf)
+    x, s = jnp.zeros((tokens, d), bf), jnp.ones((d,), bf)
+    logits, targets, weights = jnp.zeros((chunk, vocab), bf), jnp.zeros((chunk,), jnp.int32), jnp.ones((chunk,))
+
+    def vjp(f, *args):
+        return lambda *a: jax.vjp(f, *a[:len(args)])[1](a[-1])
+
+    def norm(x, s, b):
+        return fused_norm.fused_layer_norm(x, s, b, 1e-5)
+
+    return {
+        "fused_gelu_fwd": (fused_gelu.gelu_bias, (h, b)),
+        "fused_gelu_bwd": (vjp(fused_gelu.gelu_bias, h, b), (h, b, h)),
+        "fused_layer_norm_fwd": (norm, (x, s, s)),
+        "fused_layer_norm_bwd": (vjp(norm, x, s, s), (x, s, s, x)),
+        "fused_xent": (lambda lg, t, w: fused_xent.token_nll(lg, t, w, vocab - 47, bf), (logits, targets, weights)),
+    }
+
+
+def fingerprint(f, args) -> str:
+    text = re.sub(r"name=\S+", "", str(jax.make_jaxpr(f)(*args)))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def main() -> int:
+    for name, (f, args) in cases().items():
+        print(json.dumps({"kernel": name, "jaxpr_sha1": fingerprint(f, args)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
