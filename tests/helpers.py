@@ -31,6 +31,16 @@ def random_text(n, seq, vocab, seed=0):
     return np.random.RandomState(seed).randint(0, vocab, (n, seq + 1)).astype(np.int32)
 
 
+def gpt_loss_and_grads(cfg: ModelConfig, params, batch):
+    """The GPT's loss on `batch` and its gradients in `params`, jitted. fp32 GEMMs run at full precision
+    (a GPU would use TF32), so two programs that should agree in fp32 do."""
+    from jax3d.models import GPT
+
+    model = GPT(cfg)
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(jax.value_and_grad(lambda p: model.loss(p, batch)[0]))(params)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))

@@ -76,7 +76,7 @@ def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
     fused_gelu off: the same loss and gradients in fp32. With erf GELU (imported BERT-style models) the
     kernels are not used."""
     from jax3d.models import GPT
-    from tests.helpers import random_text, tiny_model
+    from tests.helpers import gpt_loss_and_grads, random_text, tiny_model
 
     cfg = tiny_model(vocab_size=384, num_layers=2,
                      kernel_tunings=(("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=64"),))
@@ -88,9 +88,7 @@ def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
     text = random_text(4, cfg.seq_length, cfg.vocab_size)
 
     def loss_and_grads(cfg):
-        model = GPT(cfg)
-        with jax.default_matmul_precision("highest"):  # no TF32 on a GPU: the two programs' GEMMs agree
-            return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text})[0]))(params)
+        return gpt_loss_and_grads(cfg, params, {"text": text})
 
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_gelu",)))
     monkeypatch.setattr(fused_gelu, "supported", lambda h, rules, tuning: True)

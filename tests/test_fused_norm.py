@@ -43,16 +43,14 @@ def test_gpt_with_fused_norms_matches_xla_norms(monkeypatch):
     import dataclasses
 
     from jax3d.models import GPT
-    from tests.helpers import random_text, tiny_model
+    from tests.helpers import gpt_loss_and_grads, random_text, tiny_model
 
     cfg = tiny_model(vocab_size=384, num_layers=2, num_attention_heads=4)
     params = GPT(cfg).init(jax.random.key(0))
     text = random_text(4, cfg.seq_length, cfg.vocab_size)
 
     def loss_and_grads(cfg):
-        model = GPT(cfg)
-        with jax.default_matmul_precision("highest"):  # no TF32 on a GPU: the two programs' GEMMs agree
-            return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text})[0]))(params)
+        return gpt_loss_and_grads(cfg, params, {"text": text})
 
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_layernorm",)))
     monkeypatch.setattr(fused_norm, "supported", lambda x, rules, tuning: True)

@@ -44,7 +44,7 @@ def test_gpt_with_fused_xent_matches_xla_loss(monkeypatch):
     """The whole GPT, its chunked LM loss through the kernel, against fused_xent off: the same loss and
     gradients in fp32, with a padded vocabulary and a partial loss mask."""
     from jax3d.models import GPT
-    from tests.helpers import random_text, tiny_model
+    from tests.helpers import gpt_loss_and_grads, random_text, tiny_model
 
     cfg = tiny_model(vocab_size=384, unpadded_vocab_size=377)
     params = GPT(cfg).init(jax.random.key(0))
@@ -52,8 +52,7 @@ def test_gpt_with_fused_xent_matches_xla_loss(monkeypatch):
     mask = jnp.ones((4, cfg.seq_length)).at[1, 3:].set(0.0)
 
     def loss_and_grads(cfg):
-        model = GPT(cfg)
-        return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text, "loss_mask": mask})[0]))(params)
+        return gpt_loss_and_grads(cfg, params, {"text": text, "loss_mask": mask})
 
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_xent",)))
     monkeypatch.setattr(fused_xent, "supported", lambda rows, rules, tuning: True)

@@ -8,7 +8,7 @@ import pytest
 
 from jax3d.config import OPTIMISATIONS, ConfigError
 from jax3d.models import GPT, layers
-from tests.helpers import random_text, rel_err, tiny_model
+from tests.helpers import gpt_loss_and_grads, random_text, rel_err, tiny_model
 
 
 def _loss_and_grads(cfg, params, text, dtype=jnp.float32):
@@ -47,8 +47,7 @@ def test_fused_loss_in_chunks_matches_the_unfused_loss(monkeypatch):
     mask = (jax.random.uniform(jax.random.key(1), (4, cfg.seq_length)) > 0.3).astype(jnp.float32)
 
     def loss_and_grads(cfg):
-        model = GPT(cfg)
-        return jax.jit(jax.value_and_grad(lambda p: model.loss(p, {"text": text, "loss_mask": mask})[0]))(params)
+        return gpt_loss_and_grads(cfg, params, {"text": text, "loss_mask": mask})
 
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_loss",)))
     monkeypatch.setattr(layers, "LOSS_CHUNK_TOKENS", cfg.seq_length)
