@@ -56,3 +56,33 @@ def test_bert_layouts_match(reference, layout):
     virtual = rest[1] if len(rest) > 1 else 1
     losses = train_bert(data, stage, model, schedule, zero, virtual)
     np.testing.assert_allclose(losses, reference, atol=1e-3)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
+def test_cudnn_attention_takes_the_padding_mask():
+    """In bf16 on a GPU, BERT's attention is cuDNN's fused kernel, which takes the padding mask as a bias
+    over (query, key) pairs: its loss and gradients on a padded batch match XLA's attention."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jax3d.models import build_model
+    from jax3d.models.layers import attention_impl
+    from tests.helpers import rel_err
+
+    cfg, _, _ = tiny_config(model_kw=dict(num_layers=2, model_type="bert", seq_length=SEQ, vocab_size=VOCAB,
+                                          hidden_size=128, num_attention_heads=2))
+    mcfg = cfg.model
+    assert attention_impl(mcfg, jnp.bfloat16) == "cudnn"
+    batch = {k: jnp.asarray(v) for k, v in bert_batch(0).items()}
+    assert batch["padding_mask"].min() == 0  # some keys are padding
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), build_model(mcfg).init(jax.random.key(0)))
+
+    def loss_and_grads(impl):
+        model = build_model(dataclasses.replace(mcfg, attention_impl=impl))
+        return jax.jit(jax.value_and_grad(lambda p: model.loss(p, batch)[0]))(params)
+
+    (loss, grads), (ref_loss, ref_grads) = loss_and_grads("auto"), loss_and_grads("xla")
+    assert abs(float(loss) - float(ref_loss)) < 2e-2 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert rel_err(g, r) < 5e-2

@@ -157,6 +157,10 @@ class Attention(nn.Module):
             v = self.rules.constrain(v, ("batch", "seq", "heads", "kv"))
             cache = {"k": k, "v": v, "index": idx}
             causal, impl = False, "xla"  # the mask carries causality; one query row needs no fused kernel
+        if mask is not None and impl == "cudnn" and mask.shape[-2] == 1:
+            # cuDNN takes a mask as a bias over every (query, key) pair: a key-only (padding) mask is
+            # broadcast over the queries, or the call is refused.
+            mask = jnp.broadcast_to(mask, (*mask.shape[:-2], q.shape[1], mask.shape[-1]))
         if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
             ctx = self._core_with_dropout(q, k, v, mask, rng)
         else:
