@@ -77,11 +77,12 @@ def _scopes_from_hlo(hlo_text: str) -> dict:
 
 
 def _summarise(kernels, steps: int) -> dict:
-    """kernels: (name, hlo_op, scope, microseconds). Milliseconds per step by class, and the top kernels."""
+    """kernels: (name, hlo_op, scope, microseconds, start in microseconds). Milliseconds per step by
+    class, the top kernels, and how busy the GPU was from the first kernel's start to the last one's end."""
     by_class = collections.Counter()
     by_kernel = collections.Counter()
     by_scope = collections.Counter()
-    for name, hlo_op, scope, us in kernels:
+    for name, hlo_op, scope, us, _ in kernels:
         c = classify(name, hlo_op, scope)
         by_class[c] += us
         by_kernel[(c, hlo_op or name[:80])] += us
@@ -91,7 +92,23 @@ def _summarise(kernels, steps: int) -> dict:
     top = [{"class": c, "op": n, "ms": round(us / 1e3 / steps, 2)} for (c, n), us in by_kernel.most_common(40)]
     scopes = [{"class": c, "scope": n, "ms": round(us / 1e3 / steps, 2)}
               for (c, n), us in by_scope.most_common(50) if n]
-    return {"ms_per_step": ms, "top": top, "top_scopes": scopes}
+    return {"ms_per_step": ms, "gpu_busy": _busy(kernels), "top": top, "top_scopes": scopes}
+
+
+def _busy(kernels) -> float:
+    """The fraction of the traced span in which at least one kernel ran; the rest is the GPU waiting
+    (on launches, on the host) between kernels."""
+    spans = sorted((ts, ts + us) for *_, us, ts in kernels)
+    if not spans:
+        return 0.0
+    busy, (start, end) = 0.0, spans[0]
+    first = start
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    busy += end - start
+    return round(busy / max(end - first, 1e-9), 4)
 
 
 def _scope_key(scope: str) -> str:
@@ -132,9 +149,10 @@ def profile_jax3d(run: Run, steps: int, hlo_out: str = "") -> dict:
         if "stream" not in threads.get((e["pid"], e.get("tid")), "").lower():
             continue
         hlo_op = (e.get("args") or {}).get("hlo_op", "")
-        kernels.append((e.get("name", ""), hlo_op, scopes.get(hlo_op, ""), float(e.get("dur", 0))))
+        kernels.append((e.get("name", ""), hlo_op, scopes.get(hlo_op, ""), float(e.get("dur", 0)), float(e["ts"])))
     if not kernels:  # no GPU: XLA's CPU thunks carry the same hlo_op, which lets the tool run anywhere
-        kernels = [(e["name"], e["args"]["hlo_op"], scopes.get(e["args"]["hlo_op"], ""), float(e.get("dur", 0)))
+        kernels = [(e["name"], e["args"]["hlo_op"], scopes.get(e["args"]["hlo_op"], ""), float(e.get("dur", 0)),
+                    float(e["ts"]))
                    for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
     out = {"who": "jax3d", "run": run.label(), **_summarise(kernels, steps)}
     out["kernels_seen"] = len(kernels)
@@ -173,7 +191,7 @@ def profile_peer(shape: str, batch: int, steps: int, script: str) -> dict:
     path = os.path.join(tempfile.mkdtemp(prefix="peer-prof-"), "trace.json")
     prof.export_chrome_trace(path)
     events = json.load(open(path))["traceEvents"]
-    kernels = [(e["name"], "", "", float(e.get("dur", 0))) for e in events
+    kernels = [(e["name"], "", "", float(e.get("dur", 0)), float(e["ts"])) for e in events
                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     return {"who": "peer", "run": f"{shape} b{batch}", **_summarise(kernels, steps), "kernels_seen": len(kernels)}
 
@@ -212,6 +230,7 @@ def main(argv=None) -> int:
     print("\n%-18s" % "ms per step" + "".join("%12s" % r["who"] for r in recs))
     for c in (*CLASSES, "total"):
         print("%-18s" % c + "".join("%12.1f" % r["ms_per_step"][c] for r in recs))
+    print("%-18s" % "GPU busy" + "".join("%12s" % f"{r['gpu_busy']:.1%}" for r in recs))
     return 0
 
 

@@ -3,7 +3,7 @@ built directly, bad settings are refused with one sentence, a run reaches its ch
 its settings its model config, and a BERT shape gets a batch in Megatron's layout."""
 import pytest
 
-from benchmarks import step_bench
+from benchmarks import profile_step, step_bench
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.models import fused_gelu, fused_norm, fused_xent
 from jax3d.models.pallas_gpu import tuning_for
@@ -60,3 +60,10 @@ def test_bert_shape_gets_a_bert_batch():
     for key in ("types", "loss_mask", "padding_mask", "is_random"):
         assert set(np.unique(np.asarray(batch[key]))) <= {0, 1}, key
     assert np.asarray(batch["text"]).max() > 1
+
+
+def test_gpu_busy_counts_overlapping_kernels_once():
+    # (name, hlo_op, scope, microseconds, start): two overlapping kernels, a gap of 5, one more.
+    kernels = [("a", "", "", 10.0, 0.0), ("b", "", "", 10.0, 5.0), ("c", "", "", 10.0, 20.0)]
+    assert profile_step._busy(kernels) == round(25 / 30, 4)
+    assert profile_step._busy(kernels[:1]) == 1.0
