@@ -19,14 +19,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax3d.models import fused_gelu, fused_norm, fused_xent  # noqa: E402
+from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent  # noqa: E402
 
 
-def cases(tokens: int = 32768, d: int = 2048, ffn: int = 8192, vocab: int = 50304, chunk: int = 8192) -> dict:
+def cases(tokens: int = 32768, d: int = 2048, ffn: int = 8192, vocab: int = 50304, chunk: int = 8192,
+          heads: int = 16) -> dict:
     """name -> (function, example arguments): each kernel, forward and backward, at the step's shapes."""
     bf = jnp.bfloat16
     h, b = jnp.zeros((tokens, ffn), bf), jnp.zeros((ffn,), bf)
     x, s = jnp.zeros((tokens, d), bf), jnp.ones((d,), bf)
+    y, qkv_b = jnp.zeros((1, tokens, 3, heads, d // heads), bf), jnp.zeros((3, heads, d // heads), bf)
+    q = jnp.zeros((1, tokens, heads, d // heads), bf)
     logits, targets, weights = jnp.zeros((chunk, vocab), bf), jnp.zeros((chunk,), jnp.int32), jnp.ones((chunk,))
 
     def vjp(f, *args):
@@ -40,6 +43,7 @@ def cases(tokens: int = 32768, d: int = 2048, ffn: int = 8192, vocab: int = 5030
         "fused_gelu_bwd": (vjp(fused_gelu.gelu_bias, h, b), (h, b, h)),
         "fused_layer_norm_fwd": (norm, (x, s, s)),
         "fused_layer_norm_bwd": (vjp(norm, x, s, s), (x, s, s, x)),
+        "fused_qkv_bwd": (vjp(fused_qkv.split_bias, y, qkv_b), (y, qkv_b, (q, q, q))),
         "fused_xent": (lambda lg, t, w: fused_xent.token_nll(lg, t, w, vocab - 47, bf), (logits, targets, weights)),
     }
 

@@ -83,7 +83,8 @@ class Run:
 
 
 # Each Pallas kernel (jax3d.config.PALLAS_KERNELS), and the pallas_call name a compiled step that runs it holds.
-KERNELS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_xent": "fused_xent"}
+KERNELS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_qkv": "fused_qkv_bwd",
+           "fused_xent": "fused_xent"}
 
 
 def kernel_tuning(kernel: str, settings: str):

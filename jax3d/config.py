@@ -28,6 +28,8 @@ OPTIMISATIONS = {
     "fused_gelu": "on one GPU, the MLP's gelu(h + b) runs as one Pallas kernel forward and one backward (fp32 "
                   "maths, the bias gradient summed in the same pass) instead of XLA's bf16 fusions; where it "
                   "runs, the three GELU options above do not apply (it keeps what gelu_keeps_output keeps)",
+    "fused_qkv_bias": "with qkv_btcnh on one GPU, the backward pass of the QKV bias and the q/k/v split (the "
+                      "concatenate of dq, dk and dv and the bias gradient) runs as one Pallas kernel",
     "layernorm_keeps_stats": "with lean_layernorm, layer norm also keeps each token's mean and inverse deviation",
     "positions_gathered": "position embeddings are gathered per token, not broadcast over the batch, which "
                           "XLA laid out batch-minor with transposes around every GEMM",
@@ -39,7 +41,7 @@ OPTIMISATIONS = {
 
 
 # jax3d.models' Pallas kernel modules, each with a `Tuning` of block shapes and warps.
-PALLAS_KERNELS = ("fused_gelu", "fused_norm", "fused_xent")
+PALLAS_KERNELS = ("fused_gelu", "fused_norm", "fused_qkv", "fused_xent")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax3d.config import ModelConfig
-from jax3d.models import fused_gelu, fused_norm, fused_xent
+from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent
 from jax3d.models.pallas_gpu import tuning_for
 from jax3d.sharding.rules import ShardingRules
 
@@ -141,9 +141,14 @@ class Attention(nn.Module):
         if cfg.optimised("qkv_btcnh"):
             # The fused attention kernel reads q, k and v as strided views of this layout; putting the
             # q/k/v axis first instead costs a transpose and three copies forward, a stack backward.
-            qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w_qkv) + b_qkv
+            qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w_qkv)
             qkv = self.rules.constrain(qkv, ("batch", "seq", "qkv", "heads", "kv"))
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (batch, seq, heads, head_dim)
+            tuning = tuning_for(cfg, fused_qkv)
+            if cfg.optimised("fused_qkv_bias") and fused_qkv.supported(qkv, self.rules, tuning):
+                q, k, v = fused_qkv.split_bias(qkv, b_qkv, tuning)
+            else:
+                qkv = qkv + b_qkv
+                q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (batch, seq, heads, head_dim)
         else:
             qkv = jnp.einsum("btd,dcnh->cbtnh", x_btd, w_qkv) + b_qkv[:, None, None]
             qkv = self.rules.constrain(qkv, ("qkv", "batch", "seq", "heads", "kv"))
