@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.models.pallas_gpu import check_powers_of_two, column_partials, compiler_params, fields, on_one_gpu
+from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, fields, on_one_gpu
 from jax3d.sharding.rules import ShardingRules
 
 F32 = jnp.float32
@@ -85,8 +85,8 @@ def _bwd_kernel(h_ref, b_ref, dg_ref, dh_ref, db_ref, *, steps: int, rows_per_st
         dh_ref[rows, :] = dh.astype(dh_ref.dtype)
         return db + jnp.sum(dh, axis=0)
 
-    db = jax.lax.fori_loop(0, steps, step, jnp.zeros((db_ref.shape[0],), F32))
-    db_ref[...] = db[:, None]
+    db = jax.lax.fori_loop(0, steps, step, jnp.zeros((db_ref.shape[1],), F32))
+    db_ref[...] = db[None, :]
 
 
 def _forward(h2, b, tuning: Tuning, interpret: bool):
@@ -113,18 +113,17 @@ def _backward(h2, b, dg2, tuning: Tuning, interpret: bool):
     rows, f = h2.shape
     strip_rows, cols = tuning.rows_per_program, tuning.cols_bwd
     strip = pl.BlockSpec((strip_rows, cols), lambda i, j: (i, j))
-    db_spec, db_shape = column_partials(rows // strip_rows, f, cols)
     dh, db = pl.pallas_call(
         functools.partial(_bwd_kernel, steps=strip_rows // tuning.rows_bwd, rows_per_step=tuning.rows_bwd),
         grid=(rows // strip_rows, f // cols),
         in_specs=[strip, pl.BlockSpec((cols,), lambda i, j: (j,)), strip],
-        out_specs=[strip, db_spec],
-        out_shape=[jax.ShapeDtypeStruct((rows, f), h2.dtype), db_shape],
+        out_specs=[strip, pl.BlockSpec((1, cols), lambda i, j: (i, j))],
+        out_shape=[jax.ShapeDtypeStruct((rows, f), h2.dtype), jax.ShapeDtypeStruct((rows // strip_rows, f), F32)],
         compiler_params=compiler_params(tuning.warps_bwd, interpret),
         interpret=interpret,
         name="fused_gelu_bwd",
     )(h2, b, dg2)
-    return dh, db.sum(1)
+    return dh, db.sum(0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.models.pallas_gpu import check_powers_of_two, column_partials, compiler_params, fields, on_one_gpu
+from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, fields, on_one_gpu
 from jax3d.sharding.rules import ShardingRules
 
 F32 = jnp.float32
@@ -70,8 +70,8 @@ def _bwd_kernel(dq_ref, dk_ref, dv_ref, dy_ref, db_ref, *, strips: int, steps: i
             dy_ref[rows, :] = x
             return db + jnp.sum(x.astype(F32), axis=0)
 
-        db = jax.lax.fori_loop(0, steps, step, jnp.zeros((db_ref.shape[0],), F32))
-        db_ref[...] = db[:, None]
+        db = jax.lax.fori_loop(0, steps, step, jnp.zeros((db_ref.shape[1],), F32))
+        db_ref[...] = db[None, :]
 
     which = pl.program_id(1) // strips
     jax.lax.switch(which, [functools.partial(copy_and_sum, r) for r in (dq_ref, dk_ref, dv_ref)])
@@ -86,18 +86,19 @@ def _backward(dq, dk, dv, tuning: Tuning, interpret: bool):
     cols, strip_rows = tuning.strip(width), tuning.rows_per_program
     strips = width // cols
     src = pl.BlockSpec((strip_rows, cols), lambda i, j: (i, j % strips))
-    db_spec, db_shape = column_partials(tokens // strip_rows, 3 * width, cols)
     dy, db = pl.pallas_call(
         functools.partial(_bwd_kernel, strips=strips, steps=strip_rows // tuning.rows, rows_per_step=tuning.rows),
         grid=(tokens // strip_rows, 3 * strips),
         in_specs=[src, src, src],
-        out_specs=[pl.BlockSpec((strip_rows, cols), lambda i, j: (i, j)), db_spec],
-        out_shape=[jax.ShapeDtypeStruct((tokens, 3 * width), dq.dtype), db_shape],
+        out_specs=[pl.BlockSpec((strip_rows, cols), lambda i, j: (i, j)),
+                   pl.BlockSpec((1, cols), lambda i, j: (i, j))],
+        out_shape=[jax.ShapeDtypeStruct((tokens, 3 * width), dq.dtype),
+                   jax.ShapeDtypeStruct((tokens // strip_rows, 3 * width), F32)],
         compiler_params=compiler_params(tuning.warps, interpret),
         interpret=interpret,
         name="fused_qkv_bwd",
     )(dq, dk, dv)
-    return dy, db.sum(1)
+    return dy, db.sum(0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -142,12 +142,12 @@ class Attention(nn.Module):
             # The fused attention kernel reads q, k and v as strided views of this layout; putting the
             # q/k/v axis first instead costs a transpose and three copies forward, a stack backward.
             qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w_qkv)
-            qkv = self.rules.constrain(qkv, ("batch", "seq", "qkv", "heads", "kv"))
+            qkv_axes = ("batch", "seq", "qkv", "heads", "kv")
             tuning = tuning_for(cfg, fused_qkv)
             if cfg.optimised("fused_qkv_bias") and fused_qkv.supported(qkv, self.rules, tuning):
-                q, k, v = fused_qkv.split_bias(qkv, b_qkv, tuning)
+                q, k, v = fused_qkv.split_bias(self.rules.constrain(qkv, qkv_axes), b_qkv, tuning)
             else:
-                qkv = qkv + b_qkv
+                qkv = self.rules.constrain(qkv + b_qkv, qkv_axes)
                 q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (batch, seq, heads, head_dim)
         else:
             qkv = jnp.einsum("btd,dcnh->cbtnh", x_btd, w_qkv) + b_qkv[:, None, None]

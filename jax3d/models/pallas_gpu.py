@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jax3d.config import ModelConfig
@@ -35,15 +33,6 @@ def check_powers_of_two(tuning, *fields: str) -> None:
 def compiler_params(num_warps: int, interpret: bool):
     """Triton's settings for a pallas_call; none in Pallas' interpreter."""
     return None if interpret else pltriton.CompilerParams(num_warps=num_warps)
-
-
-def column_partials(programs: int, width: int, cols: int):
-    """(out_spec, out_shape) for partial column sums on a (row strips, column strips) grid: program (i, j)
-    writes the fp32 sums of its `cols` columns as column i of a [width, programs] array, and `.sum(1)`
-    adds them up. Transposed because XLA summed the [programs, width] layout over its short leading dim
-    slowly: about 66 us for each [256, 8192] sum in the 1.3B step, against 8 MB to read."""
-    return (pl.BlockSpec((cols, 1), lambda i, j: (j, i)),
-            jax.ShapeDtypeStruct((width, programs), jnp.float32))
 
 
 def fields(tuning) -> tuple[str, ...]:
