@@ -78,18 +78,24 @@ def _scopes_from_hlo(hlo_text: str) -> dict:
 
 def _summarise(kernels, steps: int) -> dict:
     """kernels: (name, hlo_op, scope, microseconds, start in microseconds). Milliseconds per step by
-    class, the top kernels, and how busy the GPU was from the first kernel's start to the last one's end."""
+    class, the top kernels (instances of one HLO op kind in one scope taken together, e.g. the 24
+    layers' attention backward, with how many ran per step), and how busy the GPU was from the first
+    kernel's start to the last one's end."""
     by_class = collections.Counter()
     by_kernel = collections.Counter()
+    count = collections.Counter()
     by_scope = collections.Counter()
     for name, hlo_op, scope, us, _ in kernels:
         c = classify(name, hlo_op, scope)
         by_class[c] += us
-        by_kernel[(c, hlo_op or name[:80])] += us
+        key = (c, re.sub(r"\.\d+$", "", hlo_op) if hlo_op else name[:80], _scope_key(scope))
+        by_kernel[key] += us
+        count[key] += 1
         by_scope[(c, _scope_key(scope))] += us
     ms = {c: round(by_class[c] / 1e3 / steps, 2) for c in CLASSES}
     ms["total"] = round(sum(by_class.values()) / 1e3 / steps, 2)
-    top = [{"class": c, "op": n, "ms": round(us / 1e3 / steps, 2)} for (c, n), us in by_kernel.most_common(40)]
+    top = [{"class": c, "op": n, "scope": sc, "per_step": round(count[(c, n, sc)] / steps, 1),
+            "ms": round(us / 1e3 / steps, 2)} for (c, n, sc), us in by_kernel.most_common(60)]
     scopes = [{"class": c, "scope": n, "ms": round(us / 1e3 / steps, 2)}
               for (c, n), us in by_scope.most_common(50) if n]
     return {"ms_per_step": ms, "gpu_busy": _busy(kernels), "top": top, "top_scopes": scopes}

@@ -67,3 +67,14 @@ def test_gpu_busy_counts_overlapping_kernels_once():
     kernels = [("a", "", "", 10.0, 0.0), ("b", "", "", 10.0, 5.0), ("c", "", "", 10.0, 20.0)]
     assert profile_step._busy(kernels) == round(25 / 30, 4)
     assert profile_step._busy(kernels[:1]) == 1.0
+
+
+def test_profile_groups_a_kernels_instances():
+    # The same fusion kind in the same scope (two layers' instances, numbered apart) is one row.
+    kernels = [("k", "loop_reduce_fusion.3", "jit(f)/layer/reduce_sum", 30.0, 0.0),
+               ("k", "loop_reduce_fusion.17", "jit(f)/layer/reduce_sum", 10.0, 40.0),
+               ("k", "loop_add_fusion.2", "jit(f)/layer/add", 5.0, 60.0)]
+    out = profile_step._summarise(kernels, steps=1)
+    assert out["top"][0] == {"class": "elementwise_norm", "op": "loop_reduce_fusion", "scope": "layer/reduce_sum",
+                             "per_step": 2.0, "ms": 0.04}
+    assert [(r["op"], r["per_step"]) for r in out["top"]] == [("loop_reduce_fusion", 2.0), ("loop_add_fusion", 1.0)]
