@@ -1,14 +1,20 @@
-"""A fingerprint of each Pallas kernel as it runs at the 1.3B shapes: the hash of its jaxpr.
+"""A fingerprint of each Pallas kernel as it runs at the 1.3B shapes, and of the whole train step as a
+GPU runs it: the hash of its jaxpr.
 
-A kernel timed on a GPU at one commit is the same kernel at another when these hashes agree, which a
+A kernel (or step) timed on a GPU at one commit is the same at another when these hashes agree, which a
 machine without a GPU can check (run this in a worktree of each commit and compare). Source lines and
-names do not enter the hash; the operations, their order, dtypes and block shapes do.
+names do not enter the hash; the operations, their order, dtypes and block shapes do. The step is the
+1.3B preset cut to two layers, traced with every kernel taken where it would be on one GPU.
 
     python benchmarks/kernel_jaxprs.py
+    python benchmarks/kernel_jaxprs.py --step --ablate fused_qkv_bias
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -19,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jax3d.config import PALLAS_KERNELS  # noqa: E402
 from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent  # noqa: E402
 
 
@@ -53,9 +60,42 @@ def fingerprint(f, args) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def main() -> int:
+def step_fingerprint(shape: str = "1.3b-b16", ablate: tuple[str, ...] = (), layers: int = 2) -> str:
+    """The hash of the train step's jaxpr at `shape` (cut to `layers`), with the Pallas kernels taken as
+    on one GPU."""
+    import dataclasses
+    from unittest import mock
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from step_bench import Run, config_for
+
+    from jax3d.plan import resolve
+    from jax3d.train.step import abstract_batch, abstract_state, build_steps
+
+    cfg = config_for(Run(shape, ablate=ablate))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
+    kernels = [importlib.import_module(f"jax3d.models.{k}") for k in PALLAS_KERNELS]
+    with contextlib.ExitStack() as stack:
+        for m in kernels:
+            stack.enter_context(mock.patch.object(m, "on_one_gpu", lambda rules: rules.single_device()))
+        plan = resolve(cfg, 1)
+        steps = build_steps(plan.cfg, plan.mesh, plan.mesh.build(jax.devices()[:1]))
+        with jax.set_mesh(steps.mesh):
+            jaxpr = steps.train_step.fn.trace(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).jaxpr
+    return hashlib.sha1(re.sub(r"name=\S+", "", str(jaxpr)).encode()).hexdigest()[:16]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--step", action="store_true", help="also fingerprint the whole train step")
+    p.add_argument("--shape", default="1.3b-b16", help="the step's shape (benchmarks/step_bench.py SHAPES)")
+    p.add_argument("--ablate", action="append", default=[], help="with this optimisation off (repeatable)")
+    a = p.parse_args(argv)
     for name, (f, args) in cases().items():
         print(json.dumps({"kernel": name, "jaxpr_sha1": fingerprint(f, args)}), flush=True)
+    if a.step:
+        print(json.dumps({"step": a.shape, "ablate": a.ablate,
+                          "jaxpr_sha1": step_fingerprint(a.shape, tuple(a.ablate))}), flush=True)
     return 0
 
 

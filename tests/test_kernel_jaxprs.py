@@ -28,3 +28,10 @@ def test_fingerprints_are_stable_and_see_the_kernel():
         jax.clear_caches()
     assert kernel_jaxprs.fingerprint(f, args) == base
     assert len({kernel_jaxprs.fingerprint(*c) for c in small.values()}) == len(small)
+
+
+def test_step_fingerprint_sees_the_kernels_a_gpu_would_take():
+    base = kernel_jaxprs.step_fingerprint("tiny")
+    assert kernel_jaxprs.step_fingerprint("tiny") == base
+    # The tiny step's q, k and v split into the QKV kernel's blocks, so turning it off changes the step.
+    assert kernel_jaxprs.step_fingerprint("tiny", ("fused_qkv_bias",)) != base
