@@ -41,6 +41,23 @@ def gpt_loss_and_grads(cfg: ModelConfig, params, batch):
         return jax.jit(jax.value_and_grad(lambda p: model.loss(p, batch)[0]))(params)
 
 
+def assert_same_loss_and_grads(got, want) -> None:
+    """(loss, grads) against a reference (loss, grads) in fp32: the loss within 1e-6, each gradient leaf
+    within 1e-5 (`rel_err`)."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert abs(float(loss) - float(ref_loss)) < 1e-6
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert rel_err(g, r) < 1e-5
+
+
+def with_random(params, name: str):
+    """`params` with random values added to the leaves whose path names `name`: biases start at zero, which
+    would hide a kernel that dropped or misplaced one."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.5 * jax.random.normal(jax.random.key(1), a.shape, a.dtype)
+        if name in jax.tree_util.keystr(path) else a, params)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))

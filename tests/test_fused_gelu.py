@@ -76,15 +76,12 @@ def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
     fused_gelu off: the same loss and gradients in fp32. With erf GELU (imported BERT-style models) the
     kernels are not used."""
     from jax3d.models import GPT
-    from tests.helpers import gpt_loss_and_grads, random_text, tiny_model
+    from tests.helpers import assert_same_loss_and_grads, gpt_loss_and_grads, random_text, tiny_model, with_random
 
     cfg = tiny_model(vocab_size=384, num_layers=2,
                      kernel_tunings=(("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=64"),))
     params = GPT(cfg).init(jax.random.key(0))
-    # Biases start at zero; give the MLP's up-projection bias values so a kernel that dropped it shows.
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, a: a + 0.5 * jax.random.normal(jax.random.key(1), a.shape, a.dtype)
-        if "up_bias" in jax.tree_util.keystr(path) else a, params)
+    params = with_random(params, "up_bias")
     text = random_text(4, cfg.seq_length, cfg.vocab_size)
 
     def loss_and_grads(cfg):
@@ -98,9 +95,7 @@ def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
                         lambda h, b, tuning: calls.append(tuning) or real(h, b, tuning, True))
     loss, grads = loss_and_grads(cfg)
     assert calls == [fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)] * cfg.num_layers
-    assert abs(float(loss) - float(ref_loss)) < 1e-6
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        assert rel_err(g, r) < 1e-5
+    assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 
     calls.clear()
     loss_and_grads(dataclasses.replace(cfg, activation="gelu_erf"))

@@ -53,14 +53,11 @@ def test_gpt_with_fused_qkv_matches_xla(monkeypatch):
     """The whole GPT, each attention's bias and split through the kernel with the settings its config
     names, against fused_qkv_bias off: the same loss and gradients in fp32."""
     from jax3d.models import GPT
-    from tests.helpers import gpt_loss_and_grads, random_text, tiny_model
+    from tests.helpers import assert_same_loss_and_grads, gpt_loss_and_grads, random_text, tiny_model, with_random
 
     cfg = tiny_model(vocab_size=384, num_layers=2, kernel_tunings=(("fused_qkv", "cols=32,rows_per_program=16"),))
     params = GPT(cfg).init(jax.random.key(0))
-    # Biases start at zero; give the QKV bias values so a kernel that dropped or misplaced it shows.
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, a: a + 0.5 * jax.random.normal(jax.random.key(1), a.shape, a.dtype)
-        if "qkv_bias" in jax.tree_util.keystr(path) else a, params)
+    params = with_random(params, "qkv_bias")
     text = random_text(4, cfg.seq_length, cfg.vocab_size)
 
     def loss_and_grads(cfg):
@@ -74,9 +71,7 @@ def test_gpt_with_fused_qkv_matches_xla(monkeypatch):
                         lambda y, b, tuning: calls.append(tuning) or real(y, b, tuning, True))
     loss, grads = loss_and_grads(cfg)
     assert calls == [fused_qkv.Tuning(cols=32, rows_per_program=16)] * cfg.num_layers
-    assert abs(float(loss) - float(ref_loss)) < 1e-6
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        assert rel_err(g, r) < 1e-5
+    assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 
     calls.clear()
     loss_and_grads(dataclasses.replace(cfg, ablate=("qkv_btcnh",)))
