@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax3d.config import ModelConfig
 from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent
 from jax3d.models.pallas_gpu import tuning_for
-from jax3d.sharding.rules import ShardingRules
+from jax3d.sharding.rules import ShardingRules, traced_platform
 
 
 def _param(module: nn.Module, name: str, axes: tuple, shape: tuple, init):
@@ -111,7 +111,7 @@ def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str) -> LayerNorm:
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = traced_platform() == "gpu"
     return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
 
 

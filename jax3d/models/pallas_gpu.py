@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 from jax.experimental.pallas import triton as pltriton
 
 from jax3d.config import ModelConfig
-from jax3d.sharding.rules import ShardingRules
+from jax3d.sharding.rules import ShardingRules, traced_platform
 
 
 def on_one_gpu(rules: ShardingRules) -> bool:
     """Whether the computation being traced runs on a single GPU: the kernels are not partitioned over a mesh."""
-    return jax.default_backend() == "gpu" and rules.single_device()
+    return traced_platform() == "gpu" and rules.single_device()
 
 
 def block_width(n: int) -> int:

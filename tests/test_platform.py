@@ -1,0 +1,62 @@
+"""Layers pick their GPU paths (Pallas kernels, cuDNN attention) by the platform of the mesh they are
+traced for, not by the machine's default backend: a mesh of CPU devices on a GPU machine runs the CPU
+paths."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax3d.models.layers import attention_impl
+from jax3d.sharding.rules import traced_platform
+from jax3d.train.step import build_steps
+from tests.helpers import random_text, tiny_config
+
+def _platforms():
+    found = ["cpu"]
+    try:
+        if jax.devices("gpu"):
+            found.append("gpu")
+    except RuntimeError:
+        pass
+    return found
+
+
+def _traced_in(devices):
+    mesh = jax.make_mesh((1,), ("x",), devices=devices[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    seen = []
+
+    def f(x):
+        seen.append(traced_platform())
+        return x
+
+    with jax.set_mesh(mesh):
+        jax.jit(f).lower(jnp.zeros(2))
+    return seen[0]
+
+
+@pytest.mark.parametrize("platform", _platforms())
+def test_traced_platform_is_the_mesh_devices_platform(platform):
+    devices = jax.devices(platform)
+    assert _traced_in(devices) == devices[0].platform
+
+
+def test_traced_platform_without_a_mesh_is_the_default_backend():
+    assert traced_platform() == jax.default_backend()
+
+
+@pytest.mark.skipif("gpu" not in _platforms(), reason="needs a GPU machine: a CPU mesh beside a GPU")
+def test_cpu_mesh_on_a_gpu_machine_takes_the_cpu_paths():
+    """The tiny GPT's bf16 train step on one CPU device of a GPU machine: XLA's attention and no Pallas
+    kernel, and it runs (a GPU kernel in a CPU program would not compile)."""
+    cfg, mesh_cfg, _ = tiny_config(micro=2, global_batch=2)
+    cfg = cfg.replace(precision={"dtype": "bfloat16"})
+    mesh = mesh_cfg.build(jax.devices("cpu")[:1])
+    with jax.set_mesh(mesh):
+        assert attention_impl(cfg.model, jnp.bfloat16) == "xla"
+    steps = build_steps(cfg, mesh_cfg, mesh)
+    state = steps.init_state(0)
+    batch = {"text": np.asarray(random_text(2, cfg.model.seq_length, cfg.model.vocab_size))[None]}
+    hlo = steps.train_step.lower(state, batch).compile().as_text()
+    assert "triton" not in hlo and "cudnn" not in hlo
+    _, metrics = steps.train_step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
