@@ -10,8 +10,10 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,6 +160,51 @@ def hlo_transposes(hlo_text: str) -> int:
     return len(re.findall(r"^\s*%[\w.]*transpose[\w.]* = ", hlo_text, re.M))
 
 
+class GpuLog:
+    """The GPU's SM clock and board power, sampled by `nvidia-smi` every 100 ms in the background, each
+    sample stamped with this process's clock on arrival. An H200 ran the 1.3B steps at its 700 W power
+    cap with the SM clock at 1365-1620 MHz, not its 1980 MHz peak, so the clock a run got belongs beside
+    its tokens/s. On a machine without `nvidia-smi` there are no samples and `summary` is empty."""
+
+    def __init__(self, gpu: int = 0):
+        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, MHz, W)
+        try:
+            self._proc = subprocess.Popen(["nvidia-smi", "-i", str(gpu), "--query-gpu=clocks.sm,power.draw",
+                                           "--format=csv,noheader,nounits", "-lms", "100"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+            return
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self._proc.stdout:
+            try:
+                mhz, watts = (float(v) for v in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.perf_counter(), mhz, watts))
+
+    def stop(self):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._reader.join(timeout=2)
+
+    def summary(self, start: float, end: float) -> dict:
+        return clock_summary(self.samples, start, end)
+
+
+def clock_summary(samples, start: float, end: float) -> dict:
+    """Median SM clock and power of the (time, MHz, W) samples from `start` to `end`; {} if none."""
+    inside = [(mhz, watts) for t, mhz, watts in samples if start <= t <= end]
+    if not inside:
+        return {}
+    return {"sm_clock_mhz": round(statistics.median(m for m, _ in inside)),
+            "power_w": round(statistics.median(w for _, w in inside))}
+
+
 def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
     """Times `steps_timed` train steps after `warmup`; one JSON-able record."""
     import jax
@@ -172,6 +219,7 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
         return {"who": "jax3d", "run": run.label(), "error": f"{', '.join(unused)} does not run in this step "
                 "(not on one GPU, or the settings do not fit the shape), so its settings were not measured"}
     transposes = hlo_transposes(hlo)
+    gpu = GpuLog()
     with jax.set_mesh(steps.mesh):
         for _ in range(warmup):
             state, metrics = compiled(state, batch)
@@ -180,7 +228,9 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
         for _ in range(steps_timed):
             state, metrics = compiled(state, batch)
         jax.block_until_ready((state, metrics))
-        dt = (time.perf_counter() - t0) / steps_timed
+        t1 = time.perf_counter()
+        dt = (t1 - t0) / steps_timed
+    gpu.stop()
     cfg = steps.cfg
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     tflops = tokens / dt * model_flops_per_token(cfg.model) / 1e12
@@ -192,7 +242,7 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
             "tflops_per_device": round(tflops, 1), "mfu": round(tflops / peak, 4) if peak else None,
             "compile_s": round(compile_s, 1), "hlo_transposes": transposes, "kernels": kernels,
             "tunings": [list(t) for t in run.tunings], "mem_gb": round(memory_gb(), 2),
-            "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind}
+            "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind, **gpu.summary(t0, t1)}
 
 
 def run_isolated(run: Run, steps_timed: int) -> dict:
@@ -214,13 +264,33 @@ def run_peer(shape: str, batch: int, steps_timed: int, script: str = DEFAULT_PEE
     layers, d, heads, seq, b = SHAPES[shape]
     cmd = [sys.executable, script, "--layers", str(layers), "--d", str(d), "--heads", str(heads),
            "--seq", str(seq), "--batch", str(batch or b), "--steps", str(steps_timed), "--vocab", str(VOCAB)]
-    return _child(cmd, dict(os.environ), f"peer {shape}", marker="")
+    gpu = GpuLog()
+    rec, printed_at = _child_at(cmd, dict(os.environ), f"peer {shape}", marker="")
+    gpu.stop()
+    if "step_s" in rec:  # its timed steps: the last steps_timed * step_s seconds before it printed
+        rec.update(gpu.summary(printed_at - steps_timed * rec["step_s"], printed_at))
+    return rec
 
 
 def _child(cmd, env, label, marker="RESULT ") -> dict:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    for line in reversed(proc.stdout.splitlines()):
+    return _child_at(cmd, env, label, marker)[0]
+
+
+def _child_at(cmd, env, label, marker="RESULT ") -> tuple[dict, float | None]:
+    """(the last JSON line after `marker` that `cmd` prints, this process's clock when it arrived); or
+    (an error record with the tail of its output, None)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = []
+    drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    drain.start()
+    out, found = [], None
+    for line in proc.stdout:
+        out.append(line)
         if line.startswith(marker) and line[len(marker):].lstrip().startswith("{"):
-            return json.loads(line[len(marker):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"run": label, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+            found = (line, time.perf_counter())
+    proc.wait()
+    drain.join()
+    if found is not None:
+        return json.loads(found[0][len(marker):]), found[1]
+    tail = ("".join(err) or "".join(out)).strip().splitlines()[-3:]
+    return {"run": label, "error": f"exit {proc.returncode}: " + " | ".join(tail)}, None

@@ -2,11 +2,13 @@
 
 Every configuration runs in its own process (its own peak-memory counter and XLA flags) and prints one
 JSON line: tokens/s, TFLOP/s per device, MFU (model FLOPs over 989 TFLOP/s on an H100/H200, counted as
-the peer counts them), step time, compile time and peak device memory. With `--peer` the peer runs at
-each shape too and a ratio line follows. `--ablate NAME` (repeatable, or `all`) adds a run with that
-optimisation off, so each one's worth is measured in the same call. Because each run is a fresh
-process, a change patched into this one (a replaced function, say) never reaches the step; kernel
-settings travel with the run in its model config instead (`--tune`, `ModelConfig.kernel_tunings`).
+the peer counts them), step time, compile time, peak device memory, and on a GPU the median SM clock and
+board power over the timed steps (an H200 runs these steps at its power cap, below its peak clock). With
+`--peer` the peer runs at each shape too and a ratio line follows. `--ablate NAME` (repeatable, or
+`all`) adds a run with that optimisation off, so each one's worth is measured in the same call. Because
+each run is a fresh process, a change patched into this one (a replaced function, say) never reaches the
+step; kernel settings travel with the run in its model config instead (`--tune`,
+`ModelConfig.kernel_tunings`).
 
     python benchmarks/throughput.py --shape 1.3b-b16 --peer --ablate all --ablate together
     python benchmarks/throughput.py --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer
@@ -92,15 +94,18 @@ def main(argv=None) -> int:
                 if peer and "error" not in peer and "error" not in rec:
                     rec["vs_peer"] = round(rec["tokens_per_s"] / peer["tokens_per_s"], 3)
                     rec["peer_mem_gb"] = peer["mem_gb"]
+                    if "sm_clock_mhz" in peer:
+                        rec["peer_sm_clock_mhz"] = peer["sm_clock_mhz"]
                 emit(rec)
                 rows.append(rec)
-    print("\n%-44s %10s %7s %8s %8s %8s" % ("run", "tok/s", "MFU", "mem GiB", "vs peer", "vs 1st"))
+    print("\n%-44s %10s %7s %8s %8s %8s %6s" % ("run", "tok/s", "MFU", "mem GiB", "vs peer", "vs 1st", "MHz"))
     for r in rows:
         if "error" in r:
             print("%-44s %s" % (r["run"], r["error"][:120]))
             continue
-        print("%-44s %10d %7s %8.1f %8s %8s" % (r["run"], r["tokens_per_s"], f"{r['mfu']:.1%}" if r["mfu"] else "-",
-                                               r["mem_gb"], r.get("vs_peer", "-"), r.get("vs_first", "-")))
+        print("%-44s %10d %7s %8.1f %8s %8s %6s" % (r["run"], r["tokens_per_s"], f"{r['mfu']:.1%}" if r["mfu"] else "-",
+                                                   r["mem_gb"], r.get("vs_peer", "-"), r.get("vs_first", "-"),
+                                                   r.get("sm_clock_mhz", "-")))
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -78,3 +78,22 @@ def test_profile_groups_a_kernels_instances():
     assert out["top"][0] == {"class": "elementwise_norm", "op": "loop_reduce_fusion", "scope": "layer/reduce_sum",
                              "per_step": 2.0, "ms": 0.04}
     assert [(r["op"], r["per_step"]) for r in out["top"]] == [("loop_reduce_fusion", 2.0), ("loop_add_fusion", 1.0)]
+
+
+def test_clock_summary_takes_the_median_inside_the_window():
+    samples = [(0.5, 1980, 120), (1.0, 1500, 690), (1.5, 1600, 700), (2.0, 1400, 695), (3.0, 1980, 130)]
+    assert step_bench.clock_summary(samples, 1.0, 2.0) == {"sm_clock_mhz": 1500, "power_w": 695}
+    assert step_bench.clock_summary(samples, 3.5, 4.0) == {}
+
+
+def test_child_reports_when_its_result_line_arrived():
+    import sys
+    import time
+
+    code = "import time; print('noise'); time.sleep(0.3); print('RESULT {\"x\": 1}'); time.sleep(0.3)"
+    before = time.perf_counter()
+    rec, at = step_bench._child_at([sys.executable, "-c", code], None, "probe")
+    assert rec == {"x": 1} and before + 0.3 <= at <= time.perf_counter() - 0.3
+    rec, at = step_bench._child_at([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"],
+                                   None, "probe")
+    assert at is None and rec == {"run": "probe", "error": "exit 3: boom"}
