@@ -9,7 +9,11 @@ in both XLA and cuBLAS-through-PyTorch point at the shapes; slow in XLA alone, a
 Its first run (an H200, 10 calls a round, XLA's product in fp32 cast to bf16) had every layout at
 570-800 TFLOP/s, below the same GEMMs inside the step (docs/performance.md, per layout), so it said
 nothing about the step. It now asks for bf16 out, as the model does, and times 50 calls a round; check
-its forward rates against the step's before reading its backward ones.
+its forward rates against the step's before reading its backward ones. A later probe of the same kind
+(not this script) had every layout of the MLP and QKV GEMMs, forward included, at 690-713 TFLOP/s: back
+to back, GEMMs run at the H200's power cap. A fourth layout here, the weight gradient from operands
+stored token-minor, asks whether the step's weight-gradient layout is the slow part; in that probe it
+was not.
 
     python benchmarks/gemm_shapes.py --torch                  # 1.3B: d 2048, 32768 tokens
     python benchmarks/gemm_shapes.py --d 768 --tokens 32768   # 125M
@@ -33,6 +37,9 @@ LAYOUTS = {
     "forward": (lambda t, k, n: ((t, k), (k, n)), ((1,), (0,))),  # x @ W -> (t, n)
     "input_grad": (lambda t, k, n: ((t, n), (k, n)), ((1,), (1,))),  # dy @ W^T -> (t, k)
     "weight_grad": (lambda t, k, n: ((t, k), (t, n)), ((0,), (0,))),  # x^T @ dy -> (k, n)
+    # The same product from operands stored token-minor (x^T and dy^T written out): is the step's
+    # weight-gradient layout, which contracts over both operands' leading dim, the slow part?
+    "weight_grad_token_minor": (lambda t, k, n: ((k, t), (n, t)), ((1,), (1,))),  # x^T @ (dy^T)^T -> (k, n)
 }
 
 
@@ -73,14 +80,16 @@ def time_torch(layout: str, t: int, k: int, n: int, reps: int) -> float:
 
     shapes = LAYOUTS[layout][0](t, k, n)
     a, b = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes)
-    call = {"forward": lambda: a @ b, "input_grad": lambda: a @ b.t(), "weight_grad": lambda: a.t() @ b}[layout]
+    call = {"forward": lambda: a @ b, "input_grad": lambda: a @ b.t(), "weight_grad": lambda: a.t() @ b,
+            "weight_grad_token_minor": lambda: a @ b.t()}[layout]
     return _seconds(call, lambda out: torch.cuda.synchronize(), reps)
 
 
 def check_layouts(t: int = 6, k: int = 4, n: int = 5) -> None:
     """Each layout's dot_general computes the product it is named for (against numpy in fp64)."""
     rng = np.random.default_rng(0)
-    want = {"forward": lambda a, b: a @ b, "input_grad": lambda a, b: a @ b.T, "weight_grad": lambda a, b: a.T @ b}
+    want = {"forward": lambda a, b: a @ b, "input_grad": lambda a, b: a @ b.T, "weight_grad": lambda a, b: a.T @ b,
+            "weight_grad_token_minor": lambda a, b: a @ b.T}
     for layout, (shapes, _) in LAYOUTS.items():
         a, b = (rng.standard_normal(s) for s in shapes(t, k, n))
         got = jax.lax.dot_general(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
