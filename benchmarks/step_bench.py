@@ -162,9 +162,10 @@ def hlo_transposes(hlo_text: str) -> int:
 
 class GpuLog:
     """The GPU's SM clock and board power, sampled by `nvidia-smi` every 100 ms in the background, each
-    sample stamped with this process's clock on arrival. An H200 ran the 1.3B steps at its 700 W power
-    cap with the SM clock at 1365-1620 MHz, not its 1980 MHz peak, so the clock a run got belongs beside
-    its tokens/s. On a machine without `nvidia-smi` there are no samples and `summary` is empty."""
+    sample stamped with this process's clock on arrival; a context manager, whose exit stops it. An H200
+    ran the 1.3B steps at its 700 W power cap with the SM clock at a median of 1560 MHz, not its 1980 MHz
+    peak, so the clock a run got belongs beside its tokens/s. On a machine without `nvidia-smi` there
+    are no samples and `summary` is empty."""
 
     def __init__(self, gpu: int = 0):
         self.samples: list[tuple[float, float, float]] = []  # (perf_counter, MHz, W)
@@ -186,7 +187,10 @@ class GpuLog:
                 continue
             self.samples.append((time.perf_counter(), mhz, watts))
 
-    def stop(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         if self._proc is not None:
             self._proc.terminate()
             self._proc.wait()
@@ -219,8 +223,7 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
         return {"who": "jax3d", "run": run.label(), "error": f"{', '.join(unused)} does not run in this step "
                 "(not on one GPU, or the settings do not fit the shape), so its settings were not measured"}
     transposes = hlo_transposes(hlo)
-    gpu = GpuLog()
-    with jax.set_mesh(steps.mesh):
+    with GpuLog() as gpu, jax.set_mesh(steps.mesh):
         for _ in range(warmup):
             state, metrics = compiled(state, batch)
         jax.block_until_ready(state)
@@ -230,7 +233,6 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
         jax.block_until_ready((state, metrics))
         t1 = time.perf_counter()
         dt = (t1 - t0) / steps_timed
-    gpu.stop()
     cfg = steps.cfg
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     tflops = tokens / dt * model_flops_per_token(cfg.model) / 1e12
@@ -264,9 +266,8 @@ def run_peer(shape: str, batch: int, steps_timed: int, script: str = DEFAULT_PEE
     layers, d, heads, seq, b = SHAPES[shape]
     cmd = [sys.executable, script, "--layers", str(layers), "--d", str(d), "--heads", str(heads),
            "--seq", str(seq), "--batch", str(batch or b), "--steps", str(steps_timed), "--vocab", str(VOCAB)]
-    gpu = GpuLog()
-    rec, printed_at = _child_at(cmd, dict(os.environ), f"peer {shape}", marker="")
-    gpu.stop()
+    with GpuLog() as gpu:
+        rec, printed_at = _child_at(cmd, dict(os.environ), f"peer {shape}", marker="")
     if "step_s" in rec:  # its timed steps: the last steps_timed * step_s seconds before it printed
         rec.update(gpu.summary(printed_at - steps_timed * rec["step_s"], printed_at))
     return rec

@@ -1,6 +1,9 @@
 """The step benchmark's runs: `throughput.py --tune` settings parsed from "FIELD=V,..." equal the Tuning
 built directly, bad settings are refused with one sentence, a run reaches its child process intact and
-its settings its model config, and a BERT shape gets a batch in Megatron's layout."""
+its settings its model config, a BERT shape gets a batch in Megatron's layout, and the GPU clock log
+reads `nvidia-smi` over a run's timed steps."""
+import os
+
 import pytest
 
 from benchmarks import profile_step, step_bench
@@ -97,3 +100,20 @@ def test_child_reports_when_its_result_line_arrived():
     rec, at = step_bench._child_at([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"],
                                    None, "probe")
     assert at is None and rec == {"run": "probe", "error": "exit 3: boom"}
+
+
+def test_gpu_log_reads_nvidia_smi_and_stops_it(tmp_path, monkeypatch):
+    """A stand-in `nvidia-smi` that prints a clock and a power each 20 ms until killed."""
+    import time
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nwhile true; do echo '1500, 690.5'; echo 'garbage'; sleep 0.02; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with step_bench.GpuLog() as log:
+        start = time.perf_counter()
+        time.sleep(0.5)
+        end = time.perf_counter()
+    assert log._proc.poll() is not None  # stopped on exit
+    assert step_bench.clock_summary(log.samples, start, end) == {"sm_clock_mhz": 1500, "power_w": 690}
+    assert log.summary(start, end) == {"sm_clock_mhz": 1500, "power_w": 690}
