@@ -11,6 +11,7 @@ from jax3d.sharding.rules import traced_platform
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, tiny_config
 
+
 def _platforms():
     found = ["cpu"]
     try:
