@@ -155,16 +155,22 @@ def test_step_moves_no_params_outside_the_tick_loop(kind):
 
 
 def test_logical_specs_change_only_the_layer_stack():
-    """An uneven split's logical stack is replicated over `stage`; the embedding keeps its `model` split."""
+    """An uneven split's logical stack moves `stage` to the first other dim it divides, beside `model`
+    (or stays replicated over it where none does); the embedding keeps its `model` split."""
+    from types import SimpleNamespace
+
     from jax.sharding import PartitionSpec as P
 
     from jax3d.pipeline.layout import make_layout
     from jax3d.train.layer_order import LayerOrder
 
     order = LayerOrder(make_layout(5, 2, 1, [3, 2]), optimizer=None)
-    specs = {"blocks": {"w": P("stage", None, "model")}, "embed": {"word": P("model", None)}}
-    out = order.logical_specs(specs)
-    assert out["blocks"]["w"] == P(None, None, "model")
+    mesh = SimpleNamespace(shape={"data": 1, "stage": 2, "model": 2})
+    specs = {"blocks": {"w": P("stage", None, "model"), "b": P("stage", None)}, "embed": {"word": P("model", None)}}
+    params = {"blocks": {"w": np.zeros((6, 3, 8)), "b": np.zeros((6, 3))}, "embed": {"word": np.zeros((8, 4))}}
+    out = order.moved_logical_specs(specs, params, mesh)
+    assert out["blocks"]["w"] == P(None, None, ("model", "stage"))  # dim 1 (3) can't take it; dim 2 can
+    assert out["blocks"]["b"] == P(None, None)  # nowhere to go: replicated over `stage`
     assert out["embed"]["word"] == P("model", None)
 
 
@@ -193,3 +199,21 @@ def test_uneven_logical_copy_takes_no_more_memory_than_the_state(tmp_path, mesh,
     other = build_steps(*other_cfg)
     back, _ = Checkpointer(other_cfg[0].replace(train={"load": str(tmp_path), "ckpt_step": 1})).restore(other)
     assert_equal(host(other.logical_state(back)), host(logical))
+
+
+def test_uneven_eval_holds_a_share_of_the_stack_and_matches_one_stage():
+    """3 + 2 layers: the eval step's compute copy keeps `stage` on another dim of the logical stack, so no
+    device materialises the whole stack (it did: an f32[5, 64, 256] up-projection per device); its loss
+    equals the same parameters' on one stage."""
+    import re
+
+    uneven = build_steps(*layout(1, 2, 1, counts=(3, 2), zero=0, layers=5))
+    one = build_steps(*layout(1, 1, 1, zero=0, layers=5))
+    state = uneven.init_state(0)
+    b = batch(uneven, 0)
+    hlo = uneven.eval_step.lower(state.params, b).compile().as_text()
+    d, f = uneven.cfg.model.hidden_size, uneven.cfg.model.ffn_hidden_size
+    assert not re.search(rf"\w+\[5,{d},{f}\]", hlo)
+    got = float(uneven.eval_step(state.params, b)["loss"])
+    want = float(one.eval_step(one.init_state(0).params, batch(one, 0))["loss"])
+    np.testing.assert_allclose(got, want, rtol=1e-6)

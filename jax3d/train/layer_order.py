@@ -80,42 +80,49 @@ class LayerOrder:
     # ---- shardings -------------------------------------------------------------------------------
     def logical_spec(self, spec: P) -> P:
         """A stack leaf's spec in logical order: `stage` stays on the layer dim where it divides the
-        layers (an uneven split's logical stack is replicated over `stage` here; `logical_shardings`, for the
-        copies that saves and restores make, moves `stage` to another dim)."""
+        layers (an uneven split's logical stack is replicated over `stage` here; `moved_spec` moves
+        `stage` to another dim instead)."""
         if self.logical or not len(spec) or self.layout.num_layers % self.layout.stages == 0:
             return spec
         return P(None, *tuple(spec)[1:])
-
-    def logical_specs(self, specs):
-        """A params-shaped tree of PartitionSpecs in logical order: only the layer stack's change."""
-        if self.logical:
-            return specs
-        return {k: jax.tree.map(self.logical_spec, v, is_leaf=lambda s: isinstance(s, P)) if k == "blocks" else v
-                for k, v in specs.items()}
 
     def logical_shardings(self, state):
         """Shardings of the logical-order copy of a state: a TrainState of arrays, or of abstract arrays
         that carry their shardings.
 
-        An uneven split's logical stack can't keep `stage` on its layer dim, so `stage` moves to the
-        first other dim it divides (a leaf with none stays replicated over `stage`): the copy that
-        every save and restore makes then takes about as much memory per device as the state, not
-        `stages` times the stack's share."""
+        The stack's specs are `moved_spec`'s: the copy that every save and restore makes takes about as
+        much memory per device as the state, not `stages` times the stack's share."""
         moved = self.map_state(lambda a: NamedSharding(a.sharding.mesh, self._logical_stack_spec(a)), state)
         return jax.tree.map(lambda a: a if isinstance(a, NamedSharding) else a.sharding, moved)
 
-    def _logical_stack_spec(self, a) -> P:
-        spec = a.sharding.spec
+    def moved_logical_specs(self, specs, params, mesh):
+        """A params-shaped tree of PartitionSpecs in logical order, for `params` (arrays or abstract
+        arrays, in the state's order) on `mesh`: only the layer stack's change, to `moved_spec`'s. What
+        the eval step gathers its compute copy to."""
+        if self.logical:
+            return specs
+        return {k: jax.tree.map(lambda s, a: self.moved_spec(s, a.shape, mesh), v, params[k],
+                                is_leaf=lambda s: isinstance(s, P)) if k == "blocks" else v
+                for k, v in specs.items()}
+
+    def moved_spec(self, spec: P, shape: tuple, mesh) -> P:
+        """A stack leaf's spec in logical order, for a leaf of `shape` on `mesh`. Where an uneven split
+        can't keep `stage` on the layer dim, `stage` moves to the first other dim it divides (a leaf with
+        none stays replicated over `stage`), so a device holds about its share of the stack, not all
+        of it."""
         logical = self.logical_spec(spec)
         if logical == spec:
             return spec
-        mesh, entries = a.sharding.mesh, list(logical) + [None] * (len(a.shape) - len(logical))
-        for i in range(1, len(a.shape)):
+        entries = list(logical) + [None] * (len(shape) - len(logical))
+        for i in range(1, len(shape)):
             axes = entries[i] if isinstance(entries[i], tuple) else () if entries[i] is None else (entries[i],)
-            if a.shape[i] % (math.prod(mesh.shape[x] for x in axes) * mesh.shape["stage"]) == 0:
+            if shape[i] % (math.prod(mesh.shape[x] for x in axes) * mesh.shape["stage"]) == 0:
                 entries[i] = (*axes, "stage")
                 return P(*entries)
         return logical
+
+    def _logical_stack_spec(self, a) -> P:
+        return self.moved_spec(a.sharding.spec, a.shape, a.sharding.mesh)
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _params(self, params, fn):

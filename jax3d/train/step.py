@@ -196,11 +196,13 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                    "loss_scale": scale, "skipped": new_state.loss_scale.skipped}
         return new_state, metrics
 
-    logical_compute = {"compute": order.logical_specs(specs["compute"])}
+    # An uneven split's logical stack keeps `stage` on another dim, so eval holds a share of it, not all.
+    logical_compute = {"compute": order.moved_logical_specs(specs["compute"], abstract_params, mesh)}
 
     def eval_step(params, batch):
         norms = model.normalizers(batch)
-        p = cast_for_compute(order.params_to_logical(params), dtype, logical_compute)
+        # Cast and move `stage` off the layer dim first: the reorder is then local, in the compute dtype.
+        p = order.params_to_logical(cast_for_compute(params, dtype, logical_compute))
 
         def one(carry, mb):
             obj, aux = model.loss(p, mb, None, True, norms)
@@ -223,7 +225,8 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                         out_shardings=(state_shardings, repl), donate_argnums=0)
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
     grads_jit = jax.jit(loss_and_grads, out_shardings=(repl, jax.tree.map(
-        lambda s: NamedSharding(mesh, s), order.logical_specs(specs["grads"]), is_leaf=_is_spec)))
+        lambda s: NamedSharding(mesh, s), order.moved_logical_specs(specs["grads"], abstract_params, mesh),
+        is_leaf=_is_spec)))
     to_logical = jax.jit(order.state_to_logical, out_shardings=logical_shardings)
     params_to_logical = jax.jit(order.params_to_logical, out_shardings=logical_shardings.params)
     from_logical = jax.jit(order.state_from_logical, out_shardings=state_shardings, donate_argnums=0)
