@@ -4,7 +4,8 @@ jax3d's real step runs a few steps under `jax.profiler`; every GPU kernel is cla
 attention, elementwise and normalisation, optimizer, communication or copies (by kernel name, and by
 the jax name scope that XLA's metadata keeps for each fusion), and the classes are summed per step.
 With `--peer` the PyTorch peer's step is traced with `torch.profiler` and classed by the same rules.
-One JSON line per side, then a table in milliseconds per step.
+One JSON line per side, then a table in milliseconds per step, with each side's GPU busy fraction and
+median SM clock over the traced steps (kernel times scale with the clock, which the power cap sets).
 
     python benchmarks/profile_step.py --shape 1.3b-b16 --peer
 """
@@ -20,11 +21,12 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from step_bench import DEFAULT_PEER, SHAPES, VOCAB, Run, _child, build, is_bert  # noqa: E402
+from step_bench import DEFAULT_PEER, SHAPES, VOCAB, GpuLog, Run, _child, build, is_bert  # noqa: E402
 
 CLASSES = ("matmul", "attention", "elementwise_norm", "optimizer", "communication", "copies")
 _COMM = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -137,10 +139,12 @@ def profile_jax3d(run: Run, steps: int, hlo_out: str = "") -> dict:
         for _ in range(3):
             state, _m = compiled(state, batch)
         jax.block_until_ready(state)
-        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+        with GpuLog() as gpu, jax.profiler.trace(logdir, create_perfetto_trace=True):
+            t0 = time.perf_counter()
             for _ in range(steps):
                 state, _m = compiled(state, batch)
             jax.block_until_ready(state)
+            t1 = time.perf_counter()
     path = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
     trace = json.load(gzip.open(path))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -160,9 +164,8 @@ def profile_jax3d(run: Run, steps: int, hlo_out: str = "") -> dict:
         kernels = [(e["name"], e["args"]["hlo_op"], scopes.get(e["args"]["hlo_op"], ""), float(e.get("dur", 0)),
                     float(e["ts"]))
                    for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
-    out = {"who": "jax3d", "run": run.label(), **_summarise(kernels, steps)}
-    out["kernels_seen"] = len(kernels)
-    return out
+    return {"who": "jax3d", "run": run.label(), **_summarise(kernels, steps), "kernels_seen": len(kernels),
+            **gpu.summary(t0, t1)}
 
 
 def profile_peer(shape: str, batch: int, steps: int, script: str) -> dict:
@@ -190,16 +193,19 @@ def profile_peer(shape: str, batch: int, steps: int, script: str) -> dict:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with GpuLog() as gpu, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+        t1 = time.perf_counter()
     path = os.path.join(tempfile.mkdtemp(prefix="peer-prof-"), "trace.json")
     prof.export_chrome_trace(path)
     events = json.load(open(path))["traceEvents"]
     kernels = [(e["name"], "", "", float(e.get("dur", 0)), float(e["ts"])) for e in events
                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    return {"who": "peer", "run": f"{shape} b{batch}", **_summarise(kernels, steps), "kernels_seen": len(kernels)}
+    return {"who": "peer", "run": f"{shape} b{batch}", **_summarise(kernels, steps), "kernels_seen": len(kernels),
+            **gpu.summary(t0, t1)}
 
 
 def main(argv=None) -> int:
@@ -237,6 +243,7 @@ def main(argv=None) -> int:
     for c in (*CLASSES, "total"):
         print("%-18s" % c + "".join("%12.1f" % r["ms_per_step"][c] for r in recs))
     print("%-18s" % "GPU busy" + "".join("%12s" % f"{r['gpu_busy']:.1%}" for r in recs))
+    print("%-18s" % "SM clock, MHz" + "".join("%12s" % r.get("sm_clock_mhz", "-") for r in recs))
     return 0
 
 
