@@ -58,6 +58,26 @@ def with_random(params, name: str):
         if name in jax.tree_util.keystr(path) else a, params)
 
 
+def gpt_case(cfg: ModelConfig, bias: str):
+    """`loss_and_grads(cfg)` of the tiny GPT built from `cfg`, on its parameters with the leaves naming
+    `bias` given random values (`with_random`) and one random batch: for comparing a kernel's model
+    against the same model with the kernel ablated."""
+    from jax3d.models import GPT
+
+    params = with_random(GPT(cfg).init(jax.random.key(0)), bias)
+    text = random_text(4, cfg.seq_length, cfg.vocab_size)
+    return lambda c: gpt_loss_and_grads(c, params, {"text": text})
+
+
+def interpreted(monkeypatch, module, entry: str) -> list:
+    """Replaces a kernel module's entry point `entry(x, b, tuning)` with the kernel in Pallas' interpreter,
+    its settings kept; returns the list each call's Tuning is appended to."""
+    calls = []
+    real = getattr(module, entry)
+    monkeypatch.setattr(module, entry, lambda x, b, tuning: calls.append(tuning) or real(x, b, tuning, True))
+    return calls
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))

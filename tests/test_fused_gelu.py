@@ -75,24 +75,14 @@ def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
     """The whole GPT, each MLP's GELU through the kernels with the settings its config names, against
     fused_gelu off: the same loss and gradients in fp32. With erf GELU (imported BERT-style models) the
     kernels are not used."""
-    from jax3d.models import GPT
-    from tests.helpers import assert_same_loss_and_grads, gpt_loss_and_grads, random_text, tiny_model, with_random
+    from tests.helpers import assert_same_loss_and_grads, gpt_case, interpreted, tiny_model
 
     cfg = tiny_model(vocab_size=384, num_layers=2,
                      kernel_tunings=(("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=64"),))
-    params = GPT(cfg).init(jax.random.key(0))
-    params = with_random(params, "up_bias")
-    text = random_text(4, cfg.seq_length, cfg.vocab_size)
-
-    def loss_and_grads(cfg):
-        return gpt_loss_and_grads(cfg, params, {"text": text})
-
+    loss_and_grads = gpt_case(cfg, "up_bias")
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_gelu",)))
     monkeypatch.setattr(fused_gelu, "supported", lambda h, rules, tuning: True)
-    calls = []
-    real = fused_gelu.gelu_bias
-    monkeypatch.setattr(fused_gelu, "gelu_bias",  # the kernels in Pallas' interpreter, their settings kept
-                        lambda h, b, tuning: calls.append(tuning) or real(h, b, tuning, True))
+    calls = interpreted(monkeypatch, fused_gelu, "gelu_bias")
     loss, grads = loss_and_grads(cfg)
     assert calls == [fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)] * cfg.num_layers
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))

@@ -52,23 +52,13 @@ def test_split_bias_matches_xla(dtype, tol, tuning, interpret):
 def test_gpt_with_fused_qkv_matches_xla(monkeypatch):
     """The whole GPT, each attention's bias and split through the kernel with the settings its config
     names, against fused_qkv_bias off: the same loss and gradients in fp32."""
-    from jax3d.models import GPT
-    from tests.helpers import assert_same_loss_and_grads, gpt_loss_and_grads, random_text, tiny_model, with_random
+    from tests.helpers import assert_same_loss_and_grads, gpt_case, interpreted, tiny_model
 
     cfg = tiny_model(vocab_size=384, num_layers=2, kernel_tunings=(("fused_qkv", "cols=32,rows_per_program=16"),))
-    params = GPT(cfg).init(jax.random.key(0))
-    params = with_random(params, "qkv_bias")
-    text = random_text(4, cfg.seq_length, cfg.vocab_size)
-
-    def loss_and_grads(cfg):
-        return gpt_loss_and_grads(cfg, params, {"text": text})
-
+    loss_and_grads = gpt_case(cfg, "qkv_bias")
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_qkv_bias",)))
     monkeypatch.setattr(fused_qkv, "on_one_gpu", lambda rules: True)
-    calls = []
-    real = fused_qkv.split_bias
-    monkeypatch.setattr(fused_qkv, "split_bias",  # the kernel in Pallas' interpreter, its settings kept
-                        lambda y, b, tuning: calls.append(tuning) or real(y, b, tuning, True))
+    calls = interpreted(monkeypatch, fused_qkv, "split_bias")
     loss, grads = loss_and_grads(cfg)
     assert calls == [fused_qkv.Tuning(cols=32, rows_per_program=16)] * cfg.num_layers
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))

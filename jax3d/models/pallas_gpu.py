@@ -26,7 +26,7 @@ def check_powers_of_two(tuning, *fields: str) -> None:
     for name in fields:
         n = getattr(tuning, name)
         if n < 1 or n & (n - 1):
-            raise ValueError(f"{type(tuning).__module__.split('.')[-1]}.{tuning}: {name}={n} must be a power of two")
+            raise ValueError(f"{_kernel(type(tuning))}.{tuning}: {name}={n} must be a power of two")
 
 
 def compiler_params(num_warps: int, interpret: bool):
@@ -50,9 +50,9 @@ def parse_tuning(cls, settings: str):
         except ValueError:
             number = None
         if name not in names or number is None:
-            raise ValueError(f"{cls.__module__.split('.')[-1]}: {item!r} is not FIELD=INTEGER for a field of {cls()}")
+            raise ValueError(f"{_kernel(cls)}: {item!r} is not FIELD=INTEGER for a field of {cls()}")
         if name in changes:
-            raise ValueError(f"{cls.__module__.split('.')[-1]}: {name} is given twice")
+            raise ValueError(f"{_kernel(cls)}: {name} is given twice")
         changes[name] = number
     return cls(**changes)
 
@@ -60,5 +60,9 @@ def parse_tuning(cls, settings: str):
 def tuning_for(cfg: ModelConfig, kernel) -> object:
     """The Tuning that `kernel` (one of the kernel modules) runs with in this model: its defaults, with
     the changes `cfg.kernel_tunings` names for it."""
-    name = kernel.__name__.rsplit(".", 1)[-1]
-    return parse_tuning(kernel.Tuning, dict(cfg.kernel_tunings).get(name, ""))
+    return parse_tuning(kernel.Tuning, dict(cfg.kernel_tunings).get(_kernel(kernel.Tuning), ""))
+
+
+def _kernel(tuning_cls) -> str:
+    """The kernel module's short name ("fused_gelu") that a Tuning class belongs to."""
+    return tuning_cls.__module__.rsplit(".", 1)[-1]
