@@ -340,3 +340,19 @@ def test_rollback_drops_the_abandoned_steps_at_its_first_save(small_ckpt, tmp_pa
     state, _ = ck.restore(steps, ck.step_to_restore())
     ck.save(3, state, {"consumed_samples": 3 * GB}, wait=True)
     assert list_steps(d) == [1, 3]
+
+
+def test_resumed_run_keeps_the_steps_it_saves(small_ckpt, tmp_path):
+    """Continued in its own directory from its latest step, a run keeps every step it writes (it deleted
+    each earlier one at its next save), and --keep-checkpoints counts them with the loaded run's."""
+    import shutil
+
+    cfg, _, _, steps = small_ckpt
+    for keep, want in ((0, [1, 2, 3, 4, 5]), (2, [4, 5])):
+        d = str(tmp_path / f"keep{keep}")
+        shutil.copytree(cfg.train.save, d)
+        ck = Checkpointer(cfg.replace(train={"load": d, "save": d, "save_interval": 1, "keep_checkpoints": keep}))
+        state, _ = ck.restore(steps, ck.step_to_restore())
+        train(steps, state, 2, 5, ck)
+        ck.close()
+        assert list_steps(d) == want

@@ -352,8 +352,10 @@ class Checkpointer:
         t0 = time.perf_counter()
         mgr.wait_until_finished()
         # Steps past the one this run resumed from belong to an abandoned future (a rollback with
-        # --ckpt-step), as do any at or past this one.
+        # --ckpt-step), as do any at or past this one. That future is dropped once, at the first save:
+        # later saves keep the steps this run wrote.
         after = step if self._resumed_from is None else min(step, self._resumed_from + 1)
+        self._resumed_from = None
         stale = [s for s in mgr.all_steps() if s >= after]
         if stale:  # a rolled-back run overwrites the abandoned future, so "latest" stays this run's
             _log(f"jax3d: replacing checkpoints {stale} in {self.save_dir} from an earlier run")
