@@ -74,6 +74,24 @@ def test_tensor_parallel_2_same_tokens(imported):
     assert tp.generate(PROMPTS, NEW) == single
 
 
+def test_a_make_mesh_mesh_with_data_rows_gives_the_same_tokens(imported):
+    """A mesh from `jax.make_mesh` (Explicit axes by default) with rows over `data` and heads over
+    `model`: the tokens of one device; a batch the data axis can't split, and a layer stack of another
+    length (a pipelined state's), are refused with one sentence each."""
+    import numpy as np
+
+    _, params, cfg = imported
+    single = _gen(cfg, params, batch=4).generate(PROMPTS, NEW)
+    mesh = jax.make_mesh((2, 1, 2), ("data", "stage", "model"), devices=jax.devices()[:4])
+    assert Generator(cfg, params, mesh, batch=4, max_len=64).generate(PROMPTS, NEW) == single
+    with pytest.raises(ConfigError, match="a batch of 3 does not split over the mesh's 2 data devices"):
+        Generator(cfg, params, mesh, batch=3, max_len=64)
+    padded = {**params, "blocks": jax.tree.map(lambda a: np.concatenate([a, np.zeros_like(a[:1])]),
+                                               params["blocks"])}
+    with pytest.raises(ConfigError, match=r"stacks 4 layers but the model has 3.*logical_params"):
+        Generator(cfg, padded, mesh, batch=4, max_len=64)
+
+
 def test_sampling_is_seeded_and_respects_top_k(imported):
     _, params, cfg = imported
     gen = _gen(cfg, params, batch=2)

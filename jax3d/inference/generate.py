@@ -68,8 +68,13 @@ def pick(logits_bv, sampling: Sampling, key) -> jax.Array:
 
 
 class Generator:
-    """Prefill and decode of one GPT on `mesh` (tensor parallel over `model`) for a fixed batch size
-    and cache length; both are jitted once and reused for every call."""
+    """Prefill and decode of one GPT on `mesh` (tensor parallel over `model`, rows over `data`) for a
+    fixed batch size and cache length; both are jitted once and reused for every call.
+
+    `params` are in logical layer order. A train state under an interleaved or uneven pipeline keeps its
+    layers in pipeline order: pass `steps.logical_params(state.params)`, not `state.params`. `mesh` has
+    jax3d's axis names, as `MeshConfig.build` or `jax.make_mesh` make them (Explicit axes are taken as
+    Auto)."""
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
                  eod: int | None = None):
@@ -79,6 +84,16 @@ class Generator:
         if max_len > cfg.max_position_embeddings:
             raise ConfigError(f"prompt plus --max-new-tokens is {max_len} tokens, longer than the model's "
                               f"{cfg.max_position_embeddings} positions; shorten the prompt or ask for fewer tokens")
+        mesh = _auto_axes(mesh)
+        rows = dict(mesh.shape).get("data", 1)
+        if batch % rows:
+            raise ConfigError(f"a batch of {batch} does not split over the mesh's {rows} data devices; pass a "
+                              f"batch that is a multiple of {rows}, or a mesh with data = 1")
+        stacked = jax.tree.leaves(params["blocks"])[0].shape[0]
+        if stacked != cfg.num_layers:
+            raise ConfigError(f"params['blocks'] stacks {stacked} layers but the model has {cfg.num_layers}: a "
+                              "pipelined train state keeps its layers in pipeline order; pass "
+                              "steps.logical_params(state.params)")
         self.cfg, self.mesh, self.batch, self.max_len, self.dtype, self.eod = cfg, mesh, batch, max_len, dtype, eod
         self.rules = ShardingRules.create(False)
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
@@ -215,6 +230,18 @@ class Generator:
         """The `max_new_tokens` continuation tokens of each prompt."""
         out = np.stack(list(self.stream(prompts, max_new_tokens, sampling, seed)), axis=1)
         return [list(map(int, row)) for row in out[:len(prompts)]]
+
+
+def _auto_axes(mesh):
+    """`mesh` with Auto axes: the generator's layers place arrays with sharding constraints, which
+    an Explicit axis (`jax.make_mesh`'s default) would treat as assertions."""
+    if not {"data", "model"} <= set(mesh.axis_names):
+        raise ConfigError(f"the mesh's axes are {mesh.axis_names}; generation needs jax3d's "
+                          "('data', 'stage', 'model'), e.g. from MeshConfig.build")
+    if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
 
 def greedy_without_cache(model, params, prompt: list[int], max_new_tokens: int, vocab: int) -> list[int]:
