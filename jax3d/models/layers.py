@@ -34,6 +34,14 @@ def _inits(cfg: ModelConfig):
     return nn.initializers.normal(std), nn.initializers.normal(std / math.sqrt(2.0 * cfg.num_layers))
 
 
+def _dropout_rng(module: nn.Module, rng, deterministic: bool):
+    """The key that drives a layer's dropout: `rng`, else Flax's 'dropout' stream where the caller gave
+    one (`apply(..., rngs={'dropout': key})`), else None (no dropout)."""
+    if rng is None and not deterministic and module.has_rng("dropout"):
+        return module.make_rng("dropout")
+    return rng
+
+
 def _dropout(x, rate: float, rng, deterministic: bool):
     if deterministic or rate == 0.0 or rng is None:
         return x
@@ -124,7 +132,7 @@ class Attention(nn.Module):
     """
 
     cfg: ModelConfig
-    rules: ShardingRules
+    rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
     causal: bool = True
 
     @nn.compact
@@ -166,6 +174,7 @@ class Attention(nn.Module):
             # cuDNN takes a mask as a bias over every (query, key) pair: a key-only (padding) mask is
             # broadcast over the queries, or the call is refused.
             mask = jnp.broadcast_to(mask, (*mask.shape[:-2], q.shape[1], mask.shape[-1]))
+        rng = _dropout_rng(self, rng, deterministic)
         if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
             ctx = self._core_with_dropout(q, k, v, mask, rng)
         else:
@@ -192,7 +201,7 @@ class MLP(nn.Module):
     """GELU MLP; up-projection column-parallel over `mlp`, down-projection row-parallel."""
 
     cfg: ModelConfig
-    rules: ShardingRules
+    rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
 
     @nn.compact
     def __call__(self, x_btd):
@@ -222,16 +231,17 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-LN transformer block (post-LN with `cfg.post_layernorm`: each layer norm after its residual
-    add). `rng` drives dropout; None or deterministic=True turns it off. With a KV `cache` (see
-    Attention) it returns (output, updated cache)."""
+    add). `rng`, or else the 'dropout' stream of Flax's `rngs`, drives dropout; deterministic=True or
+    neither turns it off. With a KV `cache` (see Attention) it returns (output, updated cache)."""
 
     cfg: ModelConfig
-    rules: ShardingRules
+    rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
     causal: bool = True
 
     @nn.compact
     def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None):
         cfg = self.cfg
+        rng = _dropout_rng(self, rng, deterministic)
         r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
         before = not cfg.post_layernorm  # each layer norm before its sublayer, or after the residual add
@@ -262,7 +272,7 @@ class Embedding(nn.Module):
     """Vocab-parallel word embedding plus learned positions (and token types for BERT)."""
 
     cfg: ModelConfig
-    rules: ShardingRules
+    rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
     num_tokentypes: int = 0
 
     @nn.compact
@@ -289,7 +299,7 @@ class Embedding(nn.Module):
         if cfg.embedding_layernorm:
             x_btd = norm_for(cfg, self.rules, "norm")(x_btd)
         x_btd = self.rules.constrain(x_btd, ("batch", "act_seq", "embed"))
-        return _dropout(x_btd, cfg.hidden_dropout, rng, deterministic)
+        return _dropout(x_btd, cfg.hidden_dropout, _dropout_rng(self, rng, deterministic), deterministic)
 
 
 def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules, fp32: bool = False):
