@@ -184,18 +184,15 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
 
 def main(argv=None) -> int:
     """`launch/evaluate.py`: one JSON line of figures; bad input is one sentence and exit 2."""
-    import argparse
-
     from jax3d.argparse_util import OneLineParser
 
-    p = OneLineParser(prog="launch/evaluate.py", description="Loss and perplexity of a checkpoint over a data set.",
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="launch/evaluate.py", description="Loss and perplexity of a checkpoint over a data set.")
     p.add_argument("--load", required=True, help="checkpoint directory")
     p.add_argument("--ckpt-step", type=int, default=-1)
     p.add_argument("--data-path", nargs="+", default=[], help="Megatron .bin/.idx prefix (or weights and prefixes)")
-    p.add_argument("--text-file", default="", help="a UTF-8 text file (GPT), cut into windows of --seq-length")
+    p.add_argument("--text-file", default="", help="a UTF-8 text file (GPT), cut into windows of the model's sequence length")
     p.add_argument("--split", default=None, help="as in training (default: the checkpoint's run)")
-    p.add_argument("--split-name", choices=SPLITS, default="valid", help="which part of --split to evaluate")
+    p.add_argument("--split-name", choices=SPLITS, default="valid", help="which part of --split to evaluate (default: valid)")
     p.add_argument("--num-samples", type=int, default=0, help="the first N samples (default: all, one epoch)")
     p.add_argument("--seed", type=int, default=None, help="sample order seed (default: the checkpoint's run)")
     p.add_argument("--micro-batch-size", type=int, default=4)

@@ -1,4 +1,4 @@
-"""Tokenize a JSONL corpus into Megatron `.bin/.idx` files (Megatron's flag names).
+r"""Tokenize a JSONL corpus into Megatron `.bin/.idx` files (Megatron's flag names).
 
     python launch/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
