@@ -66,3 +66,21 @@ def test_bf16_step_stays_near_the_fp32_loss(reference):
 def test_unknown_ablation_is_one_clear_error():
     with pytest.raises(ConfigError, match="unknown optimisation"):
         tiny_model(ablate=("fast_mode",))
+
+
+def test_forward_mode_with_the_fused_loss_off_gives_the_gradient_along_a_direction(reference):
+    """GPT's docstring: the fused loss takes reverse mode only, and with it ablated `jax.jvp` works; its
+    tangent along a random direction equals the fused model's gradient dotted with that direction."""
+    cfg, params, text, loss, grads = reference
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    direction = jax.tree.unflatten(tree, [jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)])
+    fused = GPT(cfg)
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda p: fused.loss(p, {"text": text})[0], (params,), (direction,))
+    plain = GPT(dataclasses.replace(cfg, ablate=("fused_loss",)))
+    value, tangent = jax.jit(lambda p, t: jax.jvp(lambda q: plain.loss(q, {"text": text})[0], (p,), (t,)))(
+        params, direction)
+    want = sum(jnp.vdot(g, t) for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
+    assert rel_err(value, loss) < 1e-6
+    assert rel_err(tangent, want) < 1e-4

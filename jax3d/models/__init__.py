@@ -7,6 +7,8 @@ from jax3d.models.transformer import TransformerLM
 
 
 def build_model(cfg: ModelConfig, rules=None) -> TransformerLM:
+    """The GPT or BERT that `cfg.model_type` names. `rules` (a ShardingRules) places its activations on
+    the mesh in context; None: no constraints, plain single-device code."""
     if cfg.model_type == "gpt":
         return GPT(cfg, rules)
     if cfg.model_type == "bert":

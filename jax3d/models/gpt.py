@@ -11,7 +11,11 @@ from jax3d.models.transformer import TransformerLM
 
 
 class GPT(TransformerLM):
-    """A micro-batch is `{'text': int (batch, seq+1)}`, optionally with `loss_mask` (batch, seq)."""
+    """A micro-batch is `{'text': int (batch, seq+1)}`, optionally with `loss_mask` (batch, seq).
+
+    The loss computes its head's gradients in the forward pass (optimisation `fused_loss`, a custom VJP),
+    so reverse mode works and forward mode (`jax.jvp`, `jax.jacfwd`) does not; a model built with
+    `ModelConfig(ablate=("fused_loss",))` has the same loss and takes both."""
 
     causal = True
 
