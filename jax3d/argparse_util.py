@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -21,12 +22,18 @@ def layer_counts(text: str, flag: str) -> tuple[int, ...]:
 
 
 def dir_problem(path: str) -> str | None:
-    """Why directory `path` can neither be used nor created ("is a file", "is inside file F"), or None."""
-    if os.path.isdir(path):
-        return None
-    if os.path.exists(path):
+    """Why directory `path` can't be written to or created ("is a file", "lies inside file F", "cannot be
+    written (Permission denied)"), or None. It writes nothing that stays: a command checks its output
+    folder with this before it spends time on work it could not save."""
+    if os.path.exists(path) and not os.path.isdir(path):
         return "is a file, not a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    return None if os.path.isdir(parent) else f"lies inside {parent}, which is a file"
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        return f"lies inside {here}, which is a file"
+    try:  # permissions, read-only or special file systems: only trying tells
+        tempfile.TemporaryDirectory(dir=here).cleanup()
+    except OSError as e:
+        return f"cannot be written ({e.strerror} in {here})"
+    return None

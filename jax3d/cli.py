@@ -237,5 +237,5 @@ def _refuse_bad_values(a: argparse.Namespace, model, train) -> None:
     for flag, path in [("--save", a.save), ("--log-dir", a.log_dir)]:
         problem = dir_problem(path) if path else None
         if problem:
-            raise ConfigError(f"{flag} {path} {problem}; pass a directory path")
+            raise ConfigError(f"{flag} {path} {problem}; pass a directory you can write")
 

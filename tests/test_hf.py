@@ -206,7 +206,7 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
     assert "--load" in capsys.readouterr().err and _no_files(str(tmp_path / "o"))
     (tmp_path / "a_file").write_text("kept")
     assert convert_main(["export", "--load", str(tmp_path / "none"), "--hf-dir", str(tmp_path / "a_file")]) == 2
-    assert "is not a new or empty directory" in capsys.readouterr().err and (tmp_path / "a_file").read_text() == "kept"
+    assert "is a file, not a directory" in capsys.readouterr().err and (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_export_of_inexpressible_model_names_the_field():

@@ -138,16 +138,18 @@ def _tokenizer_of(hf_dir: str, model_type: str) -> tuple[dict, list[str]]:
     return kw, have
 
 
-def _empty_or_new_dir(path: str) -> bool:
-    return dir_problem(path) is None and not (os.path.isdir(path) and os.listdir(path))
+def _check_new_dir(flag: str, path: str) -> None:
+    """ConfigError unless `path` is an empty or new directory that can be written."""
+    problem = dir_problem(path) or ("is not empty" if os.path.isdir(path) and os.listdir(path) else None)
+    if problem:
+        raise ConfigError(f"{flag} {path} {problem}; pass a new directory you can write")
 
 
 def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0) -> dict:
     """Writes HF folder `hf_dir` as jax3d checkpoint `save` (step 0, fresh optimizer state); returns a
     summary. Everything is checked before anything is written."""
     cfg_m, hf, files = read_hf_folder(hf_dir, divisible_by)
-    if not _empty_or_new_dir(save):
-        raise ConfigError(f"--save {save} is not a new or empty directory; pass a new directory")
+    _check_new_dir("--save", save)
     tensors = {}
     for p in files:
         tensors.update(read_safetensors_file(p))
@@ -194,8 +196,7 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     from jax3d.export import load_params
     from jax3d.train.checkpoint import config_from_dict
 
-    if not _empty_or_new_dir(hf_dir):
-        raise ConfigError(f"--hf-dir {hf_dir} is not a new or empty directory; pass a new directory")
+    _check_new_dir("--hf-dir", hf_dir)
     params, meta = load_params(load, step)
     cfg = config_from_dict(meta["config"])
     tok = meta.get("tokenizer") or {}
