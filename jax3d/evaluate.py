@@ -76,23 +76,35 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
             raise ConfigError("--text-file evaluates GPT checkpoints; for BERT, preprocess the text with "
                               "--split-sentences and pass --data-path")
         ds = TextWindows(text_file, tokenizer, m.seq_length)
-        return ds, min(num_samples or len(ds), len(ds))
+        _check_count(num_samples, len(ds), f"windows of {text_file}")
+        return ds, num_samples or len(ds)
     from jax3d.train.inputs import check_token_ids
 
     check_token_ids(data_paths, tokenizer.vocab_size)
     idx = SPLITS.index(which)
-    want = [0, 0, 0]
-    want[idx] = max(1, num_samples)  # 1 asks for one epoch: every window of the split
-    if m.model_type == "bert":
-        sets = data.build_bert_datasets(list(data_paths), split, m.seq_length, want, cfg.train.seed, tokenizer,
-                                        cache_dir=cfg.data.cache_dir or None)
-    else:
-        sets = data.build_gpt_datasets(list(data_paths), split, m.seq_length, want, cfg.train.seed,
-                                       cache_dir=cfg.data.cache_dir or None)
-    ds = sets[idx]
+
+    def build(samples: int):
+        want = [0, 0, 0]
+        want[idx] = samples
+        if m.model_type == "bert":
+            return data.build_bert_datasets(list(data_paths), split, m.seq_length, want, cfg.train.seed,
+                                            tokenizer, cache_dir=cfg.data.cache_dir or None)[idx]
+        return data.build_gpt_datasets(list(data_paths), split, m.seq_length, want, cfg.train.seed,
+                                       cache_dir=cfg.data.cache_dir or None)[idx]
+
+    ds = build(1)  # 1 asks for one epoch: every window of the split, once
     if ds is None:
         raise ConfigError(f"--split {split} leaves the {which} split empty; change --split or --split-name")
-    return ds, min(num_samples or len(ds), len(ds))
+    _check_count(num_samples, len(ds), f"samples of the {which} split")
+    if num_samples:  # built for that many, the samples come in the order training's validation read them
+        ds = build(num_samples)
+    return ds, num_samples or len(ds)
+
+
+def _check_count(num_samples: int, have: int, what: str) -> None:
+    if num_samples > have:
+        raise ConfigError(f"--num-samples {num_samples} is more than the {have} {what}; pass at most that "
+                          "many, or 0 for all of them")
 
 
 def evaluate_params(steps, params, dataset, count: int, progress: bool = True) -> dict:

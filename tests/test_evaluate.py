@@ -55,7 +55,9 @@ def test_bad_input(gpt_run, tmp_path, capsys):
                         (["--load", str(tmp_path / "no"), "--text-file", "x"], "holds no complete checkpoint"),
                         (["--load", ck, "--text-file", str(tmp_path / "missing.txt")], "is unreadable"),
                         (["--load", ck, "--text-file", "x", "--pipeline-model-parallel-size", "3"],
-                         "--pipeline-model-parallel-size 3 does not divide the checkpoint's")]:
+                         "--pipeline-model-parallel-size 3 does not divide the checkpoint's"),
+                        (["--load", ck, "--data-path", default_corpus(kind="gpt")[0], "--num-samples", "100000000"],
+                         "--num-samples 100000000 is more than the")]:
         assert evaluate_main([*argv, "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, err
