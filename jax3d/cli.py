@@ -209,6 +209,11 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
                         ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops)
     _refuse_bad_values(a, model, train)
+    tok_flags = [f for f, v in (("--tokenizer-type", a.tokenizer_type), ("--vocab-file", a.vocab_file),
+                                ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file)) if v]
+    if tok_flags and not a.data_path:
+        raise ConfigError(f"--data-path is not given, so {', '.join(tok_flags)} would go unused (the bundled "
+                          "corpus has its own tokenizer); add --data-path or drop them")
     return Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
 
 

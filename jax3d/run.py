@@ -90,6 +90,9 @@ def _main(argv) -> int:
             vocab_from_checkpoint = args.load
     # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it.
     tok, paths = tokenizer_and_paths(cfg)
+    if args.load:
+        from jax3d.train.checkpoint import check_same_tokenizer
+        check_same_tokenizer(args.load, args.ckpt_step, tok)
     plan = resolve(cfg, jax.device_count(), tok.vocab_size, vocab_from_checkpoint=vocab_from_checkpoint)
     cfg, mesh_cfg = plan.cfg, plan.mesh
     if jax.process_index() == 0:

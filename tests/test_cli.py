@@ -52,6 +52,7 @@ def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
     (["--save", "README.md"], "--save README.md is a file, not a directory"),
     (["--log-dir", "README.md/run"], "--log-dir README.md/run lies inside"),
     (["--save", "/sys/jax3d-ckpt"], "--save /sys/jax3d-ckpt cannot be written"),  # not even by root
+    (["--vocab-file", "v.json", "--merge-file", "m.txt"], "--data-path is not given, so --vocab-file, --merge-file"),
 ])
 def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch):
     """A zero batch size is not silently taken as "the preset's", nor a negative interval as "never"."""

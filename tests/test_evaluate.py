@@ -76,3 +76,32 @@ def test_bert_mlm_and_sentence_order_equal_train_logged(tmp_path):
     assert abs(out["mlm_loss"] - logged["val_lm_loss"]) < 1e-5
     assert abs(out["sop_loss"] - logged["val_sop_loss"]) < 1e-5
     assert abs(out["sop_acc"] - logged["val_sop_acc"]) < 1e-6
+
+
+def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_path, monkeypatch):
+    """A checkpoint records its tokenizer's files by absolute path (read from any folder); a fine-tune whose
+    tokenizer has another vocabulary is refused, and so is generating from a checkpoint with no tokenizer or
+    whose tokenizer files have gone."""
+    from types import SimpleNamespace
+
+    from jax3d.config import Config, ConfigError, DataConfig
+    from jax3d.inference.generate import load_tokenizer
+    from jax3d.train.checkpoint import check_same_tokenizer, read_meta, tokenizer_info
+
+    monkeypatch.chdir(tmp_path)
+    info = tokenizer_info(Config(data=DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file="tok/vocab.json",
+                                                 merge_file="tok/merges.txt")))
+    assert info["vocab_file"] == str(tmp_path / "tok" / "vocab.json") and info["tokenizer_file"] == ""
+
+    ck = str(gpt_run / "ckpt")
+    meta = read_meta(ck, 3)
+    own = load_tokenizer(meta, "gpt")  # the bundled corpus's
+    check_same_tokenizer(ck, -1, own)
+    with pytest.raises(ConfigError, match=f"--load {ck} was trained on a tokenizer of {own.vocab_size} tokens and "
+                                          "this run's has 1000"):
+        check_same_tokenizer(ck, -1, SimpleNamespace(vocab_size=1000))
+    with pytest.raises(ConfigError, match="records no tokenizer"):
+        load_tokenizer({"tokenizer": {"type": "", "vocab_size": None}}, "gpt")
+    gone = {"tokenizer": {"type": "GPT2BPETokenizer", "vocab_file": str(tmp_path / "v.json"), "merge_file": ""}}
+    with pytest.raises(ConfigError, match="tokenizer file .*v.json does not exist"):
+        load_tokenizer(gone, "gpt")

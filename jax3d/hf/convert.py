@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import numpy as np
 
@@ -232,7 +233,10 @@ def _copy_tokenizer(tok: dict, hf_dir: str, model_type: str) -> list[str]:
     for key, hf_name in (("vocab_file", "vocab.txt" if model_type == "bert" else "vocab.json"),
                          ("merge_file", "merges.txt"), ("tokenizer_file", "tokenizer.json")):
         src = tok.get(key)
-        if src and os.path.exists(src):
+        if src and not os.path.exists(src):
+            print(f"jax3d: the checkpoint's tokenizer file {src} does not exist; the export leaves it out",
+                  file=sys.stderr)
+        elif src:
             shutil.copy(src, os.path.join(hf_dir, hf_name))
             copied.append(hf_name)
             for extra in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -245,8 +249,6 @@ def _copy_tokenizer(tok: dict, hf_dir: str, model_type: str) -> list[str]:
 
 def main(argv=None) -> int:
     """`launch/convert_hf.py import|export`: one-sentence errors with exit 2."""
-    import sys
-
     from jax3d.argparse_util import OneLineParser
 
     p = OneLineParser(prog="launch/convert_hf.py", description="Convert between Hugging Face GPT-2 / BERT folders "

@@ -12,6 +12,7 @@ and is donated to each step, so decoding updates it in place.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -265,8 +266,16 @@ def load_tokenizer(meta: dict, kind: str):
     from jax3d.data.tokenizers import TOKENIZER_TYPES
 
     tok = meta.get("tokenizer") or {}
-    has_files = any(tok.get(k) for k in ("vocab_file", "merge_file", "tokenizer_file"))
-    if tok.get("type") in TOKENIZER_TYPES and has_files:
+    files = [tok[k] for k in ("vocab_file", "merge_file", "tokenizer_file") if tok.get(k)]
+    if not files and not tok.get("note"):  # the note marks the bundled corpus's own tokenizer
+        raise ConfigError("the checkpoint records no tokenizer (a model imported without its tokenizer files); "
+                          "import it again from a folder that has them (vocab.json and merges.txt, vocab.txt or "
+                          "tokenizer.json)")
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise ConfigError(f"the checkpoint's tokenizer file {missing[0]} does not exist; put it back there, "
+                          "or run from the folder training ran in if the path is relative")
+    if tok.get("type") in TOKENIZER_TYPES and files:
         return data.build_tokenizer(tok["type"], vocab_file=tok.get("vocab_file") or None,
                                     merge_file=tok.get("merge_file") or None,
                                     tokenizer_file=tok.get("tokenizer_file") or None)

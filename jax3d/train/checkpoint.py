@@ -69,10 +69,26 @@ def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
     info = {"type": d.tokenizer_type or (type(tokenizer).__name__ if tokenizer is not None else ""),
             "vocab_size": int(tokenizer.vocab_size) if tokenizer is not None else None,
             "padded_vocab_size": cfg.model.vocab_size,
-            "vocab_file": d.vocab_file, "merge_file": d.merge_file, "tokenizer_file": d.tokenizer_file}
+            # absolute, so generation, evaluation and export find them from any folder
+            **{k: os.path.abspath(v) if v else "" for k, v in (("vocab_file", d.vocab_file),
+                                                              ("merge_file", d.merge_file),
+                                                              ("tokenizer_file", d.tokenizer_file))}}
     if not d.tokenizer_type and tokenizer is not None:
         info["note"] = "bundled default corpus tokenizer"
     return info
+
+
+def check_same_tokenizer(load_dir: str, step: int, tokenizer) -> None:
+    """ConfigError when checkpoint `load_dir` (step `step`, -1 the latest) was trained with a vocabulary
+    of another size than `tokenizer`'s: its embeddings would be read with the wrong token ids."""
+    found = list_steps(load_dir)
+    if not found or tokenizer is None:
+        return
+    saved = read_meta(load_dir, resolve_step(load_dir, found, step)).get("tokenizer") or {}
+    if saved.get("vocab_size") and int(saved["vocab_size"]) != int(tokenizer.vocab_size):
+        raise ConfigError(f"--load {load_dir} was trained on a tokenizer of {saved['vocab_size']} tokens and this run's "
+                          f"has {tokenizer.vocab_size}; preprocess the data with the checkpoint's tokenizer "
+                          f"({saved.get('vocab_file') or saved.get('tokenizer_file') or saved.get('type')})")
 
 
 def config_from_dict(d: dict) -> Config:
