@@ -16,9 +16,12 @@ class OneLineParser(argparse.ArgumentParser):
 def layer_counts(text: str, flag: str) -> tuple[int, ...]:
     """A pipeline layout flag's comma-separated layer counts ('3,5,5,3'); ValueError names the flag."""
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"{flag} {text!r} must be comma-separated layer counts, e.g. 3,5,5,3") from None
+    if any(c < 1 for c in counts):
+        raise ValueError(f"{flag} {text!r} leaves a stage without layers; give every stage at least one")
+    return counts
 
 
 def dir_problem(path: str) -> str | None:

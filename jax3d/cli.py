@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 
 from jax3d.argparse_util import OneLineParser, dir_problem, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
@@ -99,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimizer (AdamW)")
     g.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=6e-5, help="learning rate at the end of the decay")
+    g.add_argument("--min-lr", type=float, default=None,
+                   help="learning rate at the end of the decay (default: --lr / 10)")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
     g.add_argument("--lr-decay-iters", type=int, default=0, help="decay steps (default: --train-iters)")
     g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine",
@@ -191,6 +193,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                               sequence_parallel=a.sequence_parallel, pipeline_schedule=schedule,
                               layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage or 0,
                               pipeline_layout=layout)
+    if a.min_lr is None:  # a tenth of --lr as written (6e-4 / 10 in floats is not 6e-5)
+        a.min_lr = float(decimal.Decimal(repr(a.lr)) / 10)
     optim = OptimConfig(lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
                         lr_decay_iters=a.lr_decay_iters, lr_decay_style=a.lr_decay_style,
                         weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
@@ -223,7 +227,12 @@ def _refuse_bad_values(a: argparse.Namespace, model, train) -> None:
                   ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
                   ("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
                   ("--num-attention-heads", model.num_attention_heads), ("--seq-length", model.seq_length),
-                  ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)]
+                  ("--ffn-hidden-size", model.ffn_hidden_size),
+                  ("--max-position-embeddings", model.max_position_embeddings),
+                  ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by),
+                  ("--loss-scale-window", a.loss_scale_window), ("--hysteresis", a.hysteresis)]
+    positive = [("--layernorm-epsilon", a.layernorm_epsilon), ("--adam-eps", a.adam_eps),
+                ("--initial-loss-scale", a.initial_loss_scale), ("--min-loss-scale", a.min_loss_scale)]
     not_negative = [("--lr", a.lr), ("--min-lr", a.min_lr), ("--lr-warmup-iters", a.lr_warmup_iters),
                     ("--lr-decay-iters", a.lr_decay_iters), ("--weight-decay", a.weight_decay),
                     ("--clip-grad", a.clip_grad), ("--exit-interval", a.exit_interval),
@@ -234,11 +243,15 @@ def _refuse_bad_values(a: argparse.Namespace, model, train) -> None:
     fractions = [("--hidden-dropout", a.hidden_dropout), ("--attention-dropout", a.attention_dropout),
                  ("--adam-beta1", a.adam_beta1), ("--adam-beta2", a.adam_beta2)]
     for flags, ok, rule in [(at_least_1, lambda v: v >= 1, "must be at least 1"),
+                            (positive, lambda v: v > 0, "must be positive"),
                             (not_negative, lambda v: v >= 0, "must not be negative"),
                             (fractions, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")]:
         for flag, v in flags:
             if not ok(v):
                 raise ConfigError(f"{flag} {v} {rule}")
+    if a.min_lr > a.lr:
+        raise ConfigError(f"--min-lr {a.min_lr} is above --lr {a.lr}, so the decay would raise the rate; "
+                          "lower --min-lr")
     for flag, path in [("--save", a.save), ("--log-dir", a.log_dir)]:
         problem = dir_problem(path) if path else None
         if problem:

@@ -53,6 +53,13 @@ def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
     (["--log-dir", "README.md/run"], "--log-dir README.md/run lies inside"),
     (["--save", "/sys/jax3d-ckpt"], "--save /sys/jax3d-ckpt cannot be written"),  # not even by root
     (["--vocab-file", "v.json", "--merge-file", "m.txt"], "--data-path is not given, so --vocab-file, --merge-file"),
+    (["--layernorm-epsilon", "-1"], "--layernorm-epsilon -1.0 must be positive"),  # these trained to NaN
+    (["--fp16", "--initial-loss-scale", "0"], "--initial-loss-scale 0.0 must be positive"),
+    (["--adam-eps", "-1"], "--adam-eps -1.0 must be positive"),
+    (["--hysteresis", "0"], "--hysteresis 0 must be at least 1"),
+    (["--ffn-hidden-size", "-8"], "--ffn-hidden-size -8 must be at least 1"),  # a traceback from XLA
+    (["--min-lr", "1", "--lr", "0.001"], "--min-lr 1.0 is above --lr 0.001"),
+    (["--pipeline-model-parallel-layout", "0,2"], "leaves a stage without layers"),
 ])
 def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch):
     """A zero batch size is not silently taken as "the preset's", nor a negative interval as "never"."""
