@@ -13,6 +13,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Prints a flag's default once: after its help, unless the help already speaks of it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        # `is`, not `in`: 0 == False, and a default of 0 is worth printing.
+        if "default" in text or any(default is v for v in (None, "", False, argparse.SUPPRESS)) or action.nargs == 0:
+            return text
+        return f"{text} (default: {default})"
+
+
 def layer_counts(text: str, flag: str) -> tuple[int, ...]:
     """A pipeline layout flag's comma-separated layer counts ('3,5,5,3'); ValueError names the flag."""
     try:

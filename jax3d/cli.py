@@ -5,24 +5,12 @@ import argparse
 import dataclasses
 import decimal
 
-from jax3d.argparse_util import OneLineParser, dir_problem, layer_counts
+from jax3d.argparse_util import HelpFormatter, OneLineParser, dir_problem, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
 from jax3d.models.presets import get_preset, preset_names
 from jax3d.plan import AUTO_LAYOUTS, SCAN_LAYERS_FROM
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Prints a flag's default once: after its help, unless the help already speaks of it or there is none."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        default = action.default
-        # `is`, not `in`: 0 == False, and a default of 0 is worth printing.
-        if "default" in text or any(default is v for v in (None, "", False, argparse.SUPPRESS)) or action.nargs == 0:
-            return text
-        return f"{text} (default: {default})"
 
 
 def build_parser() -> argparse.ArgumentParser:

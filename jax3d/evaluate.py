@@ -196,9 +196,10 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
 
 def main(argv=None) -> int:
     """`launch/evaluate.py`: one JSON line of figures; bad input is one sentence and exit 2."""
-    from jax3d.argparse_util import OneLineParser
+    from jax3d.argparse_util import HelpFormatter, OneLineParser
 
-    p = OneLineParser(prog="launch/evaluate.py", description="Loss and perplexity of a checkpoint over a data set.")
+    p = OneLineParser(prog="launch/evaluate.py", description="Loss and perplexity of a checkpoint over a data set.",
+                      formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory")
     p.add_argument("--ckpt-step", type=int, default=-1)
     p.add_argument("--data-path", nargs="+", default=[], help="Megatron .bin/.idx prefix (or weights and prefixes)")
