@@ -87,6 +87,8 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
     """Writes the parameters of checkpoint `step` of `load_dir` to `output`; returns a summary."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt} is not supported; choose one of {', '.join(FORMATS)}")
+    if not output:
+        raise ConfigError("--output is empty; pass a .safetensors path, or a new directory for --format orbax")
     if os.path.exists(output):  # checked before the parameters are read; an export replaces nothing
         raise ConfigError(f"--output {output} already exists; pass a new path")
     problem = dir_problem(os.path.dirname(os.path.abspath(output)))

@@ -43,10 +43,13 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
     """
     import jax
 
-    if coordinator_address or num_processes > 1:
+    if coordinator_address or num_processes > 1 or num_processes < 0 or process_id >= 0:
         if not (coordinator_address and num_processes > 1 and process_id >= 0):
             raise ConfigError("--coordinator-address, --num-processes (>1) and --process-id must be given "
                               "together for a multi-process run")
+        if process_id >= num_processes:
+            raise ConfigError(f"--process-id {process_id} must be below --num-processes {num_processes} "
+                              "(processes count from 0)")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
     elif any(k in os.environ for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")):
         ntasks = int(os.environ.get("SLURM_NTASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))

@@ -100,6 +100,9 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *
                 break
             tried.append(f"({mesh.data}, {mesh.stage}, {mesh.model}) failed: {errors[0]}")
         else:
+            reasons = [t.split(" failed: ", 1)[1] for t in tried]
+            if len(set(reasons)) == 1:  # a rule no layout can meet: say it once
+                raise ConfigError(f"no (data, stage, model) layout fits: {reasons[0]}")
             raise ConfigError("no (data, stage, model) layout fits; " + "; ".join(tried))
         cfg = trial
         note = "chosen automatically, the most parallel that fits"

@@ -6,10 +6,7 @@ import argparse
 import os
 import sys
 
-try:
-    import jax3d  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
 from jax3d.argparse_util import OneLineParser  # noqa: E402
 from jax3d.data.indexed import DataError

@@ -31,6 +31,10 @@ def _losses(log_dir):
     (["--global-batch-size", "30"], "--global-batch-size 30 is not divisible"),
     (["--no-such-flag"], "unrecognized arguments"),
     (["--pipeline-model-parallel-layout", "3,x"], "must be comma-separated layer counts"),
+    (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "5"],
+     "--process-id 5 must be below --num-processes 2"),
+    (["--process-id", "1"], "must be given together"),  # it ran as one process
+    (["--seq-length", "256", "--max-position-embeddings", "128"], "no (data, stage, model) layout fits: "),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-type", "GPT2BPETokenizer"], "error:"),
 ])
 def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):

@@ -114,6 +114,11 @@ def test_cli_one_sentence_errors(corpus):
     bad_vocab = [a if a != spec.vocab_file else str(d / "nope.json") for a in common]
     r = _cli("--input", str(_bad_file(d)), *bad_vocab)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "--vocab-file" in r.stderr
+    for extra, words in ((["--chunk-lines", "-5"], "--chunk-lines -5 must be at least 1"),
+                         (["--output-prefix", str(d / "folder") + os.sep], "names a folder; add a file name prefix"),
+                         (["--output-prefix", "/sys/jax3d/corpus"], "its folder cannot be written")):
+        r = _cli("--input", str(d / "in.jsonl"), *common, *extra)
+        assert r.returncode != 0 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
     for keys in ([""], ["text", "text"]):
         r = _cli("--input", str(d / "in.jsonl"), *blank_prefix, "--json-keys", *keys)
         assert r.returncode != 0 and "Traceback" not in r.stderr and "empty or repeated key" in r.stderr

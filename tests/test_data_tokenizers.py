@@ -66,6 +66,21 @@ def test_errors_name_the_flag(tmp_path):
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     with pytest.raises(DataError, match="vocab.json and .*merges.txt could not be read as GPT2BPETokenizer"):
         build_tokenizer("GPT2BPETokenizer", str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    from jax3d.data.tokenizers import train_tokenizer
+    with pytest.raises(DataError, match="--min-frequency -1 must not be negative"):  # was an OverflowError
+        train_tokenizer([], str(tmp_path / "tok"), "bpe", 300, min_frequency=-1, texts=iter(["a b"]))
+
+
+def test_bert_data_refuses_a_tokenizer_without_its_special_tokens(corpus_file, tmp_path):
+    """A GPT-2 BPE has no [CLS] / [SEP] / [MASK] / [PAD]: BERT data refuses it in one sentence (it raised
+    AttributeError)."""
+    from jax3d.data.bert_dataset import BertTokenIds
+    from jax3d.data.tokenizers import train_tokenizer
+
+    files = train_tokenizer([str(corpus_file)], str(tmp_path / "bpe"), "bpe", 500)
+    gpt2 = build_tokenizer("GPT2BPETokenizer", **files)
+    with pytest.raises(DataError, match="has no \\[CLS\\], \\[SEP\\], \\[MASK\\], \\[PAD\\]; use --tokenizer-type BertWordPiece"):
+        BertTokenIds.from_tokenizer(gpt2)
 
 
 def test_train_tokenizer_cli(corpus_file, tmp_path):

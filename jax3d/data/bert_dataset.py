@@ -28,6 +28,11 @@ class BertTokenIds:
 
     @classmethod
     def from_tokenizer(cls, tok) -> "BertTokenIds":
+        missing = [f"[{n.upper()}]" for n in ("cls", "sep", "mask", "pad") if getattr(tok, n, None) is None]
+        if missing:
+            raise DataError(f"BERT needs [CLS], [SEP], [MASK] and [PAD] tokens and the {type(tok).__name__} "
+                            f"has no {', '.join(missing)}; use --tokenizer-type BertWordPieceLowerCase or "
+                            "BertWordPieceCase")
         return cls(tok.cls, tok.sep, tok.mask, tok.pad, tok.vocab_size)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jax3d.argparse_util import dir_problem
 from jax3d.data.indexed import DataError, IndexedDatasetBuilder, best_dtype, data_path, index_path
 from jax3d.data.tokenizers import build_tokenizer
 
@@ -171,11 +172,16 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
         raise DataError(f"--workers {workers} must be at least 1.")
     if not os.path.isfile(input_path):
         raise DataError(f"--input {input_path} does not exist or is not a file.")
+    if chunk_lines < 1:
+        raise DataError(f"--chunk-lines {chunk_lines} must be at least 1.")
+    if not os.path.basename(output_prefix):
+        raise DataError(f"--output-prefix {output_prefix} names a folder; add a file name prefix, e.g. "
+                        f"{os.path.join(output_prefix, 'corpus')}.")
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"--output-prefix {output_prefix}: cannot create directory {out_dir} ({e.strerror}).") from None
+    problem = dir_problem(out_dir)
+    if problem:
+        raise DataError(f"--output-prefix {output_prefix}: its folder {problem}; pass another prefix.")
+    os.makedirs(out_dir, exist_ok=True)
     json_keys = list(json_keys)
     if not all(json_keys) or len(set(json_keys)) < len(json_keys):
         raise DataError(f"--json-keys {' '.join(map(repr, json_keys))} has an empty or repeated key; name each "

@@ -155,6 +155,8 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
     if vocab_size < smallest:
         raise DataError(f"--vocab-size {vocab_size} leaves no room for learned tokens; a {kind} vocabulary needs "
                         f"at least {smallest} ({smallest - 1} are fixed), e.g. 32000.")
+    if min_frequency < 0:
+        raise DataError(f"--min-frequency {min_frequency} must not be negative")
     problem = dir_problem(out_dir)
     if problem:
         raise DataError(f"--output-dir {out_dir} {problem}; pass a directory.")

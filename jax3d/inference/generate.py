@@ -201,6 +201,9 @@ class Generator:
         """Yields the next token of every row (batch,), `max_new_tokens` times (fewer when every row
         has produced `eod` and `stop_at_eod`)."""
         sampling.validate()
+        if sampling.top_k > self.vocab:
+            raise ConfigError(f"--top-k {sampling.top_k} exceeds the model's {self.vocab} tokens; pass at most that, "
+                              "or 0 for all")
         longest = max((len(p) for p in prompts), default=0)
         if longest + max_new_tokens > self.max_len:
             raise ConfigError(f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} exceeds "

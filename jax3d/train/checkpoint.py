@@ -60,7 +60,8 @@ def _ocp():
 
 
 def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
+    """The command-line flag that sets a ModelConfig field."""
+    return "--model" if field == "model_type" else "--" + field.replace("_", "-")
 
 
 def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
