@@ -150,3 +150,15 @@ def test_data_from_another_vocabulary_is_refused(tmp_path):
     check_token_ids([str(tmp_path / "b")], 5001, sample=32, windows=4)
     with pytest.raises(ConfigError, match="holds token id 5000"):
         check_token_ids([str(tmp_path / "b")], 5000, sample=32, windows=4)
+
+
+def test_a_run_without_validation_data_says_so(capsys):
+    """--split with no validation share while validation is asked for: the run says it will not validate
+    (it skipped validation without a word); with a share it builds the split and says nothing."""
+    from jax3d.config import Config, DataConfig
+    from jax3d.train.inputs import build_inputs
+
+    for split, want_note in (("100,0,0", True), ("90,10,0", False)):
+        inputs = build_inputs(Config(data=DataConfig(split=split)), 32, 16)
+        assert (inputs.valid is None) == want_note
+        assert ("leaves the validation split empty" in capsys.readouterr().err) == want_note

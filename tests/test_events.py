@@ -74,3 +74,31 @@ def test_two_writers_in_one_directory_write_two_files(tmp_path):
     first.close()
     second.close()
     assert len(glob.glob(f"{tmp_path}/events.out.tfevents.*")) == 2
+
+
+def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):
+    """A run from step 0 in a log dir an earlier run used keeps that run's metrics.jsonl and event files,
+    moved under earlier/<time>/ (it truncated the JSON lines and mixed the event files); a resumed run
+    appends to its own."""
+    import json
+    import os
+
+    def run(fresh, steps):
+        w = MetricsWriter(str(tmp_path), fresh=fresh)
+        for s in steps:
+            w.write({"step": s, "loss": float(s)})
+        w.close()
+
+    def steps_in(path):
+        with open(path) as f:
+            return [json.loads(line)["step"] for line in f]
+
+    run(True, [1, 2])
+    run(False, [3])  # resumed
+    first_events = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "events.out.tfevents.*")))
+    run(True, [1])
+    assert steps_in(tmp_path / "metrics.jsonl") == [1]
+    (earlier,) = glob.glob(str(tmp_path / "earlier" / "*"))
+    assert steps_in(os.path.join(earlier, "metrics.jsonl")) == [1, 2, 3]
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(earlier, "events.out.tfevents.*"))) == first_events
+    assert len(glob.glob(str(tmp_path / "events.out.tfevents.*"))) == 1

@@ -107,7 +107,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     writer = bar = None
     try:
         # A fresh run starts a fresh log; a resumed one appends to it.
-        writer = MetricsWriter(tr.log_dir, enabled=chief, truncate=start == 0)
+        writer = MetricsWriter(tr.log_dir, enabled=chief, fresh=start == 0)
         first_batch = next(loader)
         bar = _progress(end, start, progress and chief)
         last, pending = {}, []

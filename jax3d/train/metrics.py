@@ -5,6 +5,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 import jax
 
@@ -44,16 +45,38 @@ def memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-class MetricsWriter:
-    """Writes each logged step to `<log_dir>/metrics.jsonl` and TensorBoard (process 0 only)."""
+def set_aside_earlier_run(log_dir: str) -> str | None:
+    """Moves an earlier run's metrics.jsonl and TensorBoard event files out of `log_dir` into
+    `<log_dir>/earlier/<time>/` (TensorBoard still lists them, as a run of their own); returns that
+    folder, or None when there was nothing to move."""
+    old = [f for f in os.listdir(log_dir) if f == "metrics.jsonl" or f.startswith("events.out.tfevents.")]
+    if not old:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = os.path.join(log_dir, "earlier", stamp), 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(log_dir, "earlier", f"{stamp}-{n}")
+    os.makedirs(dest)
+    for f in old:
+        os.replace(os.path.join(log_dir, f), os.path.join(dest, f))
+    return dest
 
-    def __init__(self, log_dir: str, enabled: bool = True, truncate: bool = False):
+
+class MetricsWriter:
+    """Writes each logged step to `<log_dir>/metrics.jsonl` and TensorBoard (process 0 only). A run that
+    starts from step 0 (`fresh`) first sets an earlier run's files there aside; a resumed run appends."""
+
+    def __init__(self, log_dir: str, enabled: bool = True, fresh: bool = False):
         self.enabled = enabled and bool(log_dir)
         self._jsonl = self._tb = None
         if not self.enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "w" if truncate else "a")
+        moved = set_aside_earlier_run(log_dir) if fresh else None
+        if moved:
+            print(f"jax3d: {log_dir} held an earlier run's metrics; they are now in {moved}", file=sys.stderr)
+        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
         try:
             self._tb = EventFile(log_dir)
         except OSError as e:  # TensorBoard is a convenience; never fail a run over it
