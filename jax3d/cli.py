@@ -161,7 +161,15 @@ def config_from_args(a: argparse.Namespace) -> Config:
         raise ConfigError(f"--model {a.model} does not match --preset {preset}; pick a {a.model}-* preset")
     if a.bf16 and a.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
-    recompute = a.recompute or a.recompute_granularity or ("full" if a.checkpoint_activations else None)
+    asked = {f"{flag} {v}" if flag != "--checkpoint-activations" else flag: v for flag, v in
+             (("--recompute", a.recompute), ("--recompute-granularity", a.recompute_granularity),
+              ("--checkpoint-activations", "full" if a.checkpoint_activations else None)) if v}
+    if len(set(asked.values())) > 1:
+        raise ConfigError(f"{' and '.join(asked)} ask for different recomputation; pass one of them")
+    recompute = next(iter(asked.values()), None)
+    if a.loss_scale and not a.fp16:
+        raise ConfigError(f"--loss-scale {a.loss_scale} scales fp16 gradients and this run is not --fp16; drop it "
+                          "or add --fp16")
     model = _override(model, num_layers=a.num_layers, hidden_size=a.hidden_size,
                       num_attention_heads=a.num_attention_heads, seq_length=a.seq_length, recompute=recompute,
                       hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,

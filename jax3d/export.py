@@ -87,6 +87,9 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
     """Writes the parameters of checkpoint `step` of `load_dir` to `output`; returns a summary."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt} is not supported; choose one of {', '.join(FORMATS)}")
+    if split_layers and fmt != "safetensors":
+        raise ConfigError(f"--split-layers is for safetensors and --format {fmt} keeps the stacked layers; "
+                          "drop one of them")
     if not output:
         raise ConfigError("--output is empty; pass a .safetensors path, or a new directory for --format orbax")
     if os.path.exists(output):  # checked before the parameters are read; an export replaces nothing

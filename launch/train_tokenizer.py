@@ -22,6 +22,8 @@ def main(argv=None) -> int:
     p.add_argument("--cased", action="store_true", help="WordPiece only: keep case")
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)
+    if args.cased and args.type != "wordpiece":
+        p.error("--cased applies to --type wordpiece; a byte-level BPE always keeps case")
     try:
         paths = train_tokenizer(args.inputs, args.output_dir, args.type, args.vocab_size,
                                 lower_case=not args.cased, min_frequency=args.min_frequency)

@@ -86,6 +86,8 @@ def test_export_errors(sharded_ckpt, tmp_path):
     with pytest.raises(ConfigError, match="taken.safetensors/a.safetensors: its folder is a file"):
         export(d, str(tmp_path / "taken.safetensors" / "a.safetensors"))
     assert (tmp_path / "taken.safetensors").read_bytes() == b"someone's file"
+    with pytest.raises(ConfigError, match="--split-layers is for safetensors"):
+        export(d, str(tmp_path / "o"), fmt="orbax", split_layers=True)
     with pytest.raises(ConfigError, match="--output is empty"):
         export(d, "")
     with pytest.raises(ConfigError, match="/sys/jax3d-out/a.safetensors: its folder cannot be written"):

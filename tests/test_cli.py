@@ -64,6 +64,8 @@ def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
     (["--ffn-hidden-size", "-8"], "--ffn-hidden-size -8 must be at least 1"),  # a traceback from XLA
     (["--min-lr", "1", "--lr", "0.001"], "--min-lr 1.0 is above --lr 0.001"),
     (["--pipeline-model-parallel-layout", "0,2"], "leaves a stage without layers"),
+    (["--recompute", "none", "--checkpoint-activations"], "ask for different recomputation"),  # one won silently
+    (["--bf16", "--loss-scale", "128"], "--loss-scale 128.0 scales fp16 gradients"),
 ])
 def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch):
     """A zero batch size is not silently taken as "the preset's", nor a negative interval as "never"."""

@@ -187,6 +187,16 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
     no_width.mkdir()
     (no_width / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 1,
                                                         "n_head": 2, "vocab_size": 10, "n_positions": 8}))
+    wrong = {}  # config.json values of the wrong type: tracebacks before
+    for name, text in (("a_list", "[1, 2]"), ("text_layers", json.dumps({"architectures": ["GPT2LMHeadModel"],
+                       "n_layer": "2", "n_embd": 8, "n_head": 2, "vocab_size": 10, "n_positions": 8})),
+                       ("no_layers", json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 0, "n_embd": 8,
+                                                 "n_head": 2, "vocab_size": 10, "n_positions": 8}))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        wrong[str(tmp_path / name)] = {"a_list": "holds a JSON list, not an object",
+                                       "text_layers": "gives n_layer '2'; it must be a whole number",
+                                       "no_layers": "gives n_layer 0; it must be a whole number"}[name]
     cut = tmp_path / "cut"
     tiny_gpt2(str(cut), n_layer=1, n_embd=8, n_head=2, vocab=10)
     weights = (cut / "model.safetensors").read_bytes()
@@ -195,7 +205,7 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
     cases = {str(tmp_path / "empty"): "has no config.json", str(tmp_path / "nope"): "is not a directory",
              str(pickled): "convert them to model.safetensors", str(other): "LlamaForCausalLM",
              str(cut): "model.safetensors is not a complete safetensors file",
-             str(no_width): "lacks 'n_embd', which its architecture needs; add it"}
+             str(no_width): "lacks 'n_embd', which its architecture needs; add it", **wrong}
     for src, words in cases.items():
         out = str(tmp_path / "ckpt")
         assert convert_main(["import", "--hf-dir", src, "--save", out]) == 2

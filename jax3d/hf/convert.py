@@ -98,6 +98,9 @@ def read_hf_folder(hf_dir: str, divisible_by: int = 128):
             hf = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{cfg_path} is not readable JSON ({e}); pass an intact model folder") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{cfg_path} holds a JSON {type(hf).__name__}, not an object of model settings; pass "
+                          "an intact model folder")
     try:
         cfg = model_config_from_hf(hf, divisible_by)
     except KeyError as e:

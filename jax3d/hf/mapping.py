@@ -54,6 +54,14 @@ def _require(hf: dict, key: str, want, default) -> None:
         raise ConfigError(f"config.json {key} {hf.get(key)!r} is not supported by jax3d's model; it needs {want!r}")
 
 
+def _size(hf: dict, key: str) -> int:
+    """config.json's `key` as a size: a whole number of at least 1 (KeyError when it is missing)."""
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config.json gives {key} {value!r}; it must be a whole number of at least 1")
+    return value
+
+
 def model_config_from_hf(hf: dict, divisible_by: int = 128) -> ModelConfig:
     """The jax3d ModelConfig that reproduces the HF model of config.json `hf` exactly.
 
@@ -65,19 +73,20 @@ def model_config_from_hf(hf: dict, divisible_by: int = 128) -> ModelConfig:
         for key, want, default in [("scale_attn_weights", True, True), ("scale_attn_by_inverse_layer_idx", False, False),
                                    ("add_cross_attention", False, False), ("tie_word_embeddings", True, True)]:
             _require(hf, key, want, default)
-        d, n, v = hf["n_embd"], hf["n_head"], hf["vocab_size"]
-        kw = dict(model_type="gpt", num_layers=hf["n_layer"], ffn_hidden_size=hf.get("n_inner") or 4 * d,
-                  max_position_embeddings=hf["n_positions"], seq_length=hf["n_positions"],
+        d, n, v, pos = _size(hf, "n_embd"), _size(hf, "n_head"), _size(hf, "vocab_size"), _size(hf, "n_positions")
+        ffn = _size(hf, "n_inner") if hf.get("n_inner") is not None else 4 * d
+        kw = dict(model_type="gpt", num_layers=_size(hf, "n_layer"), ffn_hidden_size=ffn,
+                  max_position_embeddings=pos, seq_length=pos,
                   layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation=_activation(hf, "activation_function"),
                   hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
                   init_method_std=hf.get("initializer_range", 0.02))
     else:
         _require(hf, "position_embedding_type", "absolute", "absolute")
         _require(hf, "is_decoder", False, False)
-        d, n, v = hf["hidden_size"], hf["num_attention_heads"], hf["vocab_size"]
-        post = arch in POST_LN_BERT_ARCHS
-        kw = dict(model_type="bert", num_layers=hf["num_hidden_layers"], ffn_hidden_size=hf["intermediate_size"],
-                  max_position_embeddings=hf["max_position_embeddings"], seq_length=min(hf["max_position_embeddings"], 512),
+        d, n, v = _size(hf, "hidden_size"), _size(hf, "num_attention_heads"), _size(hf, "vocab_size")
+        pos, post = _size(hf, "max_position_embeddings"), arch in POST_LN_BERT_ARCHS
+        kw = dict(model_type="bert", num_layers=_size(hf, "num_hidden_layers"),
+                  ffn_hidden_size=_size(hf, "intermediate_size"), max_position_embeddings=pos, seq_length=min(pos, 512),
                   layernorm_epsilon=hf.get("layer_norm_eps", 1e-12), activation=_activation(hf, "hidden_act"),
                   num_tokentypes=hf.get("type_vocab_size", 2), post_layernorm=post, embedding_layernorm=post,
                   hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
