@@ -2,8 +2,21 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 import tempfile
+import threading
+
+
+def report_error(e: BaseException, code: int = 2) -> int:
+    """Prints bad input as a command's one sentence and returns its exit code. Work the failed call left
+    pending (orbax's reads of a damaged checkpoint) is dropped at exit without printing its tracebacks."""
+    print(f"error: {e}", file=sys.stderr)
+    sys.unraisablehook = lambda unraisable: None
+    threading.excepthook = lambda args: None
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    return code
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -196,7 +196,7 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
 
 def main(argv=None) -> int:
     """`launch/evaluate.py`: one JSON line of figures; bad input is one sentence and exit 2."""
-    from jax3d.argparse_util import HelpFormatter, OneLineParser
+    from jax3d.argparse_util import HelpFormatter, OneLineParser, report_error
 
     p = OneLineParser(prog="launch/evaluate.py", description="Loss and perplexity of a checkpoint over a data set.",
                       formatter_class=HelpFormatter)
@@ -233,7 +233,6 @@ def main(argv=None) -> int:
                                   pp=a.pipeline_model_parallel_size, dtype="bfloat16" if a.bf16 else "float32",
                                   seed=a.seed, progress=not a.no_progress)
     except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     print(json.dumps(out))
     return 0

@@ -19,7 +19,7 @@ import os
 import jax
 import numpy as np
 
-from jax3d.argparse_util import dir_problem
+from jax3d.argparse_util import dir_problem, report_error
 from jax3d.config import ConfigError
 from jax3d.train.checkpoint import config_from_dict, restore_arrays, saved_step_meta
 
@@ -144,7 +144,6 @@ def main(argv=None) -> int:
     try:
         summary = export(a.load, a.output, step=a.ckpt_step, fmt=a.format, split_layers=a.split_layers)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     print(json.dumps(summary))
     return 0

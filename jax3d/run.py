@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from jax3d.argparse_util import report_error
 from jax3d.cli import build_parser, config_from_args
 from jax3d.config import ConfigError
 from jax3d.mesh import emulate_cpu_devices, init_distributed
@@ -45,8 +46,7 @@ def main(argv=None) -> int:
     try:
         return _main(argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -55,8 +55,7 @@ def main(argv=None) -> int:
         from jax3d.pipeline.layout import PipelineError
         from jax3d.pipeline.schedules import ScheduleError
         if isinstance(e, (DataError, PipelineError, ScheduleError)):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return report_error(e)
         raise
 
 

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
-from jax3d.argparse_util import OneLineParser  # noqa: E402
+from jax3d.argparse_util import OneLineParser, report_error  # noqa: E402
 from jax3d.data.indexed import DataError
 from jax3d.data.preprocess import TokenizerSpec, preprocess_jsonl
 from jax3d.data.tokenizers import TOKENIZER_TYPES
@@ -44,8 +44,7 @@ def main(argv=None) -> int:
                              args.split_sentences, args.workers, args.on_bad_line, args.chunk_lines,
                              progress=not args.no_progress)
     except (DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return report_error(e, 1)
     print(f"{s.documents} documents, {s.tokens} tokens, {s.skipped_lines} bad lines skipped, "
           f"{s.empty_documents} empty documents left out, {s.docs_per_second:.0f} docs/s; wrote "
           + ", ".join(p + ".bin/.idx" for p in s.outputs), file=sys.stderr)

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
-from jax3d.argparse_util import OneLineParser  # noqa: E402
+from jax3d.argparse_util import OneLineParser, report_error  # noqa: E402
 from jax3d.data.indexed import DataError
 from jax3d.data.tokenizers import train_tokenizer
 
@@ -28,8 +28,7 @@ def main(argv=None) -> int:
         paths = train_tokenizer(args.inputs, args.output_dir, args.type, args.vocab_size,
                                 lower_case=not args.cased, min_frequency=args.min_frequency)
     except (DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return report_error(e, 1)
     print("wrote " + ", ".join(paths.values()), file=sys.stderr)
     return 0
 

@@ -209,6 +209,22 @@ def test_model_config_mismatch_names_the_field(small_ckpt):
         _restore(other[0], build_steps(*other), load=d)
 
 
+def test_a_preset_that_differs_from_the_checkpoint_is_named_before_the_layout_check(small_ckpt):
+    """--load with --preset gpt-125m: the preset's layer count is what differs (the run blamed the
+    checkpoint's --max-position-embeddings, a flag never given, for a layout that could not fit)."""
+    from jax3d.cli import build_parser, config_from_args
+    from jax3d.train.checkpoint import adopt_saved_model
+
+    d = small_ckpt[0].train.save
+    argv = ["--load", d, "--preset", "gpt-125m"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    with pytest.raises(ConfigError, match=f"checkpoint {d} was saved with --num-layers 4 but this run has --num-layers 12"):
+        adopt_saved_model(cfg, d, -1, {"load", "preset"})
+    same = adopt_saved_model(config_from_args(build_parser().parse_args(["--load", d, "--seq-length", "16"])), d, -1,
+                             {"load", "seq_length"})
+    assert same.model.num_layers == 4 and same.model.seq_length == 16  # a free field may differ
+
+
 def test_free_fields_may_differ(small_ckpt):
     cfg, _, _, _ = small_ckpt
     other = layout(8, 1, 1, model_kw=dict(hidden_dropout=0.1, recompute="full", scan_layers=True))

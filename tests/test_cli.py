@@ -206,3 +206,22 @@ def test_a_vocabulary_adopted_from_the_checkpoint_is_blamed_on_it(tmp_path, monk
     assert main([*BASE, "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"error: the checkpoint in --load {tmp_path / 'ckpt'} has a vocabulary of 128, smaller than" in err
+
+
+def test_an_error_report_is_the_only_thing_printed():
+    """After a command reports bad input, work the failed call left behind (orbax's reads of a damaged
+    checkpoint fail in threads and in objects collected at exit) prints no tracebacks under the sentence."""
+    late = ("import threading\n"
+            "threading.Thread(target=lambda: 1 / 0).start()\n"
+            "class Pending:\n    def __del__(self): raise RuntimeError('Event loop is closed')\n"
+            "Pending()\n")
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+                              timeout=60)
+
+    out = run("from jax3d.argparse_util import report_error\n"
+              "code = report_error(ValueError('--load x holds no checkpoint'))\n" + late + "raise SystemExit(code)")
+    assert out.returncode == 2 and out.stderr == "error: --load x holds no checkpoint\n", out.stderr
+    noisy = run(late)  # the same leftovers without the report do print
+    assert "ZeroDivisionError" in noisy.stderr and "Event loop is closed" in noisy.stderr

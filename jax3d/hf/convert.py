@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from jax3d.argparse_util import dir_problem
+from jax3d.argparse_util import dir_problem, report_error
 from jax3d.config import Config, ConfigError, DataConfig, TrainConfig
 from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf, to_hf
 
@@ -276,8 +276,7 @@ def main(argv=None) -> int:
         else:
             summary = export_hf(a.load, a.hf_dir, step=a.ckpt_step)
     except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report_error(err)
     print(json.dumps(summary))
     return 0
 

@@ -32,13 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from jax3d.argparse_util import report_error
     from jax3d.config import ConfigError
     from jax3d.data.indexed import DataError
     try:
         return _main(argv)
     except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
 
 
 def _main(argv) -> int:

@@ -142,6 +142,10 @@ def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[st
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     kw = {k: _as_tuple(v) for k, v in saved.items() if k in names and k not in explicit}
     model = dataclasses.replace(cfg.model, **kw)
+    # A shape a flag or --preset gave must be the checkpoint's; said now, before a layout or memory check
+    # could blame a field the checkpoint supplied (a vocabulary still to come from the tokenizer is left out).
+    check_model_compatible(saved, model if model.vocab_size else dataclasses.replace(
+        model, vocab_size=saved.get("vocab_size", 0)), load_dir)
     if "seq_length" not in given_flags and "preset" not in given_flags:
         model = dataclasses.replace(model, seq_length=min(saved.get("seq_length", model.seq_length),
                                                           model.max_position_embeddings))
