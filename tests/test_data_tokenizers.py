@@ -1,4 +1,5 @@
 """Our Megatron-named tokenizers against HF's reference tokenizer classes on the same files."""
+import json
 import os
 import subprocess
 import sys
@@ -91,6 +92,10 @@ def test_train_tokenizer_cli(corpus_file, tmp_path):
     assert r.returncode == 0, r.stderr
     tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(tmp_path / "vocab.txt"))
     assert tok.vocab_size <= 300 and tok.cls is not None
+    r = subprocess.run(cli + ["--min-frequency", "100000000", "--vocab-size", "500", "--output-dir",
+                              str(tmp_path / "rare"), str(corpus_file)], capture_output=True, text=True, env=env)
+    learned = len(json.loads((tmp_path / "rare" / "vocab.json").read_text()))
+    assert r.returncode == 0 and f"the vocabulary has {learned} tokens, fewer than --vocab-size 500" in r.stderr
     r = subprocess.run(cli + ["--output-dir", str(tmp_path / "new"), str(tmp_path / "nope.txt")],
                        capture_output=True, text=True, env=env)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "nope.txt does not exist" in r.stderr

@@ -6,6 +6,7 @@ the BERT ones also `cls`, `sep`, `mask`, `pad`.
 from __future__ import annotations
 
 import os
+import sys
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -194,6 +195,10 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
         except Exception as e:  # the tokenizers library raises plain Exceptions, e.g. for binary input
             raise DataError(f"the input files ({', '.join(files)}) could not be read as text ({e}); pass "
                             "UTF-8 plain-text files.") from None
+    learned = tok.get_vocab_size()
+    if learned < vocab_size:  # the text (or --min-frequency) allowed no more
+        print(f"jax3d: the vocabulary has {learned} tokens, fewer than --vocab-size {vocab_size}: the text has no "
+              f"more pieces seen at least --min-frequency {min_frequency} times", file=sys.stderr)
     os.makedirs(out_dir, exist_ok=True)  # after training: a failed run leaves no empty folder
     if kind == "bpe":
         vocab, merges = tok.model.save(out_dir)
