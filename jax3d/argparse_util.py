@@ -2,20 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import tempfile
-import threading
 
 
 def report_error(e: BaseException, code: int = 2) -> int:
-    """Prints bad input as a command's one sentence and returns its exit code. Work the failed call left
-    pending (orbax's reads of a damaged checkpoint) is dropped at exit without printing its tracebacks."""
+    """Prints bad input as a command's one sentence and returns its exit code."""
     print(f"error: {e}", file=sys.stderr)
-    sys.unraisablehook = lambda unraisable: None
-    threading.excepthook = lambda args: None
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     return code
 
 
@@ -33,7 +27,8 @@ class HelpFormatter(argparse.HelpFormatter):
         text = action.help or ""
         default = action.default
         # `is`, not `in`: 0 == False, and a default of 0 is worth printing.
-        if "default" in text or any(default is v for v in (None, "", False, argparse.SUPPRESS)) or action.nargs == 0:
+        if "default" in text or any(default is v for v in (None, "", False, argparse.SUPPRESS)) or action.nargs == 0 \
+                or default == []:
             return text
         return f"{text} (default: {default})"
 
@@ -49,10 +44,11 @@ def layer_counts(text: str, flag: str) -> tuple[int, ...]:
     return counts
 
 
-def dir_problem(path: str) -> str | None:
+def dir_problem(path: str, probe: bool = True) -> str | None:
     """Why directory `path` can't be written to or created ("is a file", "lies inside file F", "cannot be
-    written (Permission denied)"), or None. It writes nothing that stays: a command checks its output
-    folder with this before it spends time on work it could not save."""
+    written (Permission denied)"), or None. With `probe`, it tries to create and remove a temporary folder
+    there, which leaves nothing: a command checks its output folder before it spends time on work it
+    could not save."""
     if os.path.exists(path) and not os.path.isdir(path):
         return "is a file, not a directory"
     here = os.path.abspath(path)
@@ -60,6 +56,8 @@ def dir_problem(path: str) -> str | None:
         here = os.path.dirname(here)
     if not os.path.isdir(here):
         return f"lies inside {here}, which is a file"
+    if not probe:
+        return None
     try:  # permissions, read-only or special file systems: only trying tells
         tempfile.TemporaryDirectory(dir=here).cleanup()
     except OSError as e:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import decimal
 
 from jax3d.argparse_util import HelpFormatter, OneLineParser, dir_problem, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
@@ -89,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimizer (AdamW)")
     g.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=None,
-                   help="learning rate at the end of the decay (default: --lr / 10)")
+                   help="learning rate at the end of the decay (default: 6e-5, or --lr / 10 below that)")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
     g.add_argument("--lr-decay-iters", type=int, default=0, help="decay steps (default: --train-iters)")
     g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine",
@@ -189,9 +188,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
                               sequence_parallel=a.sequence_parallel, pipeline_schedule=schedule,
                               layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage or 0,
                               pipeline_layout=layout)
-    if a.min_lr is None:  # a tenth of --lr as written (6e-4 / 10 in floats is not 6e-5)
-        a.min_lr = float(decimal.Decimal(repr(a.lr)) / 10)
-    optim = OptimConfig(lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
+    min_lr = a.min_lr
+    if min_lr is None:  # 6e-5, or a tenth of --lr where 6e-5 would be above it (the decay would raise the rate)
+        min_lr = OptimConfig.min_lr if a.lr >= OptimConfig.min_lr else a.lr / 10
+    optim = OptimConfig(lr=a.lr, min_lr=min_lr, lr_warmup_iters=a.lr_warmup_iters,
                         lr_decay_iters=a.lr_decay_iters, lr_decay_style=a.lr_decay_style,
                         weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
                         adam_beta2=a.adam_beta2, adam_eps=a.adam_eps)
@@ -208,7 +208,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         log_interval=a.log_interval, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
                         ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops)
-    _refuse_bad_values(a, model, train)
+    _refuse_bad_values(a, model, optim, train)
     tok_flags = [f for f, v in (("--tokenizer-type", a.tokenizer_type), ("--vocab-file", a.vocab_file),
                                 ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file)) if v]
     if tok_flags and not a.data_path:
@@ -217,7 +217,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     return Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
 
 
-def _refuse_bad_values(a: argparse.Namespace, model, train) -> None:
+def _refuse_bad_values(a: argparse.Namespace, model, optim, train) -> None:
     """Range and directory checks, each failure one ConfigError sentence naming the flag."""
     at_least_1 = [("--train-iters", a.train_iters), ("--log-interval", a.log_interval),
                   ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
@@ -229,7 +229,7 @@ def _refuse_bad_values(a: argparse.Namespace, model, train) -> None:
                   ("--loss-scale-window", a.loss_scale_window), ("--hysteresis", a.hysteresis)]
     positive = [("--layernorm-epsilon", a.layernorm_epsilon), ("--adam-eps", a.adam_eps),
                 ("--initial-loss-scale", a.initial_loss_scale), ("--min-loss-scale", a.min_loss_scale)]
-    not_negative = [("--lr", a.lr), ("--min-lr", a.min_lr), ("--lr-warmup-iters", a.lr_warmup_iters),
+    not_negative = [("--lr", a.lr), ("--min-lr", optim.min_lr), ("--lr-warmup-iters", a.lr_warmup_iters),
                     ("--lr-decay-iters", a.lr_decay_iters), ("--weight-decay", a.weight_decay),
                     ("--clip-grad", a.clip_grad), ("--exit-interval", a.exit_interval),
                     ("--eval-interval", a.eval_interval), ("--eval-iters", a.eval_iters),
@@ -245,11 +245,11 @@ def _refuse_bad_values(a: argparse.Namespace, model, train) -> None:
         for flag, v in flags:
             if not ok(v):
                 raise ConfigError(f"{flag} {v} {rule}")
-    if a.min_lr > a.lr:
-        raise ConfigError(f"--min-lr {a.min_lr} is above --lr {a.lr}, so the decay would raise the rate; "
+    if optim.min_lr > optim.lr and optim.lr_decay_style != "constant":
+        raise ConfigError(f"--min-lr {optim.min_lr} is above --lr {optim.lr}, so the decay would raise the rate; "
                           "lower --min-lr")
     for flag, path in [("--save", a.save), ("--log-dir", a.log_dir)]:
-        problem = dir_problem(path) if path else None
+        problem = dir_problem(path, probe=not a.dry_run) if path else None  # a dry run writes nothing
         if problem:
             raise ConfigError(f"{flag} {path} {problem}; pass a directory you can write")
 

@@ -66,8 +66,11 @@ def _zeroed(sample: dict) -> dict:
     return out
 
 
-def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str, which: str, num_samples: int):
-    """The sample dataset to evaluate and how many of its samples to use (all by default)."""
+def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str, which: str, num_samples: int,
+                  validated: int = 0):
+    """The sample dataset to evaluate and how many of its samples to use (all by default). A split may be
+    read past its end, as training's validation of `validated` samples reads a small one, up to the larger
+    of one pass and `validated`."""
     from jax3d import data
 
     m = cfg.model
@@ -76,7 +79,9 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
             raise ConfigError("--text-file evaluates GPT checkpoints; for BERT, preprocess the text with "
                               "--split-sentences and pass --data-path")
         ds = TextWindows(text_file, tokenizer, m.seq_length)
-        _check_count(num_samples, len(ds), f"windows of {text_file}")
+        if num_samples > len(ds):
+            raise ConfigError(f"--num-samples {num_samples} is more than the {len(ds)} windows of {text_file}; "
+                              "pass at most that many, or 0 for all of them")
         return ds, num_samples or len(ds)
     from jax3d.train.inputs import check_token_ids
 
@@ -95,16 +100,13 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
     ds = build(1)  # 1 asks for one epoch: every window of the split, once
     if ds is None:
         raise ConfigError(f"--split {split} leaves the {which} split empty; change --split or --split-name")
-    _check_count(num_samples, len(ds), f"samples of the {which} split")
+    if num_samples > max(len(ds), validated):
+        also = f" (training validated on {validated})" if validated else ""
+        raise ConfigError(f"--num-samples {num_samples} is more than the {len(ds)} samples of the {which} split{also}; "
+                          f"pass at most {max(len(ds), validated)}, or 0 for one pass over the split")
     if num_samples:  # built for that many, the samples come in the order training's validation read them
         ds = build(num_samples)
     return ds, num_samples or len(ds)
-
-
-def _check_count(num_samples: int, have: int, what: str) -> None:
-    if num_samples > have:
-        raise ConfigError(f"--num-samples {num_samples} is more than the {have} {what}; pass at most that "
-                          "many, or 0 for all of them")
 
 
 def evaluate_params(steps, params, dataset, count: int, progress: bool = True) -> dict:
@@ -185,7 +187,8 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
         from jax3d.inference.generate import load_tokenizer
         tokenizer = load_tokenizer(meta, cfg.model.model_type)
     split = saved.data.split if split is None else split  # by default the samples training validated on
-    dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples)
+    validated = saved.train.eval_iters * saved.train.global_batch_size if which == "valid" else 0
+    dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples, validated)
     steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
     targets = with_shardings(steps.abstract_logical_state.params, steps.logical_shardings.params)
     params = steps.state_params(restore_arrays(load, step, {"params": targets}).params)

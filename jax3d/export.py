@@ -131,7 +131,6 @@ def read_safetensors(path: str) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(description="Export a jax3d checkpoint's parameters as one unsharded fp32 tree.")
     p.add_argument("--load", required=True, help="checkpoint directory (the --save of a training run)")

@@ -43,7 +43,8 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
     """
     import jax
 
-    if coordinator_address or num_processes > 1 or num_processes < 0 or process_id >= 0:
+    launcher = any(k in os.environ for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+    if coordinator_address or num_processes > 1:
         if not (coordinator_address and num_processes > 1 and process_id >= 0):
             raise ConfigError("--coordinator-address, --num-processes (>1) and --process-id must be given "
                               "together for a multi-process run")
@@ -51,7 +52,13 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
             raise ConfigError(f"--process-id {process_id} must be below --num-processes {num_processes} "
                               "(processes count from 0)")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    elif any(k in os.environ for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")):
+        return
+    # One process (--num-processes 1 --process-id 0 is one too); a process id past 0 with nothing else
+    # would otherwise run alone without a word, unless SLURM or Open MPI supplies the rest.
+    if num_processes < 0 or (process_id > 0 and not launcher):
+        raise ConfigError(f"--num-processes {num_processes} --process-id {process_id} is no run jax3d can join; give "
+                          "--coordinator-address, --num-processes (>1) and --process-id together, or none of them")
+    if launcher:
         ntasks = int(os.environ.get("SLURM_NTASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
         if ntasks > 1:
             jax.distributed.initialize()

@@ -78,7 +78,7 @@ def test_bert_mlm_and_sentence_order_equal_train_logged(tmp_path):
     assert abs(out["sop_acc"] - logged["val_sop_acc"]) < 1e-6
 
 
-def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_path, monkeypatch):
+def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_path, monkeypatch, capsys):
     """A checkpoint records its tokenizer's files by absolute path (read from any folder); a fine-tune whose
     tokenizer has another vocabulary is refused, and so is generating from a checkpoint with no tokenizer or
     whose tokenizer files have gone."""
@@ -98,10 +98,32 @@ def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_pat
     own = load_tokenizer(meta, "gpt")  # the bundled corpus's
     check_same_tokenizer(ck, -1, own)
     with pytest.raises(ConfigError, match=f"--load {ck} was trained on a tokenizer of {own.vocab_size} tokens and "
-                                          "this run's has 1000"):
+                                          "this run's has 1000; .*the bundled corpus's, used without --data-path"):
         check_same_tokenizer(ck, -1, SimpleNamespace(vocab_size=1000))
-    with pytest.raises(ConfigError, match="records no tokenizer"):
-        load_tokenizer({"tokenizer": {"type": "", "vocab_size": None}}, "gpt")
+    capsys.readouterr()
+    check_same_tokenizer(ck, -1, SimpleNamespace(vocab_size=own.vocab_size + 2))  # added tokens: allowed
+    assert "this run's tokenizer has" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="has no tokenizer .*imported without tokenizer files"):
+        load_tokenizer({"tokenizer": {"type": "", "vocab_size": None, "note": "imported without tokenizer files"}},
+                       "gpt")
+    # a checkpoint saved from code with no tokenizer record (as before this was written): the bundled one
+    assert load_tokenizer({"tokenizer": {"type": "", "vocab_size": None}}, "gpt").vocab_size == own.vocab_size
+    assert tokenizer_info(Config())["note"] == "bundled default corpus tokenizer"  # a library run, no tokenizer
     gone = {"tokenizer": {"type": "GPT2BPETokenizer", "vocab_file": str(tmp_path / "v.json"), "merge_file": ""}}
     with pytest.raises(ConfigError, match="tokenizer file .*v.json does not exist"):
         load_tokenizer(gone, "gpt")
+
+
+def test_a_small_validation_split_is_read_past_its_end_as_training_read_it(tmp_path, capsys):
+    """With one validation sample per pass, training's validation read 32 (the split wraps around): the
+    same count gives its logged loss; more than both is refused (it counted, or hung building, 1e8)."""
+    prefix, _ = default_corpus(kind="gpt")
+    d = tmp_path
+    assert train_main(["--preset", "gpt-tiny", *ARGS, "--split", "998,2,0", "--save", str(d / "ckpt"),
+                       "--log-dir", str(d / "log")]) == 0
+    logged = _val(str(d / "log"), 3)
+    out = evaluate_checkpoint(str(d / "ckpt"), data_paths=[prefix], num_samples=32, micro_batch_size=2,
+                              progress=False)
+    assert out["samples"] == 32 and abs(out["loss"] - logged["val_loss"]) < 1e-5
+    assert evaluate_main(["--load", str(d / "ckpt"), "--data-path", prefix, "--num-samples", "33", "--no-progress"]) == 2
+    assert "more than the 1 samples of the valid split (training validated on 32); pass at most 32" in capsys.readouterr().err

@@ -140,6 +140,12 @@ def test_sharded_and_bf16_safetensors(tmp_path):
     _, params, _ = _jax3d_model(str(tmp_path / "ckpt"))
     want = hf.transformer.h[1].mlp.c_fc.weight.float().detach().numpy()
     np.testing.assert_array_equal(params["blocks"]["mlp"]["up_kernel"][1], want)
+    # That folder has no tokenizer files: generating from the import is refused, not done with the bundled
+    # corpus's tokenizer (another vocabulary).
+    from jax3d.config import ConfigError
+    from jax3d.inference import generate_text
+    with pytest.raises(ConfigError, match="imported without tokenizer files"):
+        generate_text(str(tmp_path / "ckpt"), ["x"], 2)
 
 
 def test_trained_at_222_exported_matches_transformers(tmp_path):

@@ -161,7 +161,7 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     import jax
 
     from jax3d.mesh import MeshConfig
-    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.train.checkpoint import NO_TOKENIZER, Checkpointer
     from jax3d.train.step import build_steps
 
     tok_kw, tok_files = _tokenizer_of(hf_dir, cfg_m.model_type)
@@ -185,6 +185,8 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     for p in tok_files:
         shutil.copy(os.path.join(hf_dir, p), os.path.join(tok_dir, p))
     ck = Checkpointer(cfg, tokenizer=tokenizer, async_save=False)
+    if not tok_kw:  # or generation would fall back to the bundled corpus's tokenizer, another vocabulary
+        ck.tokenizer = {**ck.tokenizer, "note": NO_TOKENIZER}
     ck.save(0, state, {"consumed_samples": 0}, wait=True)
     ck.close()
     return {"save": save, "architecture": hf.get("architectures", [hf.get("model_type")])[0],
@@ -230,8 +232,11 @@ def _eod(cfg, tok: dict):
 
 def _copy_tokenizer(tok: dict, hf_dir: str, model_type: str) -> list[str]:
     """Copies the run's tokenizer files under HF's names (and any HF tokenizer files beside them)."""
+    from jax3d.train.checkpoint import BUNDLED_TOKENIZER
+
     copied = []
-    if tok.get("note") and not any(tok.get(k) for k in ("vocab_file", "merge_file", "tokenizer_file")):
+    if tok.get("note") == BUNDLED_TOKENIZER and not any(tok.get(k) for k in ("vocab_file", "merge_file",
+                                                                           "tokenizer_file")):
         tok = {**tok, **_default_corpus_files(model_type)}  # the bundled corpus's tokenizer, from its cache
     for key, hf_name in (("vocab_file", "vocab.txt" if model_type == "bert" else "vocab.json"),
                          ("merge_file", "merges.txt"), ("tokenizer_file", "tokenizer.json")):

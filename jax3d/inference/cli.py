@@ -63,11 +63,6 @@ def _main(argv) -> int:
         raise ConfigError(f"--tensor-model-parallel-size {a.tensor_model_parallel_size} must be at least 1")
     from jax3d.inference.generate import Sampling
     sampling = Sampling(greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
-    unused = [f"{flag} {v}" for flag, v, off in (("--temperature", a.temperature, 1.0), ("--top-k", a.top_k, 0),
-                                                  ("--top-p", a.top_p, 1.0)) if v != off]
-    if a.greedy and unused:
-        raise ConfigError(f"--greedy takes the most likely token, so {', '.join(unused)} would go unused; drop "
-                          "--greedy to sample, or drop them")
     sampling.validate()
 
     from jax3d.run import setup_devices

@@ -41,6 +41,12 @@ class Sampling:
     top_p: float = 1.0
 
     def validate(self) -> None:
+        unused = [f"{flag} {v}" for flag, v, off in (("--temperature", self.temperature, 1.0),
+                                                      ("--top-k", self.top_k, 0), ("--top-p", self.top_p, 1.0))
+                  if v != off]
+        if self.greedy and unused:
+            raise ConfigError(f"--greedy takes the most likely token, so {', '.join(unused)} would go unused; drop "
+                              "--greedy to sample, or drop them")
         if not self.greedy and self.temperature <= 0:
             raise ConfigError(f"--temperature {self.temperature} must be positive (or pass --greedy)")
         if self.top_k < 0:
@@ -267,13 +273,13 @@ def load_tokenizer(meta: dict, kind: str):
     """The tokenizer a checkpoint was trained (or imported) with (its metadata `meta`)."""
     from jax3d import data
     from jax3d.data.tokenizers import TOKENIZER_TYPES
+    from jax3d.train.checkpoint import NO_TOKENIZER
 
     tok = meta.get("tokenizer") or {}
     files = [tok[k] for k in ("vocab_file", "merge_file", "tokenizer_file") if tok.get(k)]
-    if not files and not tok.get("note"):  # the note marks the bundled corpus's own tokenizer
-        raise ConfigError("the checkpoint records no tokenizer (a model imported without its tokenizer files); "
-                          "import it again from a folder that has them (vocab.json and merges.txt, vocab.txt or "
-                          "tokenizer.json)")
+    if tok.get("note") == NO_TOKENIZER:
+        raise ConfigError("the checkpoint has no tokenizer (its model was imported without tokenizer files); import "
+                          "it again from a folder that has them (vocab.json and merges.txt, vocab.txt or tokenizer.json)")
     missing = [f for f in files if not os.path.exists(f)]
     if missing:
         raise ConfigError(f"the checkpoint's tokenizer file {missing[0]} does not exist; put it back there, "

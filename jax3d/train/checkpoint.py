@@ -64,6 +64,10 @@ def _flag(field: str) -> str:
     return "--model" if field == "model_type" else "--" + field.replace("_", "-")
 
 
+BUNDLED_TOKENIZER = "bundled default corpus tokenizer"  # a tokenizer record's note for the bundled corpus
+NO_TOKENIZER = "imported without tokenizer files"
+
+
 def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
     """What a checkpoint records about the tokenizer: type, vocabulary size and its files."""
     d = cfg.data
@@ -74,22 +78,29 @@ def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
             **{k: os.path.abspath(v) if v else "" for k, v in (("vocab_file", d.vocab_file),
                                                               ("merge_file", d.merge_file),
                                                               ("tokenizer_file", d.tokenizer_file))}}
-    if not d.tokenizer_type and tokenizer is not None:
-        info["note"] = "bundled default corpus tokenizer"
+    if not d.tokenizer_type and not d.data_path:  # a run on the bundled corpus, from the command line or code
+        info["note"] = BUNDLED_TOKENIZER
     return info
 
 
 def check_same_tokenizer(load_dir: str, step: int, tokenizer) -> None:
-    """ConfigError when checkpoint `load_dir` (step `step`, -1 the latest) was trained with a vocabulary
-    of another size than `tokenizer`'s: its embeddings would be read with the wrong token ids."""
+    """ConfigError when checkpoint `load_dir` (step `step`, -1 the latest) was trained on a larger
+    vocabulary than `tokenizer`'s: another tokenizer, whose ids would read the wrong embeddings. A larger
+    one (the checkpoint's plus added tokens) is allowed with a note."""
     found = list_steps(load_dir)
     if not found or tokenizer is None:
         return
     saved = read_meta(load_dir, resolve_step(load_dir, found, step)).get("tokenizer") or {}
-    if saved.get("vocab_size") and int(saved["vocab_size"]) != int(tokenizer.vocab_size):
-        raise ConfigError(f"--load {load_dir} was trained on a tokenizer of {saved['vocab_size']} tokens and this run's "
-                          f"has {tokenizer.vocab_size}; preprocess the data with the checkpoint's tokenizer "
-                          f"({saved.get('vocab_file') or saved.get('tokenizer_file') or saved.get('type')})")
+    had, has = int(saved.get("vocab_size") or 0), int(tokenizer.vocab_size)
+    if had and has < had:
+        which = saved.get("vocab_file") or saved.get("tokenizer_file") or (
+            "the bundled corpus's, used without --data-path" if saved.get("note") == BUNDLED_TOKENIZER
+            else saved.get("type"))
+        raise ConfigError(f"--load {load_dir} was trained on a tokenizer of {had} tokens and this run's has {has}; "
+                          f"preprocess the data with the checkpoint's tokenizer ({which})")
+    if had and has > had:
+        _log(f"jax3d: this run's tokenizer has {has} tokens, {has - had} more than the checkpoint's; "
+             "their embeddings are the checkpoint's padding rows, as yet untrained")
 
 
 def config_from_dict(d: dict) -> Config:
