@@ -96,6 +96,9 @@ def _main(argv) -> int:
     cfg, mesh_cfg = plan.cfg, plan.mesh
     if jax.process_index() == 0:
         print(header(plan, build_model(cfg.model).num_params()), file=sys.stderr)
+        if cfg.parallel.sequence_parallel and mesh_cfg.model == 1:
+            print("jax3d: --sequence-parallel shards activations over tensor parallelism, which is 1 here, so it "
+                  "changes nothing", file=sys.stderr)
     if args.dry_run:
         from jax3d.train.dry_run import dry_run
         print(json.dumps(dry_run(cfg, mesh_cfg, mesh_cfg.build())))

@@ -219,3 +219,11 @@ def test_one_process_flags_and_launchers_still_run(monkeypatch):
     init_distributed("", 0, 0)
     monkeypatch.setenv("SLURM_NTASKS", "1")
     init_distributed("", 0, 3)
+
+
+def test_sequence_parallel_without_tensor_parallelism_says_it_does_nothing(tmp_path, capsys):
+    """As Megatron warns and turns it off: at tensor parallel 1 the flag shards nothing; at 2 no note."""
+    for tp, noted in (("1", True), ("2", False)):
+        assert main(["--sequence-parallel", "--tensor-model-parallel-size", tp, "--dry-run",
+                     "--log-dir", str(tmp_path)]) == 0
+        assert ("--sequence-parallel shards activations over tensor parallelism" in capsys.readouterr().err) == noted
