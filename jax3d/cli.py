@@ -211,6 +211,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     _refuse_bad_values(a, model, optim, train)
     tok_flags = [f for f, v in (("--tokenizer-type", a.tokenizer_type), ("--vocab-file", a.vocab_file),
                                 ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file)) if v]
+    if a.ckpt_step != -1 and not a.load:
+        raise ConfigError(f"--ckpt-step {a.ckpt_step} picks a step of --load, which is not given; add --load or drop it")
     if tok_flags and not a.data_path:
         raise ConfigError(f"--data-path is not given, so {', '.join(tok_flags)} would go unused (the bundled "
                           "corpus has its own tokenizer); add --data-path or drop them")

@@ -66,6 +66,7 @@ def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
     (["--pipeline-model-parallel-layout", "0,2"], "leaves a stage without layers"),
     (["--recompute", "none", "--checkpoint-activations"], "ask for different recomputation"),  # one won silently
     (["--bf16", "--loss-scale", "128"], "--loss-scale 128.0 scales fp16 gradients"),
+    (["--ckpt-step", "2"], "--ckpt-step 2 picks a step of --load, which is not given"),  # trained from scratch
 ])
 def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch):
     """A zero batch size is not silently taken as "the preset's", nor a negative interval as "never"."""

@@ -162,3 +162,32 @@ def test_a_run_without_validation_data_says_so(capsys):
         inputs = build_inputs(Config(data=DataConfig(split=split)), 32, 16)
         assert (inputs.valid is None) == want_note
         assert ("leaves the validation split empty" in capsys.readouterr().err) == want_note
+
+
+def test_the_train_split_must_not_be_empty_and_blend_weights_must_be_finite():
+    """--split 0,100,0 was a TypeError from the loader; a nan or inf blend weight, a ValueError."""
+    from jax3d.config import Config, ConfigError, DataConfig
+    from jax3d.train.inputs import build_inputs
+
+    with pytest.raises(ConfigError, match="--split 0,100,0 leaves the train split empty"):
+        build_inputs(Config(data=DataConfig(split="0,100,0")), 32, 16)
+    for w in ("nan", "inf"):
+        with pytest.raises(DataError, match="must be finite, non-negative numbers"):
+            parse_data_paths([w, "a", "1", "b"])
+
+
+def test_cached_indices_are_readable_by_the_data_folders_other_users(tmp_path):
+    """mkstemp writes 0600; the cache beside shared data is written as a plain file would be (0644 under
+    umask 022), or every other user rebuilds it with a warning."""
+    import os
+    import stat
+
+    from jax3d.data.sampling import cached_arrays
+
+    old = os.umask(0o022)
+    try:
+        cached_arrays(str(tmp_path), "gpt_x", "k1", lambda: {"doc": np.arange(4)})
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes

@@ -15,6 +15,14 @@ from jax3d.data.indexed import DataError, IndexedDataset
 SPLIT_NAMES = ("train", "valid", "test")
 
 
+def _readable_by_all(path: str) -> None:
+    """The mode a plain write would give (0666 less the umask), not mkstemp's 0600: an index cached
+    beside shared data must be readable by the other users of that data, or each rebuilds it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def parse_data_paths(data_paths) -> tuple[list[float], list[str]]:
     """Megatron's `--data-path`: one bare prefix, or `w1 prefix1 w2 prefix2 ...`.
 
@@ -33,8 +41,8 @@ def parse_data_paths(data_paths) -> tuple[list[float], list[str]]:
     except ValueError:
         raise DataError(f"--data-path {' '.join(data_paths)} must alternate weight and prefix, "
                         "like '0.3 dataA 0.7 dataB'.") from None
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise DataError(f"--data-path weights {weights} must be non-negative with a positive sum.")
+    if not all(np.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"--data-path weights {weights} must be finite, non-negative numbers with a positive sum.")
     total = sum(weights)
     return [w / total for w in weights], data_paths[1::2]
 
@@ -93,6 +101,7 @@ def cached_arrays(cache_dir: str, name: str, key: str, build) -> dict[str, np.nd
         fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(sorted(arrays), f)
+        _readable_by_all(tmp)
         os.replace(tmp, manifest)
     except OSError as e:
         print(f"warning: could not cache {name} index in {cache_dir} ({e}); it will be rebuilt "
@@ -119,6 +128,7 @@ def _atomic_save(path: str, arr: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, arr)
+        _readable_by_all(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
