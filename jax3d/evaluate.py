@@ -83,30 +83,36 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
             raise ConfigError(f"--num-samples {num_samples} is more than the {len(ds)} windows of {text_file}; "
                               "pass at most that many, or 0 for all of them")
         return ds, num_samples or len(ds)
+    from jax3d.data.sampling import parse_data_paths
     from jax3d.train.inputs import check_token_ids
 
     check_token_ids(data_paths, tokenizer.vocab_size)
     idx = SPLITS.index(which)
 
-    def build(samples: int):
+    def build(samples: int, paths=tuple(data_paths)):
         want = [0, 0, 0]
         want[idx] = samples
         if m.model_type == "bert":
-            return data.build_bert_datasets(list(data_paths), split, m.seq_length, want, cfg.train.seed,
+            return data.build_bert_datasets(list(paths), split, m.seq_length, want, cfg.train.seed,
                                             tokenizer, cache_dir=cfg.data.cache_dir or None)[idx]
-        return data.build_gpt_datasets(list(data_paths), split, m.seq_length, want, cfg.train.seed,
+        return data.build_gpt_datasets(list(paths), split, m.seq_length, want, cfg.train.seed,
                                        cache_dir=cfg.data.cache_dir or None)[idx]
 
-    ds = build(1)  # 1 asks for one epoch: every window of the split, once
-    if ds is None:
+    # One pass: 1 asks a single source for one epoch, every window of its split once. A blend of sources
+    # is as long as asked, so one pass over it is the sum of its sources' passes.
+    weights, prefixes = parse_data_paths(data_paths)
+    passes = [build(1, (p,)) for w, p in zip(weights, prefixes) if w > 0]
+    one_pass = sum(len(d) for d in passes if d is not None)
+    if not one_pass:
         raise ConfigError(f"--split {split} leaves the {which} split empty; change --split or --split-name")
-    if num_samples > max(len(ds), validated):
+    if num_samples > max(one_pass, validated):
         also = f" (training validated on {validated})" if validated else ""
-        raise ConfigError(f"--num-samples {num_samples} is more than the {len(ds)} samples of the {which} split{also}; "
-                          f"pass at most {max(len(ds), validated)}, or 0 for one pass over the split")
-    if num_samples:  # built for that many, the samples come in the order training's validation read them
-        ds = build(num_samples)
-    return ds, num_samples or len(ds)
+        raise ConfigError(f"--num-samples {num_samples} is more than the {one_pass} samples of the {which} split{also}; "
+                          f"pass at most {max(one_pass, validated)}, or 0 for one pass over the split")
+    # Built for the count evaluated, the samples come in the order training's validation read them.
+    count = num_samples or one_pass
+    ds = passes[0] if len(prefixes) == 1 and not num_samples else build(count)
+    return ds, count
 
 
 def evaluate_params(steps, params, dataset, count: int, progress: bool = True) -> dict:

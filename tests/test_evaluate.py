@@ -127,3 +127,9 @@ def test_a_small_validation_split_is_read_past_its_end_as_training_read_it(tmp_p
     assert out["samples"] == 32 and abs(out["loss"] - logged["val_loss"]) < 1e-5
     assert evaluate_main(["--load", str(d / "ckpt"), "--data-path", prefix, "--num-samples", "33", "--no-progress"]) == 2
     assert "more than the 1 samples of the valid split (training validated on 32); pass at most 32" in capsys.readouterr().err
+    # A blend is one pass over each of its sources (it scored one sample, whatever the data): the same
+    # source twice at equal weights gives two samples, each the one sample alone, so the same loss.
+    one = evaluate_checkpoint(str(d / "ckpt"), data_paths=[prefix], micro_batch_size=1, progress=False)
+    two = evaluate_checkpoint(str(d / "ckpt"), data_paths=["0.5", prefix, "0.5", prefix], micro_batch_size=1,
+                              progress=False)
+    assert one["samples"] == 1 and two["samples"] == 2 and abs(two["loss"] - one["loss"]) < 1e-6
