@@ -91,7 +91,7 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *
     par = cfg.parallel
     auto_layout = par.tensor_parallel is None and par.pipeline_parallel is None
     if auto_layout:
-        tried = []
+        tried, reasons = [], set()
         for tp, pp in _candidates(num_devices):
             trial = _with_vocab(_with_layout(cfg, tp, pp), tokenizer_vocab, vocab_from_checkpoint)
             mesh = MeshConfig.from_parallel(trial.parallel, num_devices)
@@ -99,10 +99,10 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *
             if not errors:
                 break
             tried.append(f"({mesh.data}, {mesh.stage}, {mesh.model}) failed: {errors[0]}")
+            reasons.add(errors[0])
         else:
-            reasons = [t.split(" failed: ", 1)[1] for t in tried]
-            if len(set(reasons)) == 1:  # a rule no layout can meet: say it once
-                raise ConfigError(f"no (data, stage, model) layout fits: {reasons[0]}")
+            if len(reasons) == 1:  # a rule no layout can meet: say it once
+                raise ConfigError(f"no (data, stage, model) layout fits: {reasons.pop()}")
             raise ConfigError("no (data, stage, model) layout fits; " + "; ".join(tried))
         cfg = trial
         note = "chosen automatically, the most parallel that fits"
