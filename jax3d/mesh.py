@@ -153,11 +153,6 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
     if parallel.sequence_parallel and model.seq_length % tp:
         errors.append(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
                       f"{tp}, which --sequence-parallel needs")
-    if parallel.sequence_parallel and tp > 1 and pp > 1:
-        # The first stage's embedding then reshards inside a branch only that stage takes, and the
-        # collectives there wait for devices that never arrive (a hang, then an abort).
-        errors.append("--sequence-parallel does not yet combine with --pipeline-model-parallel-size "
-                      f"{pp} at --tensor-model-parallel-size {tp}; drop --sequence-parallel or the pipeline")
     mb, gb = train.micro_batch_size, train.global_batch_size
     if gb % (mb * dp):
         errors.append(f"--global-batch-size {gb} is not divisible by --micro-batch-size {mb} x data-parallel "

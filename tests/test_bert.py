@@ -20,9 +20,10 @@ def bert_batch(seed):
             "padding_mask": pad, "is_random": r.randint(0, 2, (BATCH,)).astype(np.int32)}
 
 
-def train_bert(data, stage, model, schedule="1f1b", zero=0, virtual=1):
+def train_bert(data, stage, model, schedule="1f1b", zero=0, virtual=1, sequence_parallel=False):
     cfg, mesh_cfg, mesh = tiny_config(data=data, stage=stage, model=model, zero=zero, micro=1, global_batch=BATCH,
                                       pipeline_schedule=schedule, virtual_stages=virtual,
+                                      sequence_parallel=sequence_parallel,
                                       model_kw=dict(num_layers=4, model_type="bert", seq_length=SEQ, vocab_size=VOCAB))
     steps = build_steps(cfg, mesh_cfg, mesh)
     state = steps.init_state(1)
@@ -49,12 +50,12 @@ def test_reference_learns(reference):
 @pytest.mark.parametrize("layout", [
     (1, 2, 1, "gpipe"), (1, 2, 1, "interleaved", 0, 2),
     (2, 2, 2, "1f1b", 1), (2, 2, 2, "zb-h1", 3), (1, 1, 8, "1f1b", 0),
+    (2, 2, 2, "1f1b", 1, 1, True),  # sequence parallelism inside the pipeline
 ])
 def test_bert_layouts_match(reference, layout):
     data, stage, model, schedule, *rest = layout
-    zero = rest[0] if rest else 0
-    virtual = rest[1] if len(rest) > 1 else 1
-    losses = train_bert(data, stage, model, schedule, zero, virtual)
+    zero, virtual, sequence_parallel = (list(rest) + [0, 1, False][len(rest):])
+    losses = train_bert(data, stage, model, schedule, zero, virtual, sequence_parallel)
     np.testing.assert_allclose(losses, reference, atol=1e-3)
 
 

@@ -35,8 +35,6 @@ def _losses(log_dir):
      "--process-id 5 must be below --num-processes 2"),
     (["--process-id", "1"], "--process-id 1 is no run jax3d can join"),  # it ran as one process
     (["--seq-length", "256", "--max-position-embeddings", "128"], "no (data, stage, model) layout fits: "),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-     "--sequence-parallel does not yet combine"),  # it hung in a collective, then aborted
     (["--data-path", "/nonexistent/corpus", "--tokenizer-type", "GPT2BPETokenizer"], "error:"),
 ])
 def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):

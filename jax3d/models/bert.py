@@ -21,6 +21,11 @@ class BertHeads(nn.Module):
     def __call__(self, x_btd, wte_vd):
         cfg = self.cfg
         d = cfg.hidden_size
+        if self.rules.splits("act_seq"):
+            # Both heads read whole sequences: gather once here (as Megatron does before its LM head). Left
+            # split, the pooler's `x[:, 0]` has a collective-permute in its gradient, which deadlocks inside
+            # the pipeline's last-stage branch.
+            x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
         init = nn.initializers.normal(cfg.init_method_std)
         w = _param(self, "mlm_dense", ("embed", None), (d, d), init)
         b = _param(self, "mlm_dense_bias", ("norm",), (d,), nn.initializers.zeros)

@@ -287,6 +287,11 @@ class Embedding(nn.Module):
         # Explicit positions are for generation, where left-padded rows start counting at their first token.
         # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
         # lay the whole residual stream out batch-minor and transpose it around every GEMM.
+        if self.rules.splits("act_seq"):
+            # The output is split over the sequence. Left open, that split reaches back to the token ids, and a
+            # GPT's `text[:, :-1]` of its (seq + 1)-long rows becomes a collective-permute between neighbours,
+            # which deadlocks inside the pipeline's first-stage branch (the other stages never join it).
+            tokens_bt = self.rules.constrain(tokens_bt, ("batch", "seq"))
         if positions_bt is None and cfg.optimised("positions_gathered"):
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         pos = wpe[None, : tokens_bt.shape[1]] if positions_bt is None else jnp.take(wpe, positions_bt, axis=0)

@@ -60,7 +60,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
                             *, mesh, schedule: Schedule, layers_per_virtual_stage=None,
                             params_in_pipeline_order=False, rng=None,
                             grad_dtype=jnp.float32, data_dims=None, shard_grads=False,
-                            gather_stacked=False):
+                            gather_stacked=False, place_x=None):
     """Loss, aux and gradients of a layer-stacked model, run as a pipeline over mesh axis `stage`.
 
     Contract of the user functions (all pure; they never see the pipeline):
@@ -96,6 +96,9 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
       so (stacked dims must not be 0, the layer dim). With gather_stacked (ZeRO-3, implies
       shard_grads) stacked_params arrive sharded there over `data` and each layer is gathered when
       it runs.
+    place_x: optional function applied to each stage's input, whether embedded or received, e.g. a
+      sharding constraint over the automatic axes. The branches that produce the input must agree on
+      its sharding, so a first_fn whose output is constrained (sequence parallelism) needs one.
 
     Returns (loss_sum, aux_sums, grads_stacked, grads_shared): sums over all micro-batches and data
     shards (divide by the token count yourself); grads_stacked in the order stacked_params came in.
@@ -144,7 +147,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
 
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
                              use_rng, dp > 1, p, grad_dtype, layout.num_layers, (st_dims, sh_dims),
-                             gather_stacked)
+                             gather_stacked, place_x or (lambda x: x))
     st_specs = jax.tree.map(lambda d: _spec(d, "stage"), st_dims)
     sh_specs = jax.tree.map(lambda d: _spec(d, None), sh_dims)
     run = jax.shard_map(
@@ -183,7 +186,7 @@ def _spec(d, lead):
 
 
 def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_data, p, grad_dtype,
-                num_layers, dims, gather_stacked, stacked, shared, mbs, table, sends, layer_rows, rng):
+                num_layers, dims, gather_stacked, place_x, stacked, shared, mbs, table, sends, layer_rows, rng):
     """Body of the shard_map: the view of one (data, stage) shard."""
     st_dims, sh_dims = dims
     stacked, shared = _vary_tree(stacked), _vary_tree(shared)
@@ -286,8 +289,8 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
         res_bufs, grad_buf, gs, loss, aux = carry
         i, c = row[prog_mod.MB], row[prog_mod.CHUNK]
         mb = microbatch(i)
-        x = lax.cond(first, lambda: _vary(first_fn(shared, mb, first_key(i))),
-                     lambda: _vary(act_buf[jnp.maximum(row[prog_mod.ACT_SLOT], 0)]))
+        x = lax.cond(first, lambda: place_x(_vary(first_fn(shared, mb, first_key(i)))),
+                     lambda: place_x(_vary(act_buf[jnp.maximum(row[prog_mod.ACT_SLOT], 0)])))
         h, stored = passes.forward(chunk_of(mb, i, c), chunk_params(c), x, res_mask)
         res_bufs = [b.at[row[prog_mod.RES_SLOT]].set(_vary(a)) for b, a in zip(res_bufs, stored)]
 

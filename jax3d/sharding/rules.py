@@ -62,6 +62,10 @@ class ShardingRules:
         """The table with some mesh axes dropped, for code that runs inside a shard_map manual over them."""
         return ShardingRules(tuple((k, None if v in mesh_axes else v) for k, v in self.table), self.active)
 
+    def splits(self, logical: str) -> bool:
+        """Whether the table puts a logical axis on a mesh axis (`act_seq` does under sequence parallelism)."""
+        return self.active and dict(self.table).get(logical) is not None
+
     def spec(self, logical: tuple[str | None, ...]) -> P:
         table = dict(self.table)
         out, used = [], set()

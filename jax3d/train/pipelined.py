@@ -64,6 +64,11 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
         obj, aux = model.objective(shared, x, mb, shared["_norms"])
         return obj * shared["_scale"], aux
 
+    place_x = None
+    if model.rules.splits("act_seq"):  # sequence parallelism: every stage's input is split over the sequence
+        def place_x(x):
+            return model.rules.constrain(x, ("batch", "act_seq", "embed"))
+
     def grads_fn(params, batch, rng, scale, norms):
         accum = jax.tree.leaves(batch)[0].shape[0]
         schedule = make_schedule(par.pipeline_schedule, stages, accum, par.virtual_stages)
@@ -79,7 +84,8 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
             first_fn, stage_fn, last_fn, stacked, shared, batch, mesh=mesh, schedule=schedule,
             layers_per_virtual_stage=list(par.pipeline_layout) or None, params_in_pipeline_order=in_pipeline_order,
             rng=None if deterministic else rng,
-            data_dims=(stacked_dims, shared_dims), shard_grads=zero >= 2, gather_stacked=zero >= 3)
+            data_dims=(stacked_dims, shared_dims), shard_grads=zero >= 2, gather_stacked=zero >= 3,
+            place_x=place_x)
         grads = {k: v for k, v in g_shared.items() if k not in ("_norms", "_scale")}
         grads["blocks"] = g_stacked
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
