@@ -63,9 +63,15 @@ def header(plan, num_params: int) -> str:
     """The run's first line: model, size, layout (and how it was chosen), ZeRO, dtype, batch."""
     cfg, mesh = plan.cfg, plan.mesh
     m, tr = cfg.model, cfg.train
+    par = cfg.parallel
+    pipeline = ""
+    if mesh.stage > 1:
+        micro = tr.global_batch_size // (tr.micro_batch_size * mesh.data)
+        layers = f", layers {','.join(map(str, par.pipeline_layout))}" if par.pipeline_layout else ""
+        pipeline = f"; {par.pipeline_schedule} pipeline over {micro} micro-batches{layers}"
     return (f"jax3d: {m.model_type} {m.num_layers}L d{m.hidden_size} ({num_params / 1e6:.1f}M params) on "
-            f"(data, stage, model) = ({mesh.data}, {mesh.stage}, {mesh.model}), {plan.layout_note}; "
-            f"ZeRO-{cfg.parallel.zero_stage}, {cfg.precision.dtype}, "
+            f"(data, stage, model) = ({mesh.data}, {mesh.stage}, {mesh.model}), {plan.layout_note}{pipeline}; "
+            f"ZeRO-{par.zero_stage}, {cfg.precision.dtype}, "
             f"global batch {tr.global_batch_size} x {m.seq_length} tokens")
 
 
@@ -99,6 +105,9 @@ def _main(argv) -> int:
         if cfg.parallel.sequence_parallel and mesh_cfg.model == 1:
             print("jax3d: --sequence-parallel shards activations over tensor parallelism, which is 1 here, so it "
                   "changes nothing", file=sys.stderr)
+        if args.pipeline_schedule and mesh_cfg.stage == 1:
+            print(f"jax3d: --pipeline-schedule {args.pipeline_schedule} orders a pipeline's passes, and "
+                  "--pipeline-model-parallel-size is 1 here, so it changes nothing", file=sys.stderr)
     if args.dry_run:
         from jax3d.train.dry_run import dry_run
         print(json.dumps(dry_run(cfg, mesh_cfg, mesh_cfg.build())))

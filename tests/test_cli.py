@@ -228,3 +228,17 @@ def test_sequence_parallel_without_tensor_parallelism_says_it_does_nothing(tmp_p
         assert main(["--sequence-parallel", "--tensor-model-parallel-size", tp, "--dry-run",
                      "--log-dir", str(tmp_path)]) == 0
         assert ("--sequence-parallel shards activations over tensor parallelism" in capsys.readouterr().err) == noted
+
+
+def test_the_header_names_the_pipeline_and_a_schedule_without_one_is_noted(tmp_path, capsys):
+    """The run's first line gives the schedule, the micro-batch count and an uneven layout; a schedule asked
+    for at one stage says it changes nothing, as interleaved (which needs a pipeline) is refused."""
+    assert main(["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "3,1", "--num-layers",
+                 "4", "--pipeline-schedule", "zb-h1", "--dry-run", "--log-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "(4, 2, 1), as given; zb-h1 pipeline over 2 micro-batches, layers 3,1; ZeRO-1" in err
+    assert "changes nothing" not in err
+    assert main(["--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "1", "--dry-run",
+                 "--log-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "--pipeline-schedule zb-h1 orders a pipeline's passes" in err and " pipeline over " not in err
