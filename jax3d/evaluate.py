@@ -9,6 +9,7 @@ sentence-order loss and accuracy.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -188,7 +189,8 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                  precision=PrecisionConfig(dtype=dtype), data=saved.data,
                  train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * dp * pp,
                                    seed=saved.train.seed if seed is None else seed))
-    mesh_cfg = resolve(cfg, dp * pp * tp).mesh
+    mesh_cfg = resolve(cfg, dp * pp * tp, checkpoint=load,
+                       from_checkpoint=[f.name for f in dataclasses.fields(saved.model)]).mesh
     if tokenizer is None:
         from jax3d.inference.generate import load_tokenizer
         tokenizer = load_tokenizer(meta, cfg.model.model_type)

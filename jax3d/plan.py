@@ -10,6 +10,8 @@ up on CPU devices. `resolve` fills them in and checks every rule once, reporting
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import jax
@@ -76,15 +78,34 @@ def _candidates(num_devices: int):
     return [(tp, pp) for tp, pp in AUTO_LAYOUTS if num_devices % (tp * pp) == 0]
 
 
+def _blame_checkpoint(message: str, model, fields: Collection[str], load_dir: str) -> str:
+    """`message` with each model field the checkpoint in `load_dir` supplied, named as a flag and its value,
+    said to come from there: the user never typed it."""
+    for field in fields:
+        named = f"--{field.replace('_', '-')} {getattr(model, field)}"
+        message = re.sub(re.escape(named) + r"(?![\w.])", f"{named} (from the checkpoint in --load {load_dir})",
+                         message, count=1)
+    return message
+
+
 def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *,
-            vocab_from_checkpoint: str = "") -> Plan:
+            checkpoint: str = "", from_checkpoint: Collection[str] = ()) -> Plan:
     """The runnable `Config` and `MeshConfig` for `num_devices`, auto fields filled in, every rule checked.
 
     `tokenizer_vocab` is the tokenizer's vocabulary size; it is needed when `cfg.model.vocab_size` is 0.
-    `vocab_from_checkpoint` is the --load directory `cfg.model.vocab_size` was taken from, if it was, so
-    that a vocabulary too small for the tokenizer is blamed on the checkpoint rather than on a flag.
+    `from_checkpoint` names the model fields taken from the checkpoint in the --load directory `checkpoint`,
+    so that a rule one of them breaks blames the checkpoint rather than a flag the user never gave.
     Raises ConfigError naming every violated rule.
     """
+    try:
+        return _resolve(cfg, num_devices, tokenizer_vocab, checkpoint if "vocab_size" in from_checkpoint else "")
+    except ConfigError as e:
+        if not checkpoint:
+            raise
+        raise ConfigError(_blame_checkpoint(str(e), cfg.model, from_checkpoint, checkpoint)) from None
+
+
+def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_from_checkpoint: str) -> Plan:
     if cfg.model.scan_layers is None:
         deep = cfg.model.num_layers >= SCAN_LAYERS_FROM
         cfg = cfg.replace(model={"scan_layers": deep and jax.default_backend() == "cpu"})

@@ -1,6 +1,7 @@
 """`python launch/train.py`: flags -> config -> devices and mesh -> data -> train (or --dry-run)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -85,20 +86,21 @@ def _main(argv) -> int:
     from jax3d.plan import resolve
     from jax3d.train.inputs import build_inputs, tokenizer_and_paths
 
-    vocab_from_checkpoint = ""
+    from_checkpoint = ()
     if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
         from jax3d.cli import given_flags
         from jax3d.train.checkpoint import adopt_saved_model
-        flag_vocab = cfg.model.vocab_size
+        flag_model = cfg.model
         cfg = adopt_saved_model(cfg, args.load, args.ckpt_step, given_flags(argv))
-        if cfg.model.vocab_size != flag_vocab:
-            vocab_from_checkpoint = args.load
+        from_checkpoint = [f.name for f in dataclasses.fields(flag_model)
+                           if getattr(flag_model, f.name) != getattr(cfg.model, f.name)]
     # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it.
     tok, paths = tokenizer_and_paths(cfg)
     if args.load:
         from jax3d.train.checkpoint import check_same_tokenizer
         check_same_tokenizer(args.load, args.ckpt_step, tok)
-    plan = resolve(cfg, jax.device_count(), tok.vocab_size, vocab_from_checkpoint=vocab_from_checkpoint)
+    plan = resolve(cfg, jax.device_count(), tok.vocab_size, checkpoint=args.load or "",
+                   from_checkpoint=from_checkpoint)
     cfg, mesh_cfg = plan.cfg, plan.mesh
     if jax.process_index() == 0:
         print(header(plan, build_model(cfg.model).num_params()), file=sys.stderr)

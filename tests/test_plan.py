@@ -49,9 +49,21 @@ def test_a_vocabulary_too_small_for_the_tokenizer_names_where_it_came_from():
         resolve(_cfg(vocab_size=256), 8, tokenizer_vocab=300)
     assert str(e.value) == "--vocab-size 256 is smaller than the tokenizer's 300 tokens; raise it or leave it out"
     with pytest.raises(ConfigError) as e:
-        resolve(_cfg(vocab_size=256), 8, tokenizer_vocab=300, vocab_from_checkpoint="ckpt/run")
+        resolve(_cfg(vocab_size=256), 8, tokenizer_vocab=300, checkpoint="ckpt/run", from_checkpoint=["vocab_size"])
     assert str(e.value) == ("the checkpoint in --load ckpt/run has a vocabulary of 256, smaller than the "
                             "tokenizer's 300 tokens; use the tokenizer that checkpoint was trained with")
+
+
+def test_a_rule_a_checkpoint_field_breaks_blames_the_checkpoint():
+    """Fields taken from --load are named with where they came from; a flag the user gave is not."""
+    cfg = _cfg(tensor_parallel=4).replace(model={"num_attention_heads": 2})
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, 8, checkpoint="ckpt/run", from_checkpoint=["num_attention_heads", "num_layers"])
+    assert str(e.value) == ("--num-attention-heads 2 (from the checkpoint in --load ckpt/run) is not divisible by "
+                            "--tensor-model-parallel-size 4")
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, 8, checkpoint="ckpt/run", from_checkpoint=["num_layers"])
+    assert str(e.value) == "--num-attention-heads 2 is not divisible by --tensor-model-parallel-size 4"
 
 
 def test_scan_layers_is_decided_once_from_the_depth_unless_given():

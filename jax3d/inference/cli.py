@@ -74,7 +74,7 @@ def _main(argv) -> int:
     cfg, params, tok = load_gpt_checkpoint(a.load, a.ckpt_step)
     ids = [tok.tokenize(p) for p in prompts]
     gen = generator_for(cfg, params, tok, ids, a.max_new_tokens, tp=a.tensor_model_parallel_size,
-                        dtype=jnp.bfloat16 if a.bf16 else jnp.float32)
+                        dtype=jnp.bfloat16 if a.bf16 else jnp.float32, checkpoint=a.load)
     eod = None if a.ignore_eod else gen.eod
     outs = [[] for _ in ids]
     printed = ""

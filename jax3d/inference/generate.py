@@ -305,15 +305,17 @@ def load_gpt_checkpoint(load: str, step: int = -1):
 
 
 def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
-                  tp: int = 1, dtype=jnp.float32) -> Generator:
-    """A Generator sized for these token prompts, tensor parallel over the first `tp` devices."""
+                  tp: int = 1, dtype=jnp.float32, checkpoint: str = "") -> Generator:
+    """A Generator sized for these token prompts, tensor parallel over the first `tp` devices. `checkpoint`
+    is the --load directory `cfg` came from, for errors to name."""
     from jax3d.config import Config, ParallelConfig, TrainConfig
     from jax3d.plan import resolve
 
     if tp < 1 or tp > jax.device_count():
         raise ConfigError(f"--tensor-model-parallel-size {tp} must be between 1 and the {jax.device_count()} devices")
     mesh_cfg = resolve(Config(model=cfg, parallel=ParallelConfig(tensor_parallel=tp),
-                              train=TrainConfig(micro_batch_size=1, global_batch_size=1)), tp).mesh
+                              train=TrainConfig(micro_batch_size=1, global_batch_size=1)), tp,
+                       checkpoint=checkpoint, from_checkpoint=[f.name for f in dataclasses.fields(cfg)]).mesh
     if any(not p for p in prompts):
         raise ConfigError("a prompt tokenizes to nothing; give every prompt some text")
     longest = max(len(p) for p in prompts)
@@ -330,7 +332,7 @@ def generate_text(load: str, prompts: list[str], max_new_tokens: int, sampling: 
     """The continuation of each text prompt by checkpoint `load` (up to the end-of-document token)."""
     cfg, params, tok = load_gpt_checkpoint(load, step)
     ids = [tok.tokenize(p) for p in prompts]
-    gen = generator_for(cfg, params, tok, ids, max_new_tokens, tp=tp, dtype=dtype)
+    gen = generator_for(cfg, params, tok, ids, max_new_tokens, tp=tp, dtype=dtype, checkpoint=load)
     out = []
     for row in gen.generate(ids, max_new_tokens, sampling, seed):
         cut = row.index(gen.eod) if gen.eod in row else len(row)
