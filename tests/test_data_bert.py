@@ -110,3 +110,17 @@ def test_splits_use_disjoint_documents(data):
     doc_of = np.searchsorted(ds.doc_idx, np.arange(len(ds)), side="right") - 1
     docs = [set(doc_of[d.samples_mapping[:, 0]].tolist()) for d in (train, valid, test)]
     assert max(docs[0]) < min(docs[1]) and max(docs[1]) < min(docs[2])
+
+
+def test_data_without_sentence_splits_is_named_in_the_error(data, tmp_path):
+    """In a blend, the error says which prefix holds no two-sentence documents."""
+    from jax3d.data import DataError
+
+    one = IndexedDatasetBuilder(str(tmp_path / "docs"), np.uint16)
+    for i in range(20):
+        one.add_item(np.arange(5, 25 + i))
+        one.end_document()
+    one.finalize()
+    with pytest.raises(DataError, match=f"no document in the train split of {tmp_path / 'docs'} has two or more"):
+        build_bert_datasets([0.5, data, 0.5, str(tmp_path / "docs")], "1", 64, (40, 0, 0), seed=0, token_ids=IDS,
+                            cache_dir=str(tmp_path / "cache"))

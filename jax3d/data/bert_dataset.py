@@ -37,10 +37,10 @@ class BertTokenIds:
 
 
 def build_samples_mapping(sizes, doc_idx, doc_range, max_num_tokens: int, num_samples: int,
-                          seed: int, short_seq_prob: float = 0.1) -> np.ndarray:
+                          seed: int, short_seq_prob: float = 0.1, what: str = "the split") -> np.ndarray:
     """Rows (first sentence, end sentence, target length): each a run of >= 2 sentences of one
     document, about `target` tokens long, then shuffled. Passes over the documents (one per epoch,
-    new random targets each time) until `num_samples` rows exist."""
+    new random targets each time) until `num_samples` rows exist. `what` names the data in errors."""
     rng = np.random.RandomState(seed)
     sizes = np.asarray(sizes)
     short_ratio = int(round(1.0 / short_seq_prob)) if short_seq_prob > 0 else 0
@@ -57,7 +57,7 @@ def build_samples_mapping(sizes, doc_idx, doc_range, max_num_tokens: int, num_sa
               if doc_idx[d + 1] - doc_idx[d] >= 2
               and sizes[doc_idx[d]:doc_idx[d + 1]].max() <= LONG_SENTENCE]
     if not usable:
-        raise DataError("no document in the split has two or more sentences; BERT needs a "
+        raise DataError(f"no document in {what} has two or more sentences; BERT needs a "
                         "sentence-split dataset (preprocess with --split-sentences).")
     while len(rows) < num_samples:
         for d in usable:
@@ -119,7 +119,7 @@ class BertDataset:
             "bert", indexed, name, doc_range, cache_dir,
             lambda: {"mapping": build_samples_mapping(indexed.sizes, indexed.doc_idx, doc_range,
                                                       seq_length - 3, num_samples, seed,
-                                                      short_seq_prob)},
+                                                      short_seq_prob, f"the {name} split of {indexed.prefix}")},
             seq_length=seq_length, num_samples=num_samples, seed=seed,
             short_seq_prob=short_seq_prob)["mapping"]
 
