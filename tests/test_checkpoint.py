@@ -372,3 +372,53 @@ def test_resumed_run_keeps_the_steps_it_saves(small_ckpt, tmp_path):
         train(steps, state, 2, 5, ck)
         ck.close()
         assert list_steps(d) == want
+
+
+def test_a_failed_restore_leaves_no_echoes_and_a_good_one_leaves_no_filters(capsys):
+    """TensorStore reads still running when a restore fails report a closed event loop (an unraisable
+    exception) or an unretrieved task error, once orbax has given up: tracebacks around the one error line.
+    After a failure those two are dropped and any other unraisable exception still reaches the hook that
+    was there; after a success the hooks are as they were."""
+    import gc
+    import logging
+    import warnings
+
+    from jax3d.train.checkpoint import _quiet_after_failed_read
+
+    class Raises:
+        def __init__(self, e):
+            self.e = e
+
+        def __del__(self):
+            raise self.e
+
+    seen = []
+    hook, asyncio_log, warning_filters = sys.unraisablehook, logging.getLogger("asyncio"), warnings.filters[:]
+    log_filters = asyncio_log.filters[:]  # a restore that failed earlier in this process leaves its own
+    sys.unraisablehook = lambda u: seen.append(str(u.exc_value))
+    try:
+        with _quiet_after_failed_read():
+            pass
+        assert asyncio_log.filters == log_filters
+        with pytest.raises(ValueError):
+            with _quiet_after_failed_read():
+                raise ValueError("a read failed")
+        Raises(RuntimeError("Event loop is closed"))
+        gc.collect()
+        closed = RuntimeError("Event loop is closed")
+        asyncio_log.error("_GatheringFuture exception was never retrieved", exc_info=(RuntimeError, closed, None))
+        read_error = ValueError('OUT_OF_RANGE: Error reading "blocks.mlp.down_kernel/0.3.0" in OCDBT database')
+        asyncio_log.error("Future exception was never retrieved", exc_info=(ValueError, read_error, None))
+
+        async def read():
+            pass
+        read()  # a read never started, collected unawaited
+        gc.collect()
+        assert seen == [] and capsys.readouterr().err == ""
+        Raises(RuntimeError("something else"))
+        gc.collect()
+        assert seen == ["something else"]
+    finally:
+        sys.unraisablehook = hook
+        warnings.filters[:] = warning_filters
+        asyncio_log.filters[:] = log_filters

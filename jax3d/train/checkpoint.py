@@ -17,11 +17,15 @@ half-way never shows up as a step and the previous one stays the latest.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
+import re
 import signal
 import sys
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -272,6 +276,58 @@ def _saved_item(mgr, step: int, item: str):
         return None
 
 
+def _echo_of_failed_read(exc) -> bool:
+    """Whether an exception is what a restore's other reads leave behind once one has failed: orbax's event
+    loop already closed, or an error from TensorStore or orbax's reading code that nothing waits for any more."""
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return True
+    if exc is not None and re.match(r"[A-Z_]+: |.*TensorStore", str(exc)):  # TensorStore's errors (absl status)
+        return True
+    tb = getattr(exc, "__traceback__", None)
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _NoEchoes(logging.Filter):
+    """Drops asyncio's "... exception was never retrieved" reports of orbax reads (see _quiet_after_failed_read)."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ("exception was never retrieved" in record.getMessage() and _echo_of_failed_read(exc))
+
+
+@contextlib.contextmanager
+def _quiet_after_failed_read():
+    """Around a restore. When one read fails, orbax raises and closes its event loop while TensorStore's other
+    reads are still running; as they finish they report a closed loop or their own errors (unraisable
+    exceptions, asyncio's "exception was never retrieved", coroutines never awaited), tracebacks printed after,
+    and sometimes before, the one error this module raises. Those reports, and only they, are dropped; anything
+    else still reaches the hook found here. After a failure the filters stay, since reads can finish at any
+    time up to exit; after a success they go."""
+    previous, no_echoes = sys.unraisablehook, _NoEchoes()
+    if getattr(previous, "drops_echoes_of_failed_reads", False):  # an earlier restore failed: already quiet
+        yield
+        return
+
+    def hook(unraisable):
+        if not _echo_of_failed_read(unraisable.exc_value):
+            previous(unraisable)
+    hook.drops_echoes_of_failed_reads = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(no_echoes)
+    try:
+        yield
+    except BaseException:
+        # reads never started are collected unawaited, each a RuntimeWarning
+        warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
+        raise
+    sys.unraisablehook = previous
+    logging.getLogger("asyncio").removeFilter(no_echoes)
+
+
 def restore_arrays(directory: str, step: int, items: dict):
     """Restores orbax items {name: target tree of sharded ShapeDtypeStructs}; ConfigError when unreadable."""
     ocp = _ocp()
@@ -280,7 +336,8 @@ def restore_arrays(directory: str, step: int, items: dict):
         for name, target in items.items():
             _check_tree(_saved_item(mgr, step, name), directory, step, name, target)
         try:
-            return mgr.restore(step, args=args)
+            with _quiet_after_failed_read():
+                return mgr.restore(step, args=args)
         except Exception as e:
             raise ConfigError(f"checkpoint {directory} step {step} could not be restored ({type(e).__name__}: "
                               f"{_first_line(e, 300)}); it may be damaged or from another model, pass another "
