@@ -13,6 +13,24 @@ def report_error(e: BaseException, code: int = 2) -> int:
     return code
 
 
+def run_command(main, argv, bad_input) -> int:
+    """How every jax3d command ends: `main(argv)`'s exit code; bad input, an exception of the types that
+    `bad_input()` returns (imported only when one is raised), as its one sentence and exit 2; Ctrl-C as
+    "interrupted" and exit 130; and a reader that went away (`| head`) as a quiet exit 141, as for SIGPIPE."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit fails no more
+        return 141
+    except Exception as e:
+        if isinstance(e, bad_input()):
+            return report_error(e)
+        raise
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Reports a bad flag in one sentence and exits 2, without argparse's usage dump (--help has it)."""
 

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from jax3d.argparse_util import report_error
+from jax3d.argparse_util import run_command
 from jax3d.cli import build_parser, config_from_args
 from jax3d.config import ConfigError
 from jax3d.mesh import emulate_cpu_devices, init_distributed
@@ -43,21 +43,15 @@ def setup_devices(args) -> None:
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)
 
 
+def _bad_input() -> tuple:
+    from jax3d.data import DataError
+    from jax3d.pipeline.layout import PipelineError
+    from jax3d.pipeline.schedules import ScheduleError
+    return ConfigError, DataError, PipelineError, ScheduleError
+
+
 def main(argv=None) -> int:
-    try:
-        return _main(argv)
-    except ConfigError as e:
-        return report_error(e)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # data errors and other bad input raise ValueError subclasses with one sentence
-        from jax3d.data import DataError
-        from jax3d.pipeline.layout import PipelineError
-        from jax3d.pipeline.schedules import ScheduleError
-        if isinstance(e, (DataError, PipelineError, ScheduleError)):
-            return report_error(e)
-        raise
+    return run_command(_main, argv, _bad_input)
 
 
 def header(plan, num_params: int) -> str:

@@ -248,3 +248,35 @@ def test_the_header_names_the_pipeline_and_a_schedule_without_one_is_noted(tmp_p
                  "--log-dir", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "--pipeline-schedule zb-h1 orders a pipeline's passes" in err and " pipeline over " not in err
+
+
+def test_commands_end_quietly_on_ctrl_c_a_closed_pipe_and_bad_input():
+    """Every launcher's main goes through run_command: Ctrl-C is one word and exit 130, a reader that went
+    away (`generate.py ... | head`) a quiet exit 141, bad input one sentence and exit 2; anything else is a
+    real bug and keeps its traceback."""
+    program = """
+import sys
+from jax3d.argparse_util import run_command
+from jax3d.config import ConfigError
+def main(argv):
+    if argv[0] == "pipe":
+        for i in range(100000):
+            print("line", i)
+    if argv[0] == "ctrl-c":
+        raise KeyboardInterrupt
+    if argv[0] == "bad":
+        raise ConfigError("--flag 3 must be 2")
+    raise RuntimeError("a bug")
+sys.exit(run_command(main, sys.argv[1:], lambda: (ConfigError,)))
+"""
+    def run(what, pipe=False):
+        cmd = f"{sys.executable} -c '{program}' {what}" + (" | head -1; exit ${PIPESTATUS[0]}" if pipe else "")
+        return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    r = run("pipe", pipe=True)
+    assert (r.returncode, r.stdout, r.stderr) == (141, "line 0\n", "")
+    r = run("ctrl-c")
+    assert (r.returncode, r.stderr) == (130, "interrupted\n")
+    r = run("bad")
+    assert (r.returncode, r.stderr) == (2, "error: --flag 3 must be 2\n")
+    r = run("bug")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "RuntimeError: a bug" in r.stderr

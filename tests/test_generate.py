@@ -153,7 +153,9 @@ def test_cli_streams_the_greedy_text_with_tp2_and_rejects_bad_input(tmp_path):
                         (["--load", str(tmp_path / "ckpt"), "--prompt", "x", "--top-k", "100000", "--max-new-tokens", "4"],
                          "--top-k 100000 exceeds the model's"),
                         (["--load", str(tmp_path / "ckpt"), "--prompt", "x", "--greedy", "--temperature", "0.7"],
-                         "--greedy takes the most likely token, so --temperature 0.7 would go unused")]:
+                         "--greedy takes the most likely token, so --temperature 0.7 would go unused"),
+                        (["--load", str(tmp_path / "ckpt"), "--prompt", "x", "--temperature", "nan"],
+                         "--temperature nan must be positive and finite")]:  # it printed nothing, exit 0
         r = subprocess.run([*gen, *argv], capture_output=True, text=True, env=subprocess_env(), timeout=300)
         assert r.returncode == 2 and r.stdout == "", (argv, r.stderr[-500:])
         assert r.stderr.startswith("error: ") and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

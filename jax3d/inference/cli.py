@@ -31,14 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    from jax3d.argparse_util import report_error
+def _bad_input() -> tuple:
     from jax3d.config import ConfigError
     from jax3d.data.indexed import DataError
-    try:
-        return _main(argv)
-    except (ConfigError, DataError) as e:
-        return report_error(e)
+    return ConfigError, DataError
+
+
+def main(argv=None) -> int:
+    from jax3d.argparse_util import run_command
+    return run_command(_main, argv, _bad_input)
 
 
 def _main(argv) -> int:

@@ -47,8 +47,8 @@ class Sampling:
         if self.greedy and unused:
             raise ConfigError(f"--greedy takes the most likely token, so {', '.join(unused)} would go unused; drop "
                               "--greedy to sample, or drop them")
-        if not self.greedy and self.temperature <= 0:
-            raise ConfigError(f"--temperature {self.temperature} must be positive (or pass --greedy)")
+        if not self.greedy and not 0 < self.temperature < float("inf"):  # nan too: it sampled nothing
+            raise ConfigError(f"--temperature {self.temperature} must be positive and finite (or pass --greedy)")
         if self.top_k < 0:
             raise ConfigError(f"--top-k {self.top_k} must be 0 (off) or positive")
         if not 0.0 < self.top_p <= 1.0:
