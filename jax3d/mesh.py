@@ -114,6 +114,20 @@ class MeshConfig:
                              axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
+def with_auto_axes(mesh, needs: tuple[str, ...] = AXES, use: str = "training"):
+    """A jax Mesh given by the caller, with Auto axes: jax3d places arrays with sharding constraints, which
+    an Explicit axis (`jax.make_mesh`'s default) would treat as assertions. Its axes must be jax3d's."""
+    import jax
+
+    if not set(needs) <= set(mesh.axis_names):
+        raise ConfigError(f"the mesh's axes are {tuple(mesh.axis_names)}; {use} needs jax3d's {AXES}, e.g. from "
+                          "MeshConfig.build")
+    if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
 def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> list[str]:
     """Every rule a (data, stage, model) layout must meet for this model and batch: one sentence per broken rule.
 

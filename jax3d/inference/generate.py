@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax3d.config import ConfigError, ModelConfig
+from jax3d.mesh import with_auto_axes
 from jax3d.models import build_model
 from jax3d.sharding import ShardingRules, named_shardings, tree_specs
 
@@ -91,7 +92,7 @@ class Generator:
         if max_len > cfg.max_position_embeddings:
             raise ConfigError(f"prompt plus --max-new-tokens is {max_len} tokens, longer than the model's "
                               f"{cfg.max_position_embeddings} positions; shorten the prompt or ask for fewer tokens")
-        mesh = _auto_axes(mesh)
+        mesh = with_auto_axes(mesh, ("data", "model"), "generation")
         rows = dict(mesh.shape).get("data", 1)
         if batch % rows:
             raise ConfigError(f"a batch of {batch} does not split over the mesh's {rows} data devices; pass a "
@@ -240,18 +241,6 @@ class Generator:
         """The `max_new_tokens` continuation tokens of each prompt."""
         out = np.stack(list(self.stream(prompts, max_new_tokens, sampling, seed)), axis=1)
         return [list(map(int, row)) for row in out[:len(prompts)]]
-
-
-def _auto_axes(mesh):
-    """`mesh` with Auto axes: the generator's layers place arrays with sharding constraints, which
-    an Explicit axis (`jax.make_mesh`'s default) would treat as assertions."""
-    if not {"data", "model"} <= set(mesh.axis_names):
-        raise ConfigError(f"the mesh's axes are {mesh.axis_names}; generation needs jax3d's "
-                          "('data', 'stage', 'model'), e.g. from MeshConfig.build")
-    if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
-        return mesh
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
 
 def greedy_without_cache(model, params, prompt: list[int], max_new_tokens: int, vocab: int) -> list[int]:

@@ -16,8 +16,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax3d.config import Config
-from jax3d.mesh import MeshConfig
+from jax3d.config import Config, ConfigError
+from jax3d.mesh import MeshConfig, with_auto_axes
 from jax3d.models import build_model
 from jax3d.sharding import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
                             tree_specs, with_shardings)
@@ -147,6 +147,7 @@ def loss_metrics(obj, aux, norms) -> dict:
 
 def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     """Builds the model, the state shardings (ZeRO applied) and the jitted steps for `mesh`."""
+    mesh = with_auto_axes(mesh)
     # The state's layer stack always divides over the stages: in logical order it has L rows, which an
     # even split divides, and an uneven or interleaved layout stores the stack padded in pipeline order.
     rules = ShardingRules.create(cfg.parallel.sequence_parallel)
@@ -181,7 +182,18 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
 
     grads_fn = _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype)
 
+    def check_batch(batch):
+        """At trace time, so it costs nothing per step: a batch the model would misread (a sequence one
+        token short trains silently) is refused in a sentence."""
+        for key, (shape, _) in model.sample_shapes().items():
+            got = tuple(batch[key].shape) if key in batch else None
+            if got is None or len(got) != 2 + len(shape) or got[2:] != tuple(shape):
+                want = ", ".join(["micro-batches", "rows", *map(str, shape)])
+                raise ConfigError(f"batch[{key!r}] has shape {got}; this {cfg.model.model_type} step takes ({want}), "
+                                  f"as abstract_batch and batch_sharding describe")
+
     def train_step(state: TrainState, batch):
+        check_batch(batch)
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         scale = state.loss_scale.scale
         norms = model.normalizers(batch)
@@ -208,6 +220,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     logical_compute = {"compute": order.moved_logical_specs(specs["compute"], abstract_params, mesh)}
 
     def eval_step(params, batch):
+        check_batch(batch)
         norms = model.normalizers(batch)
         # Cast and move `stage` off the layer dim first: the reorder is then local, in the compute dtype.
         p = order.params_to_logical(cast_for_compute(params, dtype, logical_compute))
@@ -219,6 +232,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         return loss_metrics(obj, aux, norms)
 
     def loss_and_grads(params, batch):
+        check_batch(batch)
         rng = jax.random.key(0)
         grads, obj, _ = grads_fn(params, batch, rng, jnp.float32(1.0), model.normalizers(batch))
         grads = constrain_tree(grads, specs["grads"])
