@@ -84,7 +84,7 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
             raise ConfigError(f"--num-samples {num_samples} is more than the {len(ds)} windows of {text_file}; "
                               "pass at most that many, or 0 for all of them")
         return ds, num_samples or len(ds)
-    from jax3d.data.sampling import parse_data_paths
+    from jax3d.data.sampling import parse_data_paths, why_split_is_empty
     from jax3d.train.inputs import check_token_ids
 
     check_token_ids(data_paths, tokenizer.vocab_size)
@@ -105,7 +105,7 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
     passes = [build(1, (p,)) for w, p in zip(weights, prefixes) if w > 0]
     one_pass = sum(len(d) for d in passes if d is not None)
     if not one_pass:
-        raise ConfigError(f"--split {split} leaves the {which} split empty; change --split or --split-name")
+        raise ConfigError(f"{why_split_is_empty(data_paths, split, which)}, or pass another --split-name")
     if num_samples > max(one_pass, validated):
         also = f" (training validated on {validated})" if validated else ""
         raise ConfigError(f"--num-samples {num_samples} is more than the {one_pass} samples of the {which} split{also}; "

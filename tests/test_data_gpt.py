@@ -161,7 +161,22 @@ def test_a_run_without_validation_data_says_so(capsys):
     for split, want_note in (("100,0,0", True), ("90,10,0", False)):
         inputs = build_inputs(Config(data=DataConfig(split=split)), 32, 16)
         assert (inputs.valid is None) == want_note
-        assert ("leaves the validation split empty" in capsys.readouterr().err) == want_note
+        assert ("does not validate: --split 100,0,0 gives the valid split no share" in capsys.readouterr().err) == want_note
+
+
+def test_a_split_too_small_for_its_documents_says_so(tmp_path):
+    """969,30,1 of five documents gives the validation split none: the note said to give it a share, e.g.
+    969,30,1, the value given. It now names the share, the documents and the fix."""
+    from jax3d.data.sampling import why_split_is_empty
+
+    b = IndexedDatasetBuilder(str(tmp_path / "five"), np.uint16)
+    for _ in range(5):
+        b.add_item(list(range(1, 50)))
+        b.end_document()
+    b.finalize()
+    assert why_split_is_empty([str(tmp_path / "five")], "969,30,1", "valid") == (
+        f"--split 969,30,1 gives the valid split 3.0% of the 5 documents in {tmp_path / 'five'}, which rounds to "
+        "none; add documents or raise its share")
 
 
 def test_the_train_split_must_not_be_empty_and_blend_weights_must_be_finite():
@@ -169,7 +184,7 @@ def test_the_train_split_must_not_be_empty_and_blend_weights_must_be_finite():
     from jax3d.config import Config, ConfigError, DataConfig
     from jax3d.train.inputs import build_inputs
 
-    with pytest.raises(ConfigError, match="--split 0,100,0 leaves the train split empty"):
+    with pytest.raises(ConfigError, match="--split 0,100,0 gives the train split no share; give it one"):
         build_inputs(Config(data=DataConfig(split="0,100,0")), 32, 16)
     for w in ("nan", "inf"):
         with pytest.raises(DataError, match="must be finite, non-negative numbers"):

@@ -70,6 +70,20 @@ def split_ranges(split: str, num_docs: int) -> list[tuple[int, int]]:
     return [(max(bounds[i], 0), bounds[i + 1]) for i in range(3)]
 
 
+def why_split_is_empty(data_paths, split: str, which: str) -> str:
+    """Why split `which` ("train", "valid" or "test") of `data_paths` holds no document: "--split S gives it no
+    share", or its share and how few documents there are to round it from. It names the fix."""
+    parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()] + [0.0, 0.0]
+    share = parts[SPLIT_NAMES.index(which)] / sum(parts)
+    if share == 0:
+        return f"--split {split} gives the {which} split no share; give it one, e.g. --split 969,30,1"
+    _, prefixes = parse_data_paths(data_paths)
+    docs = sum(IndexedDataset(p).num_documents for p in prefixes)
+    where = prefixes[0] if len(prefixes) == 1 else f"the {len(prefixes)} sources"
+    return (f"--split {split} gives the {which} split {share:.1%} of the {docs} documents in {where}, which rounds "
+            "to none; add documents or raise its share")
+
+
 def cache_key(**fields) -> str:
     """Stable short hash of the fields that determine an index."""
     blob = json.dumps(fields, sort_keys=True, default=str).encode()

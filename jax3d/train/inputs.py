@@ -68,9 +68,9 @@ def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, to
     else:
         train, valid, _ = data.build_gpt_datasets(paths, d.split, model.seq_length, num, cfg.train.seed,
                                                   cache_dir=d.cache_dir or None)
+    from jax3d.data.sampling import why_split_is_empty
     if train is None:
-        raise ConfigError(f"--split {d.split} leaves the train split empty; give it a share, e.g. --split 969,30,1")
+        raise ConfigError(why_split_is_empty(paths, d.split, "train"))
     if num_valid_samples and valid is None:
-        print(f"jax3d: --split {d.split} leaves the validation split empty, so this run does not validate; "
-              "give it a share (e.g. --split 969,30,1) to validate", file=sys.stderr)
+        print(f"jax3d: this run does not validate: {why_split_is_empty(paths, d.split, 'valid')}", file=sys.stderr)
     return Inputs(tok, train, valid)
