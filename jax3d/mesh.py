@@ -163,7 +163,7 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
                       f"{pp} x virtual stages {v}; change them or give --pipeline-model-parallel-layout")
     if model.seq_length > model.max_position_embeddings:
         errors.append(f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
-                      f"{model.max_position_embeddings}")
+                      f"{model.max_position_embeddings}; pass --seq-length {model.max_position_embeddings} or less")
     if parallel.sequence_parallel and model.seq_length % tp:
         errors.append(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
                       f"{tp}, which --sequence-parallel needs")

@@ -122,8 +122,8 @@ def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_f
             tried.append(f"({mesh.data}, {mesh.stage}, {mesh.model}) failed: {errors[0]}")
             reasons.add(errors[0])
         else:
-            if len(reasons) == 1:  # a rule no layout can meet: say it once
-                raise ConfigError(f"no (data, stage, model) layout fits: {reasons.pop()}")
+            if len(reasons) == 1:  # a rule every layout breaks, even (devices, 1, 1), is not about the layout
+                raise ConfigError(reasons.pop())
             raise ConfigError("no (data, stage, model) layout fits; " + "; ".join(tried))
         cfg = trial
         note = "chosen automatically, the most parallel that fits"

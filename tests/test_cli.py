@@ -34,7 +34,7 @@ def _losses(log_dir):
     (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "5"],
      "--process-id 5 must be below --num-processes 2"),
     (["--process-id", "1"], "--process-id 1 is no run jax3d can join"),  # it ran as one process
-    (["--seq-length", "256", "--max-position-embeddings", "128"], "no (data, stage, model) layout fits: "),
+    (["--seq-length", "256", "--max-position-embeddings", "128"], "error: --seq-length 256 exceeds --max-position-embeddings 128"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-type", "GPT2BPETokenizer"], "error:"),
 ])
 def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
