@@ -223,10 +223,6 @@ def _refuse_bad_values(a: argparse.Namespace, model, optim, train) -> None:
     """Range and directory checks, each failure one ConfigError sentence naming the flag."""
     at_least_1 = [("--train-iters", a.train_iters), ("--log-interval", a.log_interval),
                   ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
-                  ("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
-                  ("--num-attention-heads", model.num_attention_heads), ("--seq-length", model.seq_length),
-                  ("--ffn-hidden-size", model.ffn_hidden_size),
-                  ("--max-position-embeddings", model.max_position_embeddings),
                   ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by),
                   ("--loss-scale-window", a.loss_scale_window), ("--hysteresis", a.hysteresis)]
     positive = [("--layernorm-epsilon", a.layernorm_epsilon), ("--adam-eps", a.adam_eps),

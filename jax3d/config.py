@@ -90,6 +90,15 @@ class ModelConfig:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         if not self.max_position_embeddings:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
+        # Here, not only in the command line's checks: a library caller's num_layers=0 reached a division by
+        # zero, and a checkpoint's hand-edited "num_layers": "two" a TypeError.
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                     "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a whole number")
+            if v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {v} must be at least 1")
 
     def optimised(self, name: str) -> bool:
         """Whether the speed optimisation `name` is on (all are, unless ablated)."""

@@ -266,6 +266,11 @@ def test_damaged_checkpoint_is_a_config_error(small_ckpt, tmp_path):
         json.dump({k: v for k, v in meta.items() if k != "config"}, fh)
     with pytest.raises(ConfigError, match="step 1 has damaged metadata \\(no config.model, config.parallel\\)"):
         _restore(cfg, steps, load=d, ckpt_step=1)
+    meta["config"]["model"]["num_layers"] = "two"  # a TypeError in every reader before
+    with open(meta_file, "w") as fh:
+        json.dump(meta, fh)
+    with pytest.raises(ConfigError, match="step 1 has damaged metadata \\(--num-layers 'two' must be a whole number\\)"):
+        _restore(cfg, steps, load=d, ckpt_step=1)
     with open(meta_file, "w") as fh:
         fh.write("{not json")
     with pytest.raises(ConfigError, match="step 1 is unreadable"):

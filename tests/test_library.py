@@ -37,3 +37,15 @@ def test_other_axis_names_and_a_misshapen_batch_are_refused():
     with pytest.raises(ConfigError, match=rf"batch\['text'\] has shape \(2, 8, {seq}\); this gpt step takes "
                                           rf"\(micro-batches, rows, {seq + 1}\)"):
         _losses(steps, cfg, n=1, seq=seq - 1)  # one token short: it trained, silently
+
+
+def test_model_shapes_are_checked_where_the_config_is_made():
+    """The command line refused --num-layers 0; a library caller's ModelConfig(num_layers=0) reached a
+    ZeroDivisionError in build_steps, and hidden_size=-128 passed resolve."""
+    from jax3d.config import ModelConfig
+
+    for field, value, words in [("num_layers", 0, "--num-layers 0 must be at least 1"),
+                                ("hidden_size", -128, "--hidden-size -128 must be at least 1"),
+                                ("seq_length", 64.0, "--seq-length 64.0 must be a whole number")]:
+        with pytest.raises(ConfigError, match=words):
+            ModelConfig(**{field: value})

@@ -230,6 +230,11 @@ def read_meta(directory: str, step: int) -> dict:
     if missing:
         raise ConfigError(f"checkpoint {directory} step {step} has damaged metadata (no {', '.join(missing)}); "
                           "pass another --ckpt-step or --load")
+    try:  # the model it describes must be one: every reader builds it
+        config_from_dict(meta["config"])
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint {directory} step {step} has damaged metadata ({e}); pass another --ckpt-step "
+                          "or --load") from None
     return meta
 
 
