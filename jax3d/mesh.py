@@ -1,6 +1,7 @@
 """The (data, stage, model) device mesh: layout validation, building, CPU emulation, multi-host init."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -136,14 +137,14 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
     """
     tp, pp, dp = mesh.model, mesh.stage, mesh.data
     errors = []
-    for name, flag, value in [
-        ("heads", "--num-attention-heads", model.num_attention_heads),
-        ("hidden size", "--hidden-size", model.hidden_size),
-        ("FFN size", "--ffn-hidden-size", model.ffn_hidden_size),
-        ("vocabulary", "--vocab-size (padded)", model.vocab_size),
-    ]:
-        if value % tp:
-            errors.append(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}")
+    split = [("--num-attention-heads", model.num_attention_heads), ("--hidden-size", model.hidden_size),
+             ("--ffn-hidden-size", model.ffn_hidden_size), ("--vocab-size (padded)", model.vocab_size)]
+    undivided = [f"{flag} {value}" for flag, value in split if value % tp]
+    if undivided:  # one sentence, with the sizes that would do
+        common = math.gcd(*(value for _, value in split))
+        fits = ", ".join(str(t) for t in range(1, common + 1) if common % t == 0)
+        errors.append(f"{' and '.join(undivided)} {'is' if len(undivided) == 1 else 'are'} not divisible by "
+                      f"--tensor-model-parallel-size {tp}; pass one of {fits}")
     if model.hidden_size % model.num_attention_heads:
         errors.append(f"--hidden-size {model.hidden_size} is not divisible by "
                       f"--num-attention-heads {model.num_attention_heads}")

@@ -212,7 +212,7 @@ def test_fields_adopted_from_the_checkpoint_are_blamed_on_it(tmp_path, monkeypat
     assert main([*BASE, "--tensor-model-parallel-size", "4", "--load", str(tmp_path / "ckpt"),
                  "--log-dir", str(tmp_path)]) == 2
     assert (f"error: --num-attention-heads 2 (from the checkpoint in --load {tmp_path / 'ckpt'}) is not divisible "
-            "by --tensor-model-parallel-size 4") in capsys.readouterr().err
+            "by --tensor-model-parallel-size 4; pass one of 1, 2") in capsys.readouterr().err
 
 
 def test_one_process_flags_and_launchers_still_run(monkeypatch):

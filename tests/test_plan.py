@@ -60,10 +60,10 @@ def test_a_rule_a_checkpoint_field_breaks_blames_the_checkpoint():
     with pytest.raises(ConfigError) as e:
         resolve(cfg, 8, checkpoint="ckpt/run", from_checkpoint=["num_attention_heads", "num_layers"])
     assert str(e.value) == ("--num-attention-heads 2 (from the checkpoint in --load ckpt/run) is not divisible by "
-                            "--tensor-model-parallel-size 4")
+                            "--tensor-model-parallel-size 4; pass one of 1, 2")
     with pytest.raises(ConfigError) as e:
         resolve(cfg, 8, checkpoint="ckpt/run", from_checkpoint=["num_layers"])
-    assert str(e.value) == "--num-attention-heads 2 is not divisible by --tensor-model-parallel-size 4"
+    assert str(e.value) == "--num-attention-heads 2 is not divisible by --tensor-model-parallel-size 4; pass one of 1, 2"
 
 
 def test_scan_layers_is_decided_once_from_the_depth_unless_given():
