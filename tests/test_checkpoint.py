@@ -427,3 +427,16 @@ def test_a_failed_restore_leaves_no_echoes_and_a_good_one_leaves_no_filters(caps
         sys.unraisablehook = hook
         warnings.filters[:] = warning_filters
         asyncio_log.filters[:] = log_filters
+
+
+def test_a_step_folder_given_as_load_names_the_flags_to_pass(small_ckpt):
+    """`--load ck/2` said only that it held no complete checkpoint."""
+    from jax3d.train.checkpoint import saved_step_meta
+
+    cfg, _, _, steps = small_ckpt
+    step_dir = os.path.join(cfg.train.save, "2")
+    want = f"--load {step_dir} is step 2 of the checkpoint in {os.path.abspath(cfg.train.save)}; pass --load"
+    with pytest.raises(ConfigError, match=want):
+        saved_step_meta(step_dir)
+    with pytest.raises(ConfigError, match=want):
+        Checkpointer(steps.cfg.replace(train={"load": step_dir, "save": ""})).restore(steps)

@@ -205,11 +205,21 @@ def resolve_step(directory: str, steps: list[int], want: int) -> int:
     return steps[-1]
 
 
+def _no_checkpoint(directory: str, fix: str = "pass a directory written by --save") -> str:
+    """The sentence for a --load that holds no checkpoint: one step's folder (ck/30) is named as such, with
+    its parent and --ckpt-step to pass instead."""
+    parent, name = os.path.split(os.path.normpath(os.path.abspath(directory)))
+    if name.isdigit() and int(name) in list_steps(parent):
+        return f"--load {directory} is step {int(name)} of the checkpoint in {parent}; pass --load {parent} " \
+               f"--ckpt-step {int(name)}"
+    return f"--load {directory} holds no complete checkpoint; {fix}"
+
+
 def saved_step_meta(directory: str, want: int = -1) -> tuple[int, dict]:
     """(step, metadata) of checkpoint step `want` (the latest when -1) in `directory`; ConfigError if none."""
     found = list_steps(directory)
     if not found:
-        raise ConfigError(f"--load {directory} holds no complete checkpoint; pass a directory written by --save")
+        raise ConfigError(_no_checkpoint(directory))
     step = resolve_step(directory, found, want)
     return step, read_meta(directory, step)
 
@@ -401,9 +411,10 @@ class Checkpointer:
             same = self.save_dir and _same_dir(self.save_dir, self.load_dir)
             if same and tr.ckpt_step < 0:
                 return None
-            what = "does not exist" if not os.path.exists(self.load_dir) else "holds no complete checkpoint"
-            raise ConfigError(f"--load {self.load_dir} {what}; pass a checkpoint directory, or the same "
-                              "directory as --save to start fresh there")
+            fix = "pass a checkpoint directory, or the same directory as --save to start fresh there"
+            if not os.path.exists(self.load_dir):
+                raise ConfigError(f"--load {self.load_dir} does not exist; {fix}")
+            raise ConfigError(_no_checkpoint(self.load_dir, fix))
         return resolve_step(self.load_dir, found, tr.ckpt_step)
 
     def restore(self, steps, step: int | None = -1):
