@@ -3,6 +3,7 @@
 transformers."""
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -270,6 +271,7 @@ def test_train_py_fine_tunes_an_import_from_transformers_loss(tmp_path):
     assert abs(first["loss"] - ref) < TOL
     _, _, cfg = _jax3d_model(str(tmp_path / "tuned"))
     assert cfg.activation == "gelu_erf" and cfg.unpadded_vocab_size == tok.vocab_size
+    shutil.rmtree(tmp_path / "ckpt")  # the fine-tune keeps its own tokenizer files (it read the base's)
     export_hf(str(tmp_path / "tuned"), str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "merges.txt", "model.safetensors", "vocab.json"]
 

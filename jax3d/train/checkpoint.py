@@ -87,6 +87,28 @@ def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
     return info
 
 
+def _kept_in(save_dir: str, info: dict) -> dict:
+    """The tokenizer record `info` with its files copied into `<save_dir>/tokenizer/`, so that a checkpoint
+    does not depend on files outside it (a fine-tune's tokenizer sat in the base model's folder). Files already
+    in the checkpoint, or whose name there holds other bytes, stay where they are."""
+    import filecmp
+    import shutil
+
+    keep = os.path.join(os.path.abspath(save_dir), "tokenizer")
+    out = dict(info)
+    for key in ("vocab_file", "merge_file", "tokenizer_file"):
+        src = info.get(key)
+        if not src or not os.path.isfile(src) or os.path.abspath(src).startswith(os.path.abspath(save_dir) + os.sep):
+            continue
+        dst = os.path.join(keep, os.path.basename(src))
+        if jax.process_index() == 0 and not os.path.exists(dst):
+            os.makedirs(keep, exist_ok=True)
+            shutil.copyfile(src, dst)
+        if os.path.exists(dst) and filecmp.cmp(src, dst, shallow=False):
+            out[key] = dst
+    return out
+
+
 def check_same_tokenizer(load_dir: str, step: int, tokenizer) -> None:
     """ConfigError when checkpoint `load_dir` (step `step`, -1 the latest) was trained on a larger
     vocabulary than `tokenizer`'s: another tokenizer, whose ids would read the wrong embeddings. A larger
@@ -444,6 +466,7 @@ class Checkpointer:
 
     def _meta(self, step: int, loader_state: dict, mesh) -> dict:
         import jax3d
+        self.tokenizer = _kept_in(self.save_dir, self.tokenizer)
         return {"format": "jax3d", "format_version": FORMAT_VERSION, "jax3d_version": jax3d.__version__,
                 "step": int(step), "loader": {k: int(v) for k, v in loader_state.items()},
                 "config": self.cfg.to_dict(), "tokenizer": self.tokenizer,
