@@ -64,7 +64,8 @@ def header(plan, num_params: int) -> str:
         micro = tr.global_batch_size // (tr.micro_batch_size * mesh.data)
         layers = f", layers {','.join(map(str, par.pipeline_layout))}" if par.pipeline_layout else ""
         pipeline = f"; {par.pipeline_schedule} pipeline over {micro} micro-batches{layers}"
-    return (f"jax3d: {m.model_type} {m.num_layers}L d{m.hidden_size} ({num_params / 1e6:.1f}M params) on "
+    size = f"{num_params / 1e9:.1f}B" if num_params >= 1e9 else f"{num_params / 1e6:.1f}M"
+    return (f"jax3d: {m.model_type} {m.num_layers}L d{m.hidden_size} ({size} params) on "
             f"(data, stage, model) = ({mesh.data}, {mesh.stage}, {mesh.model}), {plan.layout_note}{pipeline}; "
             f"ZeRO-{par.zero_stage}, {cfg.precision.dtype}, "
             f"global batch {tr.global_batch_size} x {m.seq_length} tokens")
