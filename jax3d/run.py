@@ -134,4 +134,7 @@ def _main(argv) -> int:
             checkpointer.uninstall_signal_handlers()
     if jax.process_index() == 0 and last:
         print(json.dumps({k: last[k] for k in ("step", "loss", "val_loss", "tokens_per_s", "mfu") if k in last}))
+        if not tr.save:  # generate, evaluate and export all start from a checkpoint
+            print("jax3d: no --save was given, so the trained model was not kept; add --save DIR to keep it",
+                  file=sys.stderr)
     return 0

@@ -157,8 +157,10 @@ def test_no_progress_prints_one_line_per_log_interval(tmp_path, capsys):
     log_dir = str(tmp_path / "log")
     assert main([*BASE, "--train-iters", "4", "--log-interval", "2", "--log-dir", log_dir,
                  "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]) == 0
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
+    out = capsys.readouterr()
+    lines = [l for l in out.out.splitlines() if l.startswith("step ")]
     assert [l.split(" | ")[0] for l in lines] == ["step 2/4", "step 4/4"]
+    assert out.err.rstrip().endswith("no --save was given, so the trained model was not kept; add --save DIR to keep it")
     printed = [float(l.split(" | loss ")[1].split(" |")[0]) for l in lines]
     np.testing.assert_allclose(printed, _losses(log_dir), atol=1e-4)
 
