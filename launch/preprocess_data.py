@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
-from jax3d.argparse_util import OneLineParser, report_error  # noqa: E402
+from jax3d.argparse_util import OneLineParser, run_command  # noqa: E402
 from jax3d.data.indexed import DataError
 from jax3d.data.preprocess import TokenizerSpec, preprocess_jsonl
 from jax3d.data.tokenizers import TOKENIZER_TYPES
@@ -37,14 +37,26 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    return run_command(_main, argv, lambda: (DataError, OSError))
+
+
+def _main(argv) -> int:
     args = parse_args(argv)
     spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_file)
+    new_dirs = []  # the output folders this run would create, deepest first
+    d = os.path.dirname(os.path.abspath(args.output_prefix))
+    while not os.path.exists(d):
+        new_dirs.append(d)
+        d = os.path.dirname(d)
     try:
         s = preprocess_jsonl(args.input, args.output_prefix, spec, args.json_keys, args.append_eod,
                              args.split_sentences, args.workers, args.on_bad_line, args.chunk_lines,
                              progress=not args.no_progress)
-    except (DataError, OSError) as e:
-        return report_error(e, 1)
+    except BaseException:
+        for d in new_dirs:  # a failed run leaves no empty folders behind
+            if os.path.isdir(d) and not os.listdir(d):
+                os.rmdir(d)
+        raise
     print(f"{s.documents} documents, {s.tokens} tokens, {s.skipped_lines} bad lines skipped, "
           f"{s.empty_documents} empty documents left out, {s.docs_per_second:.0f} docs/s; wrote "
           + ", ".join(p + ".bin/.idx" for p in s.outputs), file=sys.stderr)

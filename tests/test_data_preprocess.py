@@ -93,9 +93,10 @@ def test_cli_one_sentence_errors(corpus):
     common = ["--output-prefix", str(d / "new" / "cli"), "--tokenizer-type", "GPT2BPETokenizer",
               "--vocab-file", spec.vocab_file, "--merge-file", spec.merge_file, "--no-progress"]
     r = _cli("--input", str(_bad_file(d)), *common)
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr  # bad input exits 2, as every jax3d command
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "line 2: invalid JSON" in r.stderr
+    assert not (d / "new").exists()  # the failed run left its new output folder behind
     r = _cli("--input", str(_bad_file(d)), *common, "--on-bad-line", "skip")
     assert r.returncode == 0 and "line 3" in r.stderr and "2 bad lines skipped" in r.stderr
     assert os.path.exists(d / "new" / "cli_text_document.idx")
