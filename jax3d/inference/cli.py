@@ -31,6 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _prompt_shown(prompt: str, printed: str | None) -> str:
+    """What of the continuation is printed so far: "" once the prompt is printed (None: not yet)."""
+    if printed is None:
+        sys.stdout.write(prompt)
+        return ""
+    return printed
+
+
 def _bad_input() -> tuple:
     from jax3d.config import ConfigError
     from jax3d.data.indexed import DataError
@@ -78,18 +86,21 @@ def _main(argv) -> int:
                         dtype=jnp.bfloat16 if a.bf16 else jnp.float32, checkpoint=a.load)
     eod = None if a.ignore_eod else gen.eod
     outs = [[] for _ in ids]
-    printed = ""
+    printed = None
     for step_tokens in gen.stream(ids, a.max_new_tokens, sampling, a.seed, stop_at_eod=eod is not None):
         for row, t in zip(outs, step_tokens):
             if not (row and row[-1] == eod):
                 row.append(int(t))
-        if len(ids) == 1:  # stream one prompt's text as it grows (a token may not end on a character)
+        if len(ids) == 1:  # the prompt, then its continuation as it grows (a token may not end on a character)
+            # the prompt once the first token is in, so that bad input prints nothing
+            printed = _prompt_shown(prompts[0], printed)
             text = tok.detokenize([t for t in outs[0] if t != eod])
             if text.startswith(printed) and not text.endswith("\ufffd"):
                 sys.stdout.write(text[len(printed):])
                 sys.stdout.flush()
                 printed = text
     if len(ids) == 1:  # whatever was held back waiting for the rest of a character
+        printed = _prompt_shown(prompts[0], printed)
         text = tok.detokenize([t for t in outs[0] if t != eod])
         print(text[len(printed):] if text.startswith(printed) else "\n" + text)
     else:
