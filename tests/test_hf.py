@@ -176,6 +176,31 @@ def test_trained_at_222_exported_matches_transformers(tmp_path):
     assert np.max(np.abs(ours - ref)) < TOL
 
 
+@pytest.fixture(scope="module")
+def bundled_run(tmp_path_factory):
+    """A checkpoint of launch/train.py on the bundled corpus, whose tokenizer files only its cache holds."""
+    from jax3d.run import main as train_main
+    d = tmp_path_factory.mktemp("bundled")
+    assert train_main(["--preset", "gpt-tiny", "--train-iters", "1", "--global-batch-size", "8", "--micro-batch-size",
+                       "1", "--seq-length", "32", "--eval-interval", "0", "--no-progress", "--save", str(d / "ckpt"),
+                       "--log-dir", str(d / "log")]) == 0
+    return d
+
+
+def test_bundled_corpus_export_has_its_tokenizers_eos(bundled_run, tmp_path):
+    """config.json's eos/bos are the end-of-document id of the bundled tokenizer, as transformers' own tokenizer
+    reads it from the exported files (before, they were left out and transformers took 50256, past the 4096-token
+    vocabulary, so generate never stopped)."""
+    from jax3d.data import default_corpus
+    out = str(tmp_path / "out")
+    assert convert_main(["export", "--load", str(bundled_run / "ckpt"), "--hf-dir", out]) == 0
+    eod = default_corpus(kind="gpt")[1].eod
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert hf_tok.eos_token_id == eod == 0
+    assert hf.config.eos_token_id == hf.config.bos_token_id == hf.generation_config.eos_token_id == eod
+
+
 def _no_files(d):
     return not os.path.exists(d) or not os.listdir(d)
 

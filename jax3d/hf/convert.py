@@ -205,7 +205,7 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     _check_new_dir("--hf-dir", hf_dir)
     params, meta = load_params(load, step)
     cfg = config_from_dict(meta["config"])
-    tok = meta.get("tokenizer") or {}
+    tok = _run_tokenizer(meta.get("tokenizer") or {}, cfg)
     eod = _eod(cfg, tok)
     hf_cfg = hf_config_from_model(cfg.model, eod)
     tensors = to_hf(params, cfg.model)
@@ -218,26 +218,42 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
             "tensors": len(tensors), "tokenizer_files": copied}
 
 
-def _eod(cfg, tok: dict):
-    if cfg.model.model_type != "gpt" or not tok.get("type"):
+_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_file")
+
+
+def _run_tokenizer(tok: dict, cfg) -> dict:
+    """The checkpoint's tokenizer record, with the files filled in for a run on the bundled corpus (which
+    records none: they live in its cache, under `--data-cache-path` if the run gave one)."""
+    from jax3d.train.checkpoint import BUNDLED_TOKENIZER
+
+    if tok.get("note") != BUNDLED_TOKENIZER or any(tok.get(k) for k in _FILE_KEYS):
+        return tok
+    files = _default_corpus_files(cfg.model.model_type, cfg.data.cache_dir or None)
+    if not files:
+        print("jax3d: the bundled corpus's tokenizer is not in its cache any more, so the export has no tokenizer "
+              "files and no eos/bos token ids; rebuild the cache with a short launch/train.py run (with the run's "
+              "--data-cache-path, if it had one) and export again",
+              file=sys.stderr)
+    return {**tok, **files}
+
+
+def _eod(cfg, tok: dict) -> int | None:
+    """The end-of-document id of a GPT's tokenizer (HF's bos and eos), None when its files are gone.
+
+    Without it transformers assumes GPT-2's 50256, which a smaller vocabulary does not have, and generate
+    never stops."""
+    files = {k: tok.get(k) or None for k in _FILE_KEYS}
+    if cfg.model.model_type != "gpt" or not tok.get("type") or not any(files.values()):
         return None
-    try:
-        from jax3d.data import build_tokenizer
-        t = build_tokenizer(tok["type"], vocab_file=tok.get("vocab_file") or None,
-                            merge_file=tok.get("merge_file") or None, tokenizer_file=tok.get("tokenizer_file") or None)
-        return getattr(t, "eod", None)
-    except Exception:  # the tokenizer files moved; the model exports without token ids
-        return None
+    if any(f and not os.path.exists(f) for f in files.values()):
+        return None  # `_copy_tokenizer` names the missing file
+    from jax3d.data import build_tokenizer
+    return build_tokenizer(tok["type"], **files).eod  # unreadable files raise DataError: one sentence, exit 2
 
 
 def _copy_tokenizer(tok: dict, hf_dir: str, model_type: str) -> list[str]:
     """Copies the run's tokenizer files under HF's names (and any HF tokenizer files beside them)."""
-    from jax3d.train.checkpoint import BUNDLED_TOKENIZER
-
     copied = []
-    if tok.get("note") == BUNDLED_TOKENIZER and not any(tok.get(k) for k in ("vocab_file", "merge_file",
-                                                                           "tokenizer_file")):
-        tok = {**tok, **_default_corpus_files(model_type)}  # the bundled corpus's tokenizer, from its cache
     for key, hf_name in (("vocab_file", "vocab.txt" if model_type == "bert" else "vocab.json"),
                          ("merge_file", "merges.txt"), ("tokenizer_file", "tokenizer.json")):
         src = tok.get(key)
@@ -286,10 +302,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _default_corpus_files(model_type: str) -> dict:
+def _default_corpus_files(model_type: str, cache_dir: str | None = None) -> dict:
     from jax3d.data.default_corpus import default_corpus_dir
 
-    d = default_corpus_dir(kind=model_type)
+    d = default_corpus_dir(cache_dir, kind=model_type)
     try:
         with open(os.path.join(d, "meta.json")) as f:
             return {k: os.path.join(d, v) for k, v in json.load(f)["tokenizer_files"].items()}
