@@ -21,6 +21,7 @@ import numpy as np
 
 from jax3d.argparse_util import dir_problem, report_error
 from jax3d.config import ConfigError
+from jax3d.file_util import readable_by_all
 from jax3d.train.checkpoint import config_from_dict, restore_arrays, saved_step_meta
 
 FORMATS = ("safetensors", "orbax")
@@ -103,10 +104,7 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
             "model": meta["config"]["model"], "tokenizer": meta.get("tokenizer", {})}
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     if fmt == "safetensors":
-        from safetensors.numpy import save_file
-
-        flat = flat_names(params, split_layers)
-        save_file(flat, output, metadata={k: json.dumps(v) for k, v in info.items()})
+        save_safetensors(flat_names(params, split_layers), output, {k: json.dumps(v) for k, v in info.items()})
     else:
         import orbax.checkpoint as ocp
 
@@ -117,6 +115,15 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
             json.dump(info, f, indent=1)
     n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     return {"output": output, "format": fmt, "step": meta["step"], "parameters": n, "bytes": 4 * n}
+
+
+def save_safetensors(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str]) -> None:
+    """safetensors' `save_file`, leaving the file readable like any other the export writes (`save_file`
+    leaves a temporary file's 0600)."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    readable_by_all(path)
 
 
 def read_safetensors(path: str) -> tuple[dict, dict]:

@@ -1,6 +1,7 @@
 """Export: the single-device tree written from a sharded checkpoint equals the restored parameters."""
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -50,6 +51,19 @@ def test_safetensors_export_equals_checkpoint(sharded_ckpt, tmp_path, split):
     _assert_tree_equal(tree, params)
     assert meta["model"] == json.loads(json.dumps(cfg.to_dict()["model"]))
     assert meta["layers_stacked"] is (not split) and meta["step"] == 5
+
+
+def test_safetensors_export_has_a_plain_writes_mode(sharded_ckpt, tmp_path):
+    """The export is readable by others like a file written with open() beside it (it was 0600 before)."""
+    d, _, _ = sharded_ckpt
+    old = os.umask(0o022)
+    try:
+        export(d, str(tmp_path / "model.safetensors"))
+        (tmp_path / "plain.txt").write_text("reference")
+    finally:
+        os.umask(old)
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert mode["model.safetensors"] == mode["plain.txt"] == 0o644, {k: oct(v) for k, v in mode.items()}
 
 
 def test_orbax_export_and_cli(sharded_ckpt, tmp_path):

@@ -201,6 +201,18 @@ def test_bundled_corpus_export_has_its_tokenizers_eos(bundled_run, tmp_path):
     assert hf.config.eos_token_id == hf.config.bos_token_id == hf.generation_config.eos_token_id == eod
 
 
+def test_hf_export_files_have_a_plain_writes_mode(bundled_run, tmp_path):
+    """model.safetensors is readable by others like config.json and the tokenizer files (it was 0600 before)."""
+    import stat
+    old = os.umask(0o022)
+    try:
+        export_hf(str(bundled_run / "ckpt"), str(tmp_path / "out"))
+    finally:
+        os.umask(old)
+    mode = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "out").iterdir()}
+    assert set(mode.values()) == {"0o644"} and "model.safetensors" in mode, mode
+
+
 def _no_files(d):
     return not os.path.exists(d) or not os.listdir(d)
 

@@ -11,16 +11,9 @@ import tempfile
 import numpy as np
 
 from jax3d.data.indexed import DataError, IndexedDataset
+from jax3d.file_util import readable_by_all
 
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def _readable_by_all(path: str) -> None:
-    """The mode a plain write would give (0666 less the umask), not mkstemp's 0600: an index cached
-    beside shared data must be readable by the other users of that data, or each rebuilds it."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def parse_data_paths(data_paths) -> tuple[list[float], list[str]]:
@@ -115,7 +108,7 @@ def cached_arrays(cache_dir: str, name: str, key: str, build) -> dict[str, np.nd
         fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(sorted(arrays), f)
-        _readable_by_all(tmp)
+        readable_by_all(tmp)
         os.replace(tmp, manifest)
     except OSError as e:
         print(f"warning: could not cache {name} index in {cache_dir} ({e}); it will be rebuilt "
@@ -142,7 +135,7 @@ def _atomic_save(path: str, arr: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, arr)
-        _readable_by_all(tmp)
+        readable_by_all(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

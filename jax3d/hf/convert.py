@@ -197,9 +197,7 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
 def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     """Writes checkpoint `load` (latest or `step`) as an HF folder `hf_dir`: config.json, model.safetensors
     and the run's tokenizer files; returns a summary. Nothing is written when the model can't be expressed."""
-    from safetensors.numpy import save_file
-
-    from jax3d.export import load_params
+    from jax3d.export import load_params, save_safetensors
     from jax3d.train.checkpoint import config_from_dict
 
     _check_new_dir("--hf-dir", hf_dir)
@@ -210,7 +208,7 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     hf_cfg = hf_config_from_model(cfg.model, eod)
     tensors = to_hf(params, cfg.model)
     os.makedirs(hf_dir, exist_ok=True)
-    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, os.path.join(hf_dir, "model.safetensors"), {"format": "pt"})
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     copied = _copy_tokenizer(tok, hf_dir, cfg.model.model_type)
