@@ -22,7 +22,7 @@ import numpy as np
 from jax3d.argparse_util import dir_problem, report_error
 from jax3d.config import ConfigError
 from jax3d.file_util import readable_by_all
-from jax3d.train.checkpoint import config_from_dict, restore_arrays, saved_step_meta
+from jax3d.train.checkpoint import config_from_dict, list_steps, restore_arrays, saved_step_meta
 
 FORMATS = ("safetensors", "orbax")
 
@@ -34,6 +34,19 @@ def abstract_params(model_cfg):
 
     model = build_model(model_cfg, ShardingRules.create(False))
     return jax.eval_shape(model.init, jax.random.key(0))
+
+
+def check_outside_checkpoint(flag: str, path: str) -> None:
+    """ConfigError when new folder `path` would sit directly in a checkpoint directory.
+
+    Orbax reads every folder there named by a number as a step, so `ck/99` would become step 99, the
+    latest, and --load would fail on it; other names are refused too, as the directory's folders are its
+    steps (a single file beside them, such as a safetensors export, is left alone: orbax ignores files)."""
+    if list_steps(os.path.dirname(os.path.abspath(path))):
+        parent = os.path.dirname(os.path.normpath(path)) or "."
+        raise ConfigError(f"{flag} {path} would be a folder inside checkpoint directory {parent}, whose folders are "
+                          f"its steps (one named by a number becomes a step that --load fails on); pass a path "
+                          f"outside {parent}")
 
 
 def load_params(load_dir: str, step: int = -1, device=None):
@@ -98,6 +111,8 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
     problem = dir_problem(os.path.dirname(os.path.abspath(output)))
     if problem:
         raise ConfigError(f"--output {output}: its folder {problem}; pass another path")
+    if fmt == "orbax":
+        check_outside_checkpoint("--output", output)
     params, meta = load_params(load_dir, step)
     info = {"format": "jax3d-params", "jax3d_version": meta["jax3d_version"], "step": meta["step"],
             "source": os.path.abspath(load_dir), "layers_stacked": not split_layers,

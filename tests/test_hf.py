@@ -213,6 +213,21 @@ def test_hf_export_files_have_a_plain_writes_mode(bundled_run, tmp_path):
     assert set(mode.values()) == {"0o644"} and "model.safetensors" in mode, mode
 
 
+def test_hf_folders_are_refused_inside_a_checkpoint_directory(bundled_run):
+    """An HF folder or an imported checkpoint named by a number directly in a checkpoint directory would be read
+    as a step of it, which --load then fails on: refused, and the directory keeps its steps."""
+    from jax3d.train.checkpoint import list_steps
+    ck = str(bundled_run / "ckpt")
+    steps = list_steps(ck)
+    with pytest.raises(ConfigError, match="--hf-dir .*98 would be a folder inside checkpoint directory"):
+        export_hf(ck, os.path.join(ck, "98"))
+    hf = os.path.join(str(bundled_run), "hf")
+    export_hf(ck, hf)
+    with pytest.raises(ConfigError, match="--save .*97 would be a folder inside checkpoint directory"):
+        import_hf(hf, os.path.join(ck, "97"))
+    assert list_steps(ck) == steps and load_params(ck)[1]["step"] == steps[-1]
+
+
 def _no_files(d):
     return not os.path.exists(d) or not os.listdir(d)
 

@@ -147,6 +147,8 @@ def _check_new_dir(flag: str, path: str) -> None:
     problem = dir_problem(path) or ("is not empty" if os.path.isdir(path) and os.listdir(path) else None)
     if problem:
         raise ConfigError(f"{flag} {path} {problem}; pass a new directory you can write")
+    from jax3d.export import check_outside_checkpoint
+    check_outside_checkpoint(flag, path)
 
 
 def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0) -> dict:
