@@ -114,3 +114,36 @@ def test_train_tokenizer_cli(corpus_file, tmp_path):
                            env=env)
         assert r.returncode != 0 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
         assert not (tmp_path / "new").exists()  # a refused run leaves no folder behind
+
+
+def test_jsonl_corpus_learns_what_its_plain_text_does(corpus_file, tmp_path):
+    """A .jsonl corpus (preprocess_data.py's format) teaches the tokenizer its text field, as the same text in a
+    plain file does: the same vocabulary and merges, and no piece of JSON syntax (before, it learned `{"`, `":`
+    and escapes such as `:\\` from the raw lines)."""
+    lines = corpus_file.read_text(encoding="utf-8").splitlines(keepends=True)
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "text": line}) + "\n" for i, line in enumerate(lines)),
+                     encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cli = [sys.executable, os.path.join(ROOT, "launch/train_tokenizer.py"), "--vocab-size", "600"]
+    for name, src in (("plain", corpus_file), ("jsonl", jsonl)):
+        r = subprocess.run(cli + ["--output-dir", str(tmp_path / name), str(src)], capture_output=True, text=True,
+                           env=env)
+        assert r.returncode == 0, r.stderr
+    for f in ("vocab.json", "merges.txt"):
+        assert (tmp_path / "jsonl" / f).read_text() == (tmp_path / "plain" / f).read_text(), f
+    learned = [p for p in json.loads((tmp_path / "jsonl" / "vocab.json").read_text()) if len(p) > 1]
+    assert not [p for p in learned if '"' in p or "\\" in p]
+    # Bad lines fail or are skipped as preprocess_data.py's are, and a missing field is named.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a b c"}\nnot json\n', encoding="utf-8")
+    for args, words in (([str(bad)], "bad.jsonl line 2: invalid JSON"),
+                        ([str(jsonl), "--json-keys", "body"], "line 1: no string field 'body'"),
+                        ([str(jsonl), "--on-bad-line", "skip", "--json-keys", "body"], "hold no text under --json-keys body"),
+                        (["--json-keys", "body", str(jsonl)], "pass them before --json-keys")):
+        r = subprocess.run(cli + ["--output-dir", str(tmp_path / "new"), *args], capture_output=True, text=True, env=env)
+        assert r.returncode != 0 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
+        assert not (tmp_path / "new").exists()
+    r = subprocess.run(cli + ["--output-dir", str(tmp_path / "skip"), "--on-bad-line", "skip", str(bad)],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "bad.jsonl line 2: invalid JSON" in r.stderr and "skipped" in r.stderr, r.stderr

@@ -5,7 +5,6 @@ order and one writer appends them, so the output does not depend on the number o
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import re
@@ -17,6 +16,7 @@ import numpy as np
 
 from jax3d.argparse_util import dir_problem
 from jax3d.data.indexed import DataError, IndexedDatasetBuilder, best_dtype, data_path, index_path
+from jax3d.data.jsonl import bad_line, checked_options, line_chunks, parse_line
 from jax3d.data.tokenizers import build_tokenizer
 
 # Split after . ! ? when whitespace and then an upper-case letter, digit or opening quote follow,
@@ -71,22 +71,6 @@ def _init_worker(spec, json_keys, append_eod, sentences, in_pool):
     _WORKER.update(tok=tok, keys=json_keys, eod=append_eod, sentences=sentences)
 
 
-def _parse_line(line: str, keys) -> tuple[dict | None, str | None]:
-    """(JSON object, None) for a usable line, else (None, why it is bad)."""
-    if not line.strip():
-        return None, "blank line"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        return None, f"invalid JSON ({e.msg} at column {e.colno})"
-    if not isinstance(obj, dict):
-        return None, f"expected a JSON object, got {type(obj).__name__}"
-    missing = [k for k in keys if not isinstance(obj.get(k), str)]
-    if missing:
-        return None, f"no string field {missing[0]!r}"
-    return obj, None
-
-
 def _encode_chunk(job):
     """Tokenize a chunk `(lines, nbytes)` of (line_no, line) into one flat array per key.
 
@@ -98,7 +82,7 @@ def _encode_chunk(job):
     tok, keys, sentences = _WORKER["tok"], _WORKER["keys"], _WORKER["sentences"]
     bad, pieces, counts = [], [], []  # counts[d][k]: how many pieces doc d has for key k
     for line_no, line in chunk:
-        obj, why = _parse_line(line, keys)
+        obj, why = parse_line(line, keys)
         if why is not None:
             bad.append((line_no, why))
             continue
@@ -134,19 +118,6 @@ def _encode_chunk(job):
     return bad, empty, docs, nbytes
 
 
-def _chunks(path, chunk_lines):
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        chunk, nbytes = [], 0
-        for no, line in enumerate(f, start=1):
-            chunk.append((no, line))
-            nbytes += len(line)
-            if len(chunk) == chunk_lines:
-                yield chunk, nbytes
-                chunk, nbytes = [], 0
-        if chunk:
-            yield chunk, nbytes
-
-
 def output_prefix_for(output_prefix: str, key: str, split_sentences_: bool) -> str:
     """Megatron's output naming: `<prefix>_<key>_document` or `<prefix>_<key>_sentence`."""
     return f"{output_prefix}_{key}_{'sentence' if split_sentences_ else 'document'}"
@@ -166,8 +137,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
     top-level code under `if __name__ == "__main__":`.
     """
     log = sys.stderr if log is None else log
-    if on_bad_line not in ("skip", "fail"):
-        raise DataError(f"--on-bad-line {on_bad_line} is not valid; choose skip or fail.")
+    json_keys = checked_options(json_keys, on_bad_line)
     if workers < 1:
         raise DataError(f"--workers {workers} must be at least 1.")
     if not os.path.isfile(input_path):
@@ -182,10 +152,6 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
     if problem:
         raise DataError(f"--output-prefix {output_prefix}: its folder {problem}; pass another prefix.")
     os.makedirs(out_dir, exist_ok=True)
-    json_keys = list(json_keys)
-    if not all(json_keys) or len(set(json_keys)) < len(json_keys):
-        raise DataError(f"--json-keys {' '.join(map(repr, json_keys))} has an empty or repeated key; name each "
-                        "JSON field to tokenize once, e.g. --json-keys text.")
     prefixes = {k: output_prefix_for(output_prefix, k, split_sentences_) for k in json_keys}
     tok = tokenizer.build()  # fail here, once, on bad vocab files; also fixes the dtype
     if append_eod and tok.eod is None:
@@ -207,7 +173,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
                    desc="preprocess", file=sys.stderr)
     pool = None
     try:
-        chunks = _chunks(input_path, chunk_lines)
+        chunks = line_chunks(input_path, chunk_lines)
         if workers == 1:
             _init_worker(*init_args)
             results = map(_encode_chunk, chunks)
@@ -218,10 +184,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer: TokenizerSp
         for bad, empty, docs, nbytes in results:
             for no, why in bad:
                 summary.skipped_lines += 1
-                if on_bad_line == "fail":
-                    raise DataError(f"{input_path} line {no}: {why}; fix the line or pass "
-                                    "--on-bad-line skip.")
-                print(f"{input_path} line {no}: {why}; skipped.", file=log)
+                bad_line(input_path, no, why, on_bad_line, log)
             summary.empty_documents += empty
             for k in json_keys:
                 builders[k].add_chunk(*docs[k])

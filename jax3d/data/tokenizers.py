@@ -11,6 +11,7 @@ import sys
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from jax3d.argparse_util import dir_problem
+from jax3d.data import jsonl
 from jax3d.data.indexed import DataError
 
 GPT2_EOD = "<|endoftext|>"
@@ -146,11 +147,14 @@ def _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_file):
 
 
 def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_size: int = 4096,
-                    lower_case: bool = True, min_frequency: int = 2, texts=None) -> dict:
+                    lower_case: bool = True, min_frequency: int = 2, texts=None, json_keys=("text",),
+                    on_bad_line: str = "fail") -> dict:
     """Train a byte-level BPE (`vocab.json` + `merges.txt`) or WordPiece (`vocab.txt`) on local text.
 
-    `texts`, if given, is an iterator of strings used instead of `files`. Returns the written paths,
-    keyed by the matching `build_tokenizer` argument names.
+    Files named `.json` or `.jsonl` are loose-JSON corpora, read as preprocess_data.py reads them: the
+    strings under `json_keys` of each line's object, a bad line failing or skipped by `on_bad_line`.
+    Other files are plain text. `texts`, if given, is an iterator of strings used instead of `files`.
+    Returns the written paths, keyed by the matching `build_tokenizer` argument names.
     """
     smallest = {"bpe": 258, "wordpiece": len(BERT_SPECIALS) + 1}.get(kind, 0)
     if vocab_size < smallest:
@@ -165,6 +169,7 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
     taken = [f for f in written if os.path.exists(os.path.join(out_dir, f))]
     if taken:  # data preprocessed with that vocabulary needs it unchanged
         raise DataError(f"--output-dir {out_dir} already holds {' and '.join(taken)}; pass a new directory")
+    json_inputs = texts is None and any(jsonl.is_json_lines(f) for f in files)
     if texts is None:
         for f in files:
             _need_file(f, "input", "pass existing plain-text files")
@@ -172,6 +177,8 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
                 raise DataError(f"input {f} is not a file; pass plain-text files.")
         if not any(_has_text(f) for f in files):
             raise DataError(f"the input files ({', '.join(files)}) hold no text; pass files with text to learn from.")
+    if json_inputs:
+        json_keys = jsonl.checked_options(json_keys, on_bad_line)
     if kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -191,7 +198,12 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
         tok.train_from_iterator(texts, trainer)
     else:
         try:
-            tok.train(files, trainer)
+            if json_inputs:
+                tok.train_from_iterator(_file_texts(files, json_keys, on_bad_line), trainer)
+            else:
+                tok.train(files, trainer)
+        except DataError:
+            raise
         except Exception as e:  # the tokenizers library raises plain Exceptions, e.g. for binary input
             raise DataError(f"the input files ({', '.join(files)}) could not be read as text ({e}); pass "
                             "UTF-8 plain-text files.") from None
@@ -205,3 +217,22 @@ def train_tokenizer(files: list[str], out_dir: str, kind: str = "bpe", vocab_siz
         return {"vocab_file": vocab, "merge_file": merges}
     (vocab,) = tok.model.save(out_dir)
     return {"vocab_file": vocab}
+
+
+def _file_texts(files: list[str], json_keys, on_bad_line: str):
+    """The strings of `files` that `train_tokenizer` learns from: a loose-JSON file's fields, a plain
+    file's lines (as the tokenizers library reads a plain file, so a plain file learns the same here)."""
+    learned = False
+    for f in files:
+        if jsonl.is_json_lines(f):
+            for text in jsonl.texts(f, json_keys, on_bad_line):
+                learned = learned or bool(text.strip())
+                yield text
+        else:
+            with open(f, encoding="utf-8") as lines:
+                for line in lines:
+                    learned = learned or bool(line.strip())
+                    yield line
+    if not learned:
+        raise DataError(f"the input files ({', '.join(files)}) hold no text under --json-keys {' '.join(json_keys)}; "
+                        "pass the JSON field that holds the text.")
