@@ -8,6 +8,10 @@ One JSON line per side, then a table in milliseconds per step, with each side's 
 median SM clock over the traced steps (kernel times scale with the clock, which the power cap sets).
 
     python benchmarks/profile_step.py --shape 1.3b-b16 --peer
+    python benchmarks/profile_step.py --shape tiny    # tries it on a CPU (XLA's CPU ops, classed the same way)
+
+It is a GPU benchmark: on a CPU, a shape whose train step needs more than the host's free memory stops
+with one sentence before anything is allocated.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from step_bench import DEFAULT_PEER, SHAPES, VOCAB, GpuLog, Run, _child, build, is_bert  # noqa: E402
+from step_bench import (DEFAULT_PEER, SHAPES, VOCAB, GpuLog, Run, _child, build, is_bert,  # noqa: E402
+                        step_host_shortfall)
 
 CLASSES = ("matmul", "attention", "elementwise_norm", "optimizer", "communication", "copies")
 _COMM = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -232,7 +237,13 @@ def main(argv=None) -> int:
     # Command buffers (CUDA graphs) hide which fusion each kernel ran for; the trace then names only
     # the buffer. Profile without them, so every kernel keeps its HLO name and name scope.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    recs.insert(0, profile_jax3d(Run(a.shape, a.batch, ablate=tuple(a.ablate)), a.steps, a.hlo_out))
+    run = Run(a.shape, a.batch, ablate=tuple(a.ablate))
+    short = step_host_shortfall(run)  # starts JAX: after the peer, whose device memory JAX would take
+    if short:
+        print(f"error: profile_step.py --shape {a.shape} is a GPU benchmark, and its train step {short}; run it "
+              "on a GPU, or try --shape tiny on a CPU", file=sys.stderr)
+        return 2
+    recs.insert(0, profile_jax3d(run, a.steps, a.hlo_out))
     for r in recs:
         print(json.dumps(r), flush=True)
         if a.out:

@@ -12,6 +12,9 @@ counts come from each compiled program.
 With --api-check it also times the public `pipeline_value_and_grad` at p = 1 (one stage, 1F1B over
 --microbatches micro-batches of the same layer stack) against per-micro-batch value-and-grad
 accumulated in a scan, the unpipelined step's way, and checks they agree.
+
+It is a GPU benchmark; on a CPU it counts matmuls for small stages (docs/pipeline-costs.md), and a stage
+that needs more than the host's free memory stops with one sentence before anything is allocated.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import re
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
 import jax
@@ -31,6 +35,7 @@ import numpy as np
 
 from jax3d.models import build_model, get_preset
 from jax3d.pipeline import make_schedule, passes, pipeline_value_and_grad
+from step_bench import host_shortfall  # noqa: E402
 
 
 def _time(fn, *args, reps=10):
@@ -128,7 +133,22 @@ def print_stage_times(a, cfg, layers, model, blocks, x, dtype):
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
 
 
-def main():
+def host_shortfall_of(run, blocks, x) -> str | None:
+    """On a CPU, `host_shortfall` of timing the stage `run(blocks, x)` (ShapeDtypeStructs: nothing is
+    allocated), at least: its plain forward + backward, the largest program (F, B and W in one), beside
+    the residuals F stores, which stay alive while the passes are timed (B's smaller cut is left out)."""
+    if jax.devices()[0].platform != "cpu":
+        return None
+    from jax3d.train.memory import step_peak_bytes
+
+    mask = passes.residual_mask(run, blocks, x)
+    stored = jax.eval_shape(lambda w, x: passes.forward(run, w, x, mask)[1], blocks, x)
+    plain = jax.jit(lambda w, x, g: jax.vjp(run, w, x)[1](g)).lower(blocks, x, x).compile()
+    kept = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(stored))
+    return host_shortfall(step_peak_bytes(plain) + kept, at_least=True)
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt-1.3b")
     p.add_argument("--stages", type=int, default=4)
@@ -140,7 +160,7 @@ def main():
     p.add_argument("--api-only", action="store_true", help="only the --api-check timing")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--reps", type=int, default=10)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     cfg, _ = get_preset(a.preset)
     cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0, recompute=a.recompute,
                               seq_length=a.seq_length or cfg.seq_length)
@@ -148,10 +168,23 @@ def main():
     model = build_model(cfg)
     dtype = jnp.bfloat16 if a.bf16 else jnp.float32
     keys = jax.random.split(jax.random.key(0), layers)
-    blocks = jax.jit(jax.vmap(lambda k: model.block.init(k, model._dummy_x())["params"]))(keys)
-    blocks = jax.tree.map(lambda w: w.value.astype(dtype) if hasattr(w, "value") else w.astype(dtype), blocks,
-                          is_leaf=lambda w: hasattr(w, "value"))
-    x = jax.random.normal(jax.random.key(1), (a.micro_batch_size, cfg.seq_length, cfg.hidden_size), dtype)
+
+    def make_blocks(keys):
+        blocks = jax.vmap(lambda k: model.block.init(k, model._dummy_x())["params"])(keys)
+        return jax.tree.map(lambda w: w.value.astype(dtype) if hasattr(w, "value") else w.astype(dtype), blocks,
+                            is_leaf=lambda w: hasattr(w, "value"))
+
+    x_shape = (a.micro_batch_size, cfg.seq_length, cfg.hidden_size)
+    short = host_shortfall_of(lambda w, x: model.run_blocks(w, x), jax.eval_shape(make_blocks, keys),
+                              jax.ShapeDtypeStruct(x_shape, dtype))
+    if short:
+        print(f"error: stage_times.py --preset {a.preset} is a GPU benchmark, and a stage of {layers} layers at "
+              f"--micro-batch-size {a.micro_batch_size}, seq {cfg.seq_length} {short}; run it on a GPU, or shrink "
+              "it (docs/pipeline-costs.md counts matmuls on a CPU with --preset gpt-125m --stages 12 "
+              "--micro-batch-size 1 --seq-length 64)", file=sys.stderr)
+        return 2
+    blocks = jax.jit(make_blocks)(keys)
+    x = jax.random.normal(jax.random.key(1), x_shape, dtype)
     if a.api_only:
         a.api_check = True
     else:
@@ -161,7 +194,8 @@ def main():
         print(json.dumps({"api_p1_microbatches": a.microbatches, "api_p1_pipelined_ms": round(t_pipe, 3),
                           "api_p1_accumulated_ms": round(t_ref, 3), "api_p1_ratio": round(t_pipe / t_ref, 3),
                           "api_p1_max_rel_grad_err": err}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

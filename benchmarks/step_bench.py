@@ -125,17 +125,58 @@ def build(run: Run):
     return build_config(config_for(run), 1)
 
 
+def _steps_for(cfg, num_devices: int):
+    import jax
+
+    from jax3d.plan import resolve
+    from jax3d.train.step import build_steps
+
+    plan = resolve(cfg, num_devices)
+    return build_steps(plan.cfg, plan.mesh, plan.mesh.build(jax.devices()[:num_devices]))
+
+
+def host_shortfall(need: int, at_least: bool = False) -> str | None:
+    """On a CPU, why `need` bytes (`at_least`: a lower bound) cannot be had here ("needs 424.2 GiB on this
+    CPU, and the host has 22.2 GiB free"); None on a GPU, or when they fit. A GPU-sized shape on a CPU is
+    otherwise killed by the kernel's OOM killer (exit 137) with nothing printed."""
+    import jax
+
+    from jax3d.train.memory import host_available_bytes
+
+    have = host_available_bytes()
+    if jax.devices()[0].platform != "cpu" or have is None or need <= have:
+        return None
+    return f"needs {'at least ' if at_least else ''}{_size(need)} on this CPU, and the host has {_size(have)} free"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def step_host_shortfall(run: Run) -> str | None:
+    """`host_shortfall` of `run`'s train step, compiled from abstract shapes so that nothing is allocated
+    (on a GPU nothing is compiled)."""
+    import jax
+
+    from jax3d.train.memory import step_peak_bytes
+    from jax3d.train.step import abstract_batch, abstract_state
+
+    if jax.devices()[0].platform != "cpu":
+        return None
+    steps = _steps_for(config_for(run), 1)
+    compiled = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
+    return host_shortfall(step_peak_bytes(compiled))
+
+
 def build_config(cfg, num_devices: int):
     """(steps, state, batch, compiled train step, compile seconds) for `cfg` on the first devices."""
     import jax
     import numpy as np
 
-    from jax3d.plan import resolve
-    from jax3d.train.step import abstract_batch, build_steps
+    from jax3d.train.step import abstract_batch
 
-    plan = resolve(cfg, num_devices)
-    cfg = plan.cfg
-    steps = build_steps(cfg, plan.mesh, plan.mesh.build(jax.devices()[:num_devices]))
+    steps = _steps_for(cfg, num_devices)
+    cfg = steps.cfg
     state = steps.init_state(cfg.train.seed)
     shapes = abstract_batch(steps, steps.model.sample_shapes())
     rng = np.random.default_rng(0)

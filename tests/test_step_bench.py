@@ -117,3 +117,47 @@ def test_gpu_log_reads_nvidia_smi_and_stops_it(tmp_path, monkeypatch):
     assert log._proc.poll() is not None  # stopped on exit
     assert step_bench.clock_summary(log.samples, start, end) == {"sm_clock_mhz": 1500, "power_w": 690}
     assert log.summary(start, end) == {"sm_clock_mhz": 1500, "power_w": 690}
+
+
+def _mib(text: str, before: str) -> float:
+    """The size printed just after `before` in one of the benchmarks' sentences, in MiB."""
+    import re
+    value, unit = re.search(re.escape(before) + r"([\d.]+) (GiB|MiB)", text).groups()
+    return float(value) * (1024 if unit == "GiB" else 1)
+
+
+def test_profile_step_refuses_a_shape_this_cpu_cannot_hold(monkeypatch, capsys):
+    """On a CPU with too little free memory the profile stops with one sentence giving the train step's peak,
+    which is the peak of the step the profile would run (before, a GPU shape here was OOM-killed, exit 137,
+    with nothing printed)."""
+    import jax3d.train.memory as memory
+    from jax3d.train.memory import step_peak_bytes
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda **_: 2**20)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main adds to it; put back afterwards
+    assert profile_step.main(["--shape", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: profile_step.py --shape tiny is a GPU benchmark") and len(err.splitlines()) == 1
+    assert "try --shape tiny on a CPU" in err and _mib(err, "the host has ") == 1.0
+    want = step_peak_bytes(step_bench.build(step_bench.Run("tiny"))[3]) / 2**20
+    assert abs(_mib(err, "needs ") - want) <= 0.05
+
+
+def test_stage_times_refuses_a_stage_this_cpu_cannot_hold_and_runs_one_it_can(monkeypatch, capsys):
+    """stage_times.py with too little free memory stops with one sentence; with the host's memory, the CPU run
+    docs/pipeline-costs.md makes still counts its matmuls as that page's table does (6, 12, 8, 4, 17)."""
+    import json
+
+    import jax3d.train.memory as memory
+    from benchmarks import stage_times
+
+    args = ["--preset", "gpt-125m", "--stages", "12", "--micro-batch-size", "1", "--seq-length", "64", "--reps", "1"]
+    with monkeypatch.context() as m:
+        m.setattr(memory, "host_available_bytes", lambda **_: 2**20)
+        assert stage_times.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: stage_times.py --preset gpt-125m is a GPU benchmark") and len(err.splitlines()) == 1
+    assert _mib(err, "needs at least ") > 1.0
+    assert stage_times.main(args) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert out["gemms"] == {"F": 6, "BW_fused": 12, "B": 8, "W": 4, "plain_fwd_bwd": 17}
