@@ -84,7 +84,7 @@ def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_pat
     whose tokenizer files have gone."""
     from types import SimpleNamespace
 
-    from jax3d.config import Config, ConfigError, DataConfig
+    from jax3d.config import Config, ConfigError, DataConfig, ModelConfig
     from jax3d.inference.generate import load_tokenizer
     from jax3d.train.checkpoint import check_same_tokenizer, read_meta, tokenizer_info
 
@@ -103,12 +103,14 @@ def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_pat
     capsys.readouterr()
     check_same_tokenizer(ck, -1, SimpleNamespace(vocab_size=own.vocab_size + 2))  # added tokens: allowed
     assert "this run's tokenizer has" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="has no tokenizer .*imported without tokenizer files"):
+    with pytest.raises(ConfigError, match="records no tokenizer .*imported without tokenizer files"):
         load_tokenizer({"tokenizer": {"type": "", "vocab_size": None, "note": "imported without tokenizer files"}},
                        "gpt")
     # a checkpoint saved from code with no tokenizer record (as before this was written): the bundled one
     assert load_tokenizer({"tokenizer": {"type": "", "vocab_size": None}}, "gpt").vocab_size == own.vocab_size
     assert tokenizer_info(Config())["note"] == "bundled default corpus tokenizer"  # a library run, no tokenizer
+    # one on ids of another vocabulary (the README's 512) recorded the bundled tokenizer, whose files export copied
+    assert tokenizer_info(Config(model=ModelConfig(vocab_size=512)))["note"] == "imported without tokenizer files"
     gone = {"tokenizer": {"type": "GPT2BPETokenizer", "vocab_file": str(tmp_path / "v.json"), "merge_file": ""}}
     with pytest.raises(ConfigError, match="tokenizer file .*v.json does not exist"):
         load_tokenizer(gone, "gpt")

@@ -129,7 +129,10 @@ def _build(work: str, kind: str, vocab_size: int, max_bytes: int) -> None:
     _log(f"built in {time.perf_counter() - t0:.1f}s")
 
 
-def default_corpus_dir(cache_dir: str | None = None, kind: str = "gpt", vocab_size: int = 4096,
+VOCAB_SIZE = 4096  # the bundled corpus's tokenizer's vocabulary, as asked of the trainer
+
+
+def default_corpus_dir(cache_dir: str | None = None, kind: str = "gpt", vocab_size: int = VOCAB_SIZE,
                        max_bytes: int = 8_000_000) -> str:
     """The cache folder `default_corpus` uses for these settings."""
     base = cache_dir or os.environ.get("JAX3D_CACHE") or os.path.join(
@@ -138,7 +141,7 @@ def default_corpus_dir(cache_dir: str | None = None, kind: str = "gpt", vocab_si
     return os.path.join(base, f"{py}_{kind}_v{vocab_size}_{max_bytes // 1000}kB_r{_BUILD_VERSION}")
 
 
-def default_corpus(cache_dir: str | None = None, vocab_size: int = 4096, kind: str = "gpt",
+def default_corpus(cache_dir: str | None = None, vocab_size: int = VOCAB_SIZE, kind: str = "gpt",
                    max_bytes: int = 8_000_000):
     """Return `(data_prefix, tokenizer)` for the stdlib-source corpus, building it on first use.
 

@@ -267,8 +267,9 @@ def load_tokenizer(meta: dict, kind: str):
     tok = meta.get("tokenizer") or {}
     files = [tok[k] for k in ("vocab_file", "merge_file", "tokenizer_file") if tok.get(k)]
     if tok.get("note") == NO_TOKENIZER:
-        raise ConfigError("the checkpoint has no tokenizer (its model was imported without tokenizer files); import "
-                          "it again from a folder that has them (vocab.json and merges.txt, vocab.txt or tokenizer.json)")
+        raise ConfigError("the checkpoint records no tokenizer (it was imported without tokenizer files, or saved by "
+                          "code that gave Checkpointer none); import it again from a folder that has them (vocab.json "
+                          "and merges.txt, vocab.txt or tokenizer.json), or save it with Checkpointer(cfg, tokenizer)")
     missing = [f for f in files if not os.path.exists(f)]
     if missing:
         raise ConfigError(f"the checkpoint's tokenizer file {missing[0]} does not exist; put it back there, "

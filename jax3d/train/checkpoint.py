@@ -69,6 +69,8 @@ def _flag(field: str) -> str:
 
 
 BUNDLED_TOKENIZER = "bundled default corpus tokenizer"  # a tokenizer record's note for the bundled corpus
+# An import without tokenizer files, or code that gave Checkpointer no tokenizer (the words predate the latter
+# and stay, so that older checkpoints still read as they were written).
 NO_TOKENIZER = "imported without tokenizer files"
 
 
@@ -82,8 +84,12 @@ def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
             **{k: os.path.abspath(v) if v else "" for k, v in (("vocab_file", d.vocab_file),
                                                               ("merge_file", d.merge_file),
                                                               ("tokenizer_file", d.tokenizer_file))}}
-    if not d.tokenizer_type and not d.data_path:  # a run on the bundled corpus, from the command line or code
-        info["note"] = BUNDLED_TOKENIZER
+    if not d.tokenizer_type and not d.data_path:
+        # The bundled corpus's, when the run passes it or its model has that vocabulary. Code that trained on ids
+        # of its own, of another vocabulary, records none: the bundled files would decode them as other words.
+        from jax3d.data.default_corpus import VOCAB_SIZE
+        bundled = tokenizer is not None or cfg.model.vocab_size == VOCAB_SIZE
+        info["note"] = BUNDLED_TOKENIZER if bundled else NO_TOKENIZER
     return info
 
 
