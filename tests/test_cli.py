@@ -282,3 +282,16 @@ sys.exit(run_command(main, sys.argv[1:], lambda: (ConfigError,)))
     assert (r.returncode, r.stderr) == (2, "error: --flag 3 must be 2\n")
     r = run("bug")
     assert r.returncode == 1 and "Traceback" in r.stderr and "RuntimeError: a bug" in r.stderr
+
+
+def test_save_and_log_dir_inside_a_checkpoint_directory_are_refused(tmp_path, capsys):
+    """`--save ck/99` became step 99 of ck, the latest, which --load then failed on."""
+    from jax3d.train.checkpoint import list_steps
+
+    ck = str(tmp_path / "ck")
+    one = ["--train-iters", "1", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+    assert main([*BASE, *one, "--save", ck, "--log-dir", str(tmp_path / "log")]) == 0
+    for flag, path in (("--save", f"{ck}/99"), ("--log-dir", f"{ck}/log")):
+        assert main([*BASE, *one, flag, path]) == 2
+        assert f"error: {flag} {path} would be a folder inside checkpoint directory {ck}" in capsys.readouterr().err
+    assert list_steps(ck) == [1] and sorted(os.listdir(ck)) == ["1"]
