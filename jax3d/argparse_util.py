@@ -7,10 +7,10 @@ import sys
 import tempfile
 
 
-def report_error(e: BaseException, code: int = 2) -> int:
-    """Prints bad input as a command's one sentence and returns its exit code."""
+def report_error(e: BaseException) -> int:
+    """Prints bad input as a command's one sentence and returns its exit code, 2."""
     print(f"error: {e}", file=sys.stderr)
-    return code
+    return 2
 
 
 def run_command(main, argv, bad_input) -> int:

@@ -19,7 +19,7 @@ import os
 import jax
 import numpy as np
 
-from jax3d.argparse_util import dir_problem, report_error
+from jax3d.argparse_util import HelpFormatter, OneLineParser, dir_problem, run_command
 from jax3d.config import ConfigError
 from jax3d.file_util import readable_by_all
 from jax3d.train.checkpoint import config_from_dict, list_steps, restore_arrays, saved_step_meta
@@ -152,9 +152,14 @@ def read_safetensors(path: str) -> tuple[dict, dict]:
 
 
 def main(argv=None) -> int:
-    import argparse
+    """`launch/export.py`: one JSON line; bad input is one sentence and exit 2."""
+    from jax3d.data.indexed import DataError
+    return run_command(_main, argv, lambda: (ConfigError, DataError))
 
-    p = argparse.ArgumentParser(description="Export a jax3d checkpoint's parameters as one unsharded fp32 tree.")
+
+def _main(argv) -> int:
+    p = OneLineParser(prog="launch/export.py", formatter_class=HelpFormatter,
+                      description="Export a jax3d checkpoint's parameters as one unsharded fp32 tree.")
     p.add_argument("--load", required=True, help="checkpoint directory (the --save of a training run)")
     p.add_argument("--ckpt-step", type=int, default=-1, help="step to export (default: the latest complete)")
     p.add_argument("--output", required=True, help="a .safetensors file, or a new directory for --format orbax")
@@ -162,9 +167,6 @@ def main(argv=None) -> int:
     p.add_argument("--split-layers", action="store_true",
                    help="safetensors: one tensor per layer (blocks.<i>.*) instead of the stacked blocks")
     a = p.parse_args(argv)
-    try:
-        summary = export(a.load, a.output, step=a.ckpt_step, fmt=a.format, split_layers=a.split_layers)
-    except ConfigError as e:
-        return report_error(e)
+    summary = export(a.load, a.output, step=a.ckpt_step, fmt=a.format, split_layers=a.split_layers)
     print(json.dumps(summary))
     return 0

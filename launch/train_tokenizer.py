@@ -9,12 +9,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
-from jax3d.argparse_util import OneLineParser, report_error  # noqa: E402
+from jax3d.argparse_util import OneLineParser, run_command  # noqa: E402
 from jax3d.data.indexed import DataError
 from jax3d.data.tokenizers import train_tokenizer
 
 
 def main(argv=None) -> int:
+    return run_command(_main, argv, lambda: (DataError, OSError))
+
+
+def _main(argv) -> int:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # "*", not "+": a missing input gets its own message below (--json-keys takes every word after it)
     p.add_argument("inputs", nargs="*", help="plain-text files, or .json/.jsonl corpora (one JSON object a line, "
@@ -34,12 +38,9 @@ def main(argv=None) -> int:
                 if args.json_keys != ["text"] else "no input files given; pass the text files to learn from")
     if args.cased and args.type != "wordpiece":
         p.error("--cased applies to --type wordpiece; a byte-level BPE always keeps case")
-    try:
-        paths = train_tokenizer(args.inputs, args.output_dir, args.type, args.vocab_size,
-                                lower_case=not args.cased, min_frequency=args.min_frequency,
-                                json_keys=args.json_keys, on_bad_line=args.on_bad_line)
-    except (DataError, OSError) as e:
-        return report_error(e, 1)
+    paths = train_tokenizer(args.inputs, args.output_dir, args.type, args.vocab_size,
+                            lower_case=not args.cased, min_frequency=args.min_frequency,
+                            json_keys=args.json_keys, on_bad_line=args.on_bad_line)
     print("wrote " + ", ".join(paths.values()), file=sys.stderr)
     return 0
 

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from jax3d.argparse_util import dir_problem, report_error
+from jax3d.argparse_util import dir_problem, run_command
 from jax3d.config import Config, ConfigError, DataConfig, TrainConfig
 from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf, to_hf
 
@@ -273,6 +273,11 @@ def _copy_tokenizer(tok: dict, hf_dir: str, model_type: str) -> list[str]:
 
 def main(argv=None) -> int:
     """`launch/convert_hf.py import|export`: one-sentence errors with exit 2."""
+    from jax3d.data.indexed import DataError
+    return run_command(_main, argv, lambda: (ConfigError, DataError))
+
+
+def _main(argv) -> int:
     from jax3d.argparse_util import OneLineParser
 
     p = OneLineParser(prog="launch/convert_hf.py", description="Convert between Hugging Face GPT-2 / BERT folders "
@@ -288,16 +293,12 @@ def main(argv=None) -> int:
     e.add_argument("--ckpt-step", type=int, default=-1, help="step to export (default: the latest)")
     e.add_argument("--hf-dir", required=True, help="new folder to write")
     a = p.parse_args(argv)
-    from jax3d.data.indexed import DataError
-    try:
-        if a.command == "import":
-            if a.make_vocab_size_divisible_by < 1:
-                raise ConfigError(f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by} must be at least 1")
-            summary = import_hf(a.hf_dir, a.save, divisible_by=a.make_vocab_size_divisible_by)
-        else:
-            summary = export_hf(a.load, a.hf_dir, step=a.ckpt_step)
-    except (ConfigError, DataError) as err:
-        return report_error(err)
+    if a.command == "import":
+        if a.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by} must be at least 1")
+        summary = import_hf(a.hf_dir, a.save, divisible_by=a.make_vocab_size_divisible_by)
+    else:
+        summary = export_hf(a.load, a.hf_dir, step=a.ckpt_step)
     print(json.dumps(summary))
     return 0
 
