@@ -208,3 +208,22 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def config_from_dict(d: dict) -> Config:
+    """Inverse of `Config.to_dict()` (JSON turns tuples into lists; unknown keys are dropped)."""
+    def build(cls, sub):
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        kw = {}
+        for k, v in (sub or {}).items():
+            if k in names:
+                kw[k] = as_tuple(v)
+        return cls(**kw)
+    return Config(model=build(ModelConfig, d.get("model")), parallel=build(ParallelConfig, d.get("parallel")),
+                  optim=build(OptimConfig, d.get("optim")), precision=build(PrecisionConfig, d.get("precision")),
+                  data=build(DataConfig, d.get("data")), train=build(TrainConfig, d.get("train")))
+
+
+def as_tuple(v):
+    """A tuple field of the config as the config holds it: JSON gives tuples back as lists."""
+    return tuple(v) if isinstance(v, list) else v

@@ -169,7 +169,8 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices."""
     from jax3d.plan import resolve
     from jax3d.sharding import with_shardings
-    from jax3d.train.checkpoint import config_from_dict, restore_arrays, saved_step_meta
+    from jax3d.config import config_from_dict
+    from jax3d.train.checkpoint_read import restore_arrays, saved_step_meta
     from jax3d.train.step import build_steps
 
     if bool(data_paths) == bool(text_file):

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 
 from jax3d.argparse_util import HelpFormatter, OneLineParser, dir_problem, run_command
-from jax3d.config import ConfigError
+from jax3d.config import ConfigError, config_from_dict
 from jax3d.file_util import readable_by_all
-from jax3d.train.checkpoint import config_from_dict, list_steps, restore_arrays, saved_step_meta
+from jax3d.train.checkpoint_read import list_steps, restore_arrays, saved_step_meta
 
 FORMATS = ("safetensors", "orbax")
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jax3d.config import ConfigError
-from jax3d.train.checkpoint import Checkpointer, TrainingInterrupted, list_steps, read_meta
+from jax3d.train.checkpoint import Checkpointer, TrainingInterrupted
+from jax3d.train.checkpoint_read import list_steps, read_meta
 from jax3d.train.step import build_steps
 from tests.helpers import ROOT, free_port, subprocess_env, tiny_config
 
@@ -388,7 +389,7 @@ def test_a_failed_restore_leaves_no_echoes_and_a_good_one_leaves_no_filters(caps
     import logging
     import warnings
 
-    from jax3d.train.checkpoint import _quiet_after_failed_read
+    from jax3d.train.checkpoint_read import _quiet_after_failed_read
 
     class Raises:
         def __init__(self, e):
@@ -431,7 +432,7 @@ def test_a_failed_restore_leaves_no_echoes_and_a_good_one_leaves_no_filters(caps
 
 def test_a_step_folder_given_as_load_names_the_flags_to_pass(small_ckpt):
     """`--load ck/2` said only that it held no complete checkpoint."""
-    from jax3d.train.checkpoint import saved_step_meta
+    from jax3d.train.checkpoint_read import saved_step_meta
 
     cfg, _, _, steps = small_ckpt
     step_dir = os.path.join(cfg.train.save, "2")

@@ -70,7 +70,7 @@ def test_orbax_export_is_refused_inside_the_checkpoint_directory(sharded_ckpt, t
     """`--output CK/99` would be read as step 99 of CK, and --load would then fail on it: refused, the
     directory keeps the steps it had and still restores. A safetensors file there is harmless and allowed."""
     from jax3d.export import load_params
-    from jax3d.train.checkpoint import list_steps
+    from jax3d.train.checkpoint_read import list_steps
     d, _, params = sharded_ckpt
     steps = list_steps(d)
     for name in ("99", "final"):

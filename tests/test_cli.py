@@ -286,7 +286,7 @@ sys.exit(run_command(main, sys.argv[1:], lambda: (ConfigError,)))
 
 def test_save_and_log_dir_inside_a_checkpoint_directory_are_refused(tmp_path, capsys):
     """`--save ck/99` became step 99 of ck, the latest, which --load then failed on."""
-    from jax3d.train.checkpoint import list_steps
+    from jax3d.train.checkpoint_read import list_steps
 
     ck = str(tmp_path / "ck")
     one = ["--train-iters", "1", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]

@@ -86,7 +86,8 @@ def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_pat
 
     from jax3d.config import Config, ConfigError, DataConfig, ModelConfig
     from jax3d.inference.generate import load_tokenizer
-    from jax3d.train.checkpoint import check_same_tokenizer, read_meta, tokenizer_info
+    from jax3d.train.checkpoint import check_same_tokenizer, tokenizer_info
+    from jax3d.train.checkpoint_read import read_meta
 
     monkeypatch.chdir(tmp_path)
     info = tokenizer_info(Config(data=DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file="tok/vocab.json",

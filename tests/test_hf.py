@@ -16,7 +16,7 @@ from jax3d.export import load_params  # noqa: E402
 from jax3d.hf import export_hf, import_hf, read_safetensors_file  # noqa: E402
 from jax3d.hf.convert import main as convert_main  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
-from jax3d.train.checkpoint import config_from_dict  # noqa: E402
+from jax3d.config import config_from_dict  # noqa: E402
 from tests.hf_fixtures import tiny_bert, tiny_gpt2  # noqa: E402
 
 TOL = 1e-4
@@ -216,7 +216,7 @@ def test_hf_export_files_have_a_plain_writes_mode(bundled_run, tmp_path):
 def test_hf_folders_are_refused_inside_a_checkpoint_directory(bundled_run):
     """An HF folder or an imported checkpoint named by a number directly in a checkpoint directory would be read
     as a step of it, which --load then fails on: refused, and the directory keeps its steps."""
-    from jax3d.train.checkpoint import list_steps
+    from jax3d.train.checkpoint_read import list_steps
     ck = str(bundled_run / "ckpt")
     steps = list_steps(ck)
     with pytest.raises(ConfigError, match="--hf-dir .*98 would be a folder inside checkpoint directory"):

@@ -200,7 +200,7 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     """Writes checkpoint `load` (latest or `step`) as an HF folder `hf_dir`: config.json, model.safetensors
     and the run's tokenizer files; returns a summary. Nothing is written when the model can't be expressed."""
     from jax3d.export import load_params, save_safetensors
-    from jax3d.train.checkpoint import config_from_dict
+    from jax3d.config import config_from_dict
 
     _check_new_dir("--hf-dir", hf_dir)
     params, meta = load_params(load, step)

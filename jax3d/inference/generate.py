@@ -285,7 +285,7 @@ def load_tokenizer(meta: dict, kind: str):
 def load_gpt_checkpoint(load: str, step: int = -1):
     """(ModelConfig, numpy fp32 params, tokenizer) of a GPT checkpoint; ConfigError for any other."""
     from jax3d.export import load_params
-    from jax3d.train.checkpoint import config_from_dict
+    from jax3d.config import config_from_dict
 
     params, meta = load_params(load, step)
     cfg = config_from_dict(meta["config"]).model

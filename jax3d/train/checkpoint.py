@@ -17,22 +17,19 @@ half-way never shows up as a step and the previous one stays the latest.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import os
-import re
 import signal
 import sys
 import time
-import warnings
 
 import jax
 import numpy as np
 
-from jax3d.config import (Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
-                          PrecisionConfig, TrainConfig)
+from jax3d.config import Config, ConfigError, ModelConfig, as_tuple
 from jax3d.sharding import with_shardings
+from jax3d.train.checkpoint_read import (list_steps, manager, no_checkpoint, orbax_checkpoint, read_meta,
+                                         resolve_step, restore_arrays)
 
 FORMAT_VERSION = 1
 # Model fields that don't change the parameters and may differ between the saved run and this one.
@@ -56,11 +53,6 @@ class TrainingInterrupted(Exception):
         self.exit_code = 128 + signum
         what = f"saved a checkpoint at step {step}" if saved else f"stopped at step {step} without saving (no --save)"
         super().__init__(f"{signal.Signals(signum).name} received; {what}")
-
-
-def _ocp():
-    import orbax.checkpoint as ocp
-    return ocp
 
 
 def _flag(field: str) -> str:
@@ -135,25 +127,11 @@ def check_same_tokenizer(load_dir: str, step: int, tokenizer) -> None:
              "their embeddings are the checkpoint's padding rows, as yet untrained")
 
 
-def config_from_dict(d: dict) -> Config:
-    """Inverse of `Config.to_dict()` (JSON turns tuples into lists; unknown keys are dropped)."""
-    def build(cls, sub):
-        names = {f.name: f for f in dataclasses.fields(cls)}
-        kw = {}
-        for k, v in (sub or {}).items():
-            if k in names:
-                kw[k] = _as_tuple(v)
-        return cls(**kw)
-    return Config(model=build(ModelConfig, d.get("model")), parallel=build(ParallelConfig, d.get("parallel")),
-                  optim=build(OptimConfig, d.get("optim")), precision=build(PrecisionConfig, d.get("precision")),
-                  data=build(DataConfig, d.get("data")), train=build(TrainConfig, d.get("train")))
-
-
 def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> None:
     """Raises ConfigError naming the first shape-defining model field that differs from the checkpoint."""
     cur = dataclasses.asdict(current)
     for field, value in cur.items():
-        if field in FREE_MODEL_FIELDS or field not in saved or _as_tuple(saved[field]) == _as_tuple(value):
+        if field in FREE_MODEL_FIELDS or field not in saved or as_tuple(saved[field]) == as_tuple(value):
             continue
         hint = ""
         if field == "vocab_size":
@@ -162,11 +140,6 @@ def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> Non
                     f"{saved[field]} to match the checkpoint)")
         raise ConfigError(f"checkpoint {where} was saved with {_flag(field)} {saved[field]} but this run has "
                           f"{_flag(field)} {value}{hint}; use the checkpoint's model shape or another --load")
-
-
-def _as_tuple(v):
-    """A tuple field of the config as the config holds it: JSON gives tuples back as lists."""
-    return tuple(v) if isinstance(v, list) else v
 
 
 def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[str]) -> Config:
@@ -183,7 +156,7 @@ def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[st
     for flag in given_flags:
         explicit.update(_FLAG_FIELDS.get(flag, (flag,)))
     names = {f.name for f in dataclasses.fields(ModelConfig)}
-    kw = {k: _as_tuple(v) for k, v in saved.items() if k in names and k not in explicit}
+    kw = {k: as_tuple(v) for k, v in saved.items() if k in names and k not in explicit}
     model = dataclasses.replace(cfg.model, **kw)
     # A shape a flag or --preset gave must be the checkpoint's; said now, before a layout or memory check
     # could blame a field the checkpoint supplied (a vocabulary still to come from the tokenizer is left out).
@@ -195,196 +168,8 @@ def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[st
     return dataclasses.replace(cfg, model=model)
 
 
-def list_steps(directory: str) -> list[int]:
-    """Complete (finalized) checkpoint steps in `directory`, ascending; [] when there are none."""
-    if not directory or not os.path.isdir(directory):
-        return []
-    with _manager(directory, read_only=True) as mgr:
-        return sorted(mgr.all_steps())
-
-
 def _same_dir(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
-
-
-def _manager(directory: str, *, read_only: bool, keep: int = 0, async_save: bool = True):
-    ocp = _ocp()
-    _quiet_orbax()
-    kw = {}
-    if keep > 0:
-        kw["preservation_policy"] = ocp.checkpoint_managers.LatestN(keep)
-    options = ocp.CheckpointManagerOptions(
-        read_only=read_only, create=not read_only, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=not read_only,  # left by a killed save; never taken as a step
-        **kw)
-    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
-
-
-def resolve_step(directory: str, steps: list[int], want: int) -> int:
-    """`want` when it is a complete step of `directory` (ConfigError otherwise); the latest when -1."""
-    if want < -1:
-        raise ConfigError(f"--ckpt-step {want} is not a step; pass a step of --load {directory} "
-                          f"({steps or 'none'}), or leave it out for the latest")
-    if want >= 0:
-        if want not in steps:
-            raise ConfigError(f"--ckpt-step {want} is not a complete checkpoint in --load {directory}; "
-                              f"it has steps {steps or 'none'}")
-        return want
-    return steps[-1]
-
-
-def _no_checkpoint(directory: str, fix: str = "pass a directory written by --save") -> str:
-    """The sentence for a --load that holds no checkpoint: one step's folder (ck/30) is named as such, with
-    its parent and --ckpt-step to pass instead."""
-    parent, name = os.path.split(os.path.normpath(os.path.abspath(directory)))
-    if name.isdigit() and int(name) in list_steps(parent):
-        return f"--load {directory} is step {int(name)} of the checkpoint in {parent}; pass --load {parent} " \
-               f"--ckpt-step {int(name)}"
-    return f"--load {directory} holds no complete checkpoint; {fix}"
-
-
-def saved_step_meta(directory: str, want: int = -1) -> tuple[int, dict]:
-    """(step, metadata) of checkpoint step `want` (the latest when -1) in `directory`; ConfigError if none."""
-    found = list_steps(directory)
-    if not found:
-        raise ConfigError(_no_checkpoint(directory))
-    step = resolve_step(directory, found, want)
-    return step, read_meta(directory, step)
-
-
-def read_meta(directory: str, step: int) -> dict:
-    """The JSON metadata of one checkpoint step; ConfigError when it can't be read."""
-    ocp = _ocp()
-    try:
-        with _manager(directory, read_only=True) as mgr:
-            meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    except Exception as e:  # orbax raises several types for missing / corrupt files
-        raise ConfigError(f"checkpoint {directory} step {step} is unreadable ({type(e).__name__}: "
-                          f"{_first_line(e, 200)}); pass another --ckpt-step or --load") from e
-    if not isinstance(meta, dict) or meta.get("format") != "jax3d":
-        raise ConfigError(f"checkpoint {directory} step {step} has no jax3d metadata; it was not written by "
-                          "jax3d's Checkpointer")
-    missing = [k for k in _META_FIELDS if not _has(meta, k)]
-    if missing:
-        raise ConfigError(f"checkpoint {directory} step {step} has damaged metadata (no {', '.join(missing)}); "
-                          "pass another --ckpt-step or --load")
-    try:  # the model it describes must be one: every reader builds it
-        config_from_dict(meta["config"])
-    except (ConfigError, TypeError, ValueError) as e:
-        raise ConfigError(f"checkpoint {directory} step {step} has damaged metadata ({e}); pass another --ckpt-step "
-                          "or --load") from None
-    return meta
-
-
-# What every reader of a checkpoint's metadata relies on ("a.b": key b inside dict a).
-_META_FIELDS = ("step", "jax3d_version", "mesh", "loader.consumed_samples", "config.model", "config.parallel")
-
-
-def _has(meta: dict, dotted: str) -> bool:
-    for k in dotted.split("."):
-        if not isinstance(meta, dict) or k not in meta:
-            return False
-        meta = meta[k]
-    return True
-
-
-def _first_line(e: Exception, limit: int) -> str:
-    """The message's first line, without the object dump TensorStore appends ("See full ... details")."""
-    return str(e).splitlines()[0].split(" See full ")[0].rstrip(".")[:limit] if str(e) else ""
-
-
-def _check_tree(saved, directory: str, step: int, item: str, target) -> None:
-    """Compares the saved tree (paths and shapes) with the target, to fail with a sentence, not a traceback."""
-    if saved is None:
-        return
-    flat_saved = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    for path, t in jax.tree_util.tree_flatten_with_path(target)[0]:
-        key = jax.tree_util.keystr(path)
-        s = flat_saved.get(key)
-        if s is None:
-            # Orbax may key sequences and dataclasses differently; only compare what lines up.
-            continue
-        shape = getattr(s, "shape", None)
-        if shape is not None and tuple(shape) != tuple(t.shape):
-            raise ConfigError(f"checkpoint {directory} step {step} holds {item}{key} with shape {tuple(shape)} "
-                              f"but this run expects {tuple(t.shape)}; the model or optimizer differs")
-
-
-def _saved_item(mgr, step: int, item: str):
-    """The saved metadata tree of one item, or None: metadata is optional, and the restore itself
-    reports what is wrong."""
-    try:
-        return mgr.item_metadata(step)[item]
-    except Exception:
-        return None
-
-
-def _echo_of_failed_read(exc) -> bool:
-    """Whether an exception is what a restore's other reads leave behind once one has failed: orbax's event
-    loop already closed, or an error from TensorStore or orbax's reading code that nothing waits for any more."""
-    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-        return True
-    if exc is not None and re.match(r"[A-Z_]+: |.*TensorStore", str(exc)):  # TensorStore's errors (absl status)
-        return True
-    tb = getattr(exc, "__traceback__", None)
-    while tb is not None:
-        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-class _NoEchoes(logging.Filter):
-    """Drops asyncio's "... exception was never retrieved" reports of orbax reads (see _quiet_after_failed_read)."""
-
-    def filter(self, record):
-        exc = record.exc_info[1] if record.exc_info else None
-        return not ("exception was never retrieved" in record.getMessage() and _echo_of_failed_read(exc))
-
-
-@contextlib.contextmanager
-def _quiet_after_failed_read():
-    """Around a restore. When one read fails, orbax raises and closes its event loop while TensorStore's other
-    reads are still running; as they finish they report a closed loop or their own errors (unraisable
-    exceptions, asyncio's "exception was never retrieved", coroutines never awaited), tracebacks printed after,
-    and sometimes before, the one error this module raises. Those reports, and only they, are dropped; anything
-    else still reaches the hook found here. After a failure the filters stay, since reads can finish at any
-    time up to exit; after a success they go."""
-    previous, no_echoes = sys.unraisablehook, _NoEchoes()
-    if getattr(previous, "drops_echoes_of_failed_reads", False):  # an earlier restore failed: already quiet
-        yield
-        return
-
-    def hook(unraisable):
-        if not _echo_of_failed_read(unraisable.exc_value):
-            previous(unraisable)
-    hook.drops_echoes_of_failed_reads = True
-    sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(no_echoes)
-    try:
-        yield
-    except BaseException:
-        # reads never started are collected unawaited, each a RuntimeWarning
-        warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
-        raise
-    sys.unraisablehook = previous
-    logging.getLogger("asyncio").removeFilter(no_echoes)
-
-
-def restore_arrays(directory: str, step: int, items: dict):
-    """Restores orbax items {name: target tree of sharded ShapeDtypeStructs}; ConfigError when unreadable."""
-    ocp = _ocp()
-    args = ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in items.items()})
-    with _manager(directory, read_only=True) as mgr:
-        for name, target in items.items():
-            _check_tree(_saved_item(mgr, step, name), directory, step, name, target)
-        try:
-            with _quiet_after_failed_read():
-                return mgr.restore(step, args=args)
-        except Exception as e:
-            raise ConfigError(f"checkpoint {directory} step {step} could not be restored ({type(e).__name__}: "
-                              f"{_first_line(e, 300)}); it may be damaged or from another model, pass another "
-                              "--ckpt-step or --load") from e
 
 
 class Checkpointer:
@@ -442,7 +227,7 @@ class Checkpointer:
             fix = "pass a checkpoint directory, or the same directory as --save to start fresh there"
             if not os.path.exists(self.load_dir):
                 raise ConfigError(f"--load {self.load_dir} does not exist; {fix}")
-            raise ConfigError(_no_checkpoint(self.load_dir, fix))
+            raise ConfigError(no_checkpoint(self.load_dir, fix))
         return resolve_step(self.load_dir, found, tr.ckpt_step)
 
     def restore(self, steps, step: int | None = -1):
@@ -464,9 +249,9 @@ class Checkpointer:
         return state, int(meta["loader"]["consumed_samples"])
 
     # ---- save ----------------------------------------------------------------------------------------
-    def _manager(self):
+    def manager(self):
         if self._mgr is None:
-            self._mgr = _manager(self.save_dir, read_only=False, keep=self.cfg.train.keep_checkpoints,
+            self._mgr = manager(self.save_dir, read_only=False, keep=self.cfg.train.keep_checkpoints,
                                  async_save=self.async_save)
         return self._mgr
 
@@ -481,8 +266,8 @@ class Checkpointer:
 
     def save(self, step: int, state, loader_state: dict, *, wait: bool = False) -> None:
         """Writes checkpoint `step` (asynchronously unless `wait`); the previous write is finished first."""
-        ocp = _ocp()
-        mgr = self._manager()
+        ocp = orbax_checkpoint()
+        mgr = self.manager()
         t0 = time.perf_counter()
         mgr.wait_until_finished()
         # Steps past the one this run resumed from belong to an abandoned future (a rollback with
@@ -617,12 +402,6 @@ def _mesh_of(state):
         if mesh is not None:
             return mesh
     return None
-
-
-def _quiet_orbax() -> None:
-    """Orbax warns at WARNING level about routine things (read-only managers, items not asked for)."""
-    import logging
-    logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 def _log(msg: str) -> None:
