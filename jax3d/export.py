@@ -22,7 +22,7 @@ import numpy as np
 from jax3d.argparse_util import HelpFormatter, OneLineParser, dir_problem, run_command
 from jax3d.config import ConfigError, config_from_dict
 from jax3d.file_util import readable_by_all
-from jax3d.train.checkpoint_read import list_steps, restore_arrays, saved_step_meta
+from jax3d.train.checkpoint_read import check_outside_checkpoint, restore_arrays, saved_step_meta
 
 FORMATS = ("safetensors", "orbax")
 
@@ -34,19 +34,6 @@ def abstract_params(model_cfg):
 
     model = build_model(model_cfg, ShardingRules.create(False))
     return jax.eval_shape(model.init, jax.random.key(0))
-
-
-def check_outside_checkpoint(flag: str, path: str) -> None:
-    """ConfigError when new folder `path` would sit directly in a checkpoint directory.
-
-    Orbax reads every folder there named by a number as a step, so `ck/99` would become step 99, the
-    latest, and --load would fail on it; other names are refused too, as the directory's folders are its
-    steps (a single file beside them, such as a safetensors export, is left alone: orbax ignores files)."""
-    if list_steps(os.path.dirname(os.path.abspath(path))):
-        parent = os.path.dirname(os.path.normpath(path)) or "."
-        raise ConfigError(f"{flag} {path} would be a folder inside checkpoint directory {parent}, whose folders are "
-                          f"its steps (one named by a number becomes a step that --load fails on); pass a path "
-                          f"outside {parent}")
 
 
 def load_params(load_dir: str, step: int = -1, device=None):

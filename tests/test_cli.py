@@ -284,14 +284,19 @@ sys.exit(run_command(main, sys.argv[1:], lambda: (ConfigError,)))
     assert r.returncode == 1 and "Traceback" in r.stderr and "RuntimeError: a bug" in r.stderr
 
 
-def test_save_and_log_dir_inside_a_checkpoint_directory_are_refused(tmp_path, capsys):
-    """`--save ck/99` became step 99 of ck, the latest, which --load then failed on."""
+def test_a_numbered_folder_inside_a_checkpoint_directory_is_refused_and_other_folders_are_not(tmp_path, capsys):
+    """`--save ck/99` became step 99 of ck, the latest, which --load then failed on. A run whose --log-dir
+    sits inside its --save resumes as before, and numbered run folders outside checkpoints stay allowed."""
     from jax3d.train.checkpoint_read import list_steps
 
-    ck = str(tmp_path / "ck")
-    one = ["--train-iters", "1", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
-    assert main([*BASE, *one, "--save", ck, "--log-dir", str(tmp_path / "log")]) == 0
-    for flag, path in (("--save", f"{ck}/99"), ("--log-dir", f"{ck}/log")):
-        assert main([*BASE, *one, flag, path]) == 2
-        assert f"error: {flag} {path} would be a folder inside checkpoint directory {ck}" in capsys.readouterr().err
-    assert list_steps(ck) == [1] and sorted(os.listdir(ck)) == ["1"]
+    ck, runs = str(tmp_path / "ck"), tmp_path / "runs"
+    one = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--train-iters"]
+    assert main([*BASE, *one, "1", "--save", ck, "--log-dir", f"{ck}/logs"]) == 0
+    for flag, path in (("--save", f"{ck}/99"), ("--log-dir", f"{ck}/7")):
+        assert main([*BASE, *one, "1", flag, path]) == 2
+        assert f"error: {flag} {path} would be read as step {path[-2:].strip('/')} of the checkpoint in {ck}" \
+            in capsys.readouterr().err
+    assert main([*BASE, *one, "2", "--load", ck, "--save", ck, "--log-dir", f"{ck}/logs"]) == 0  # it was refused
+    (runs / "1").mkdir(parents=True)
+    assert main([*BASE, *one, "1", "--log-dir", str(runs / "2")]) == 0
+    assert list_steps(ck) == [1, 2] and sorted(os.listdir(ck)) == ["1", "2", "logs"]

@@ -219,11 +219,11 @@ def test_hf_folders_are_refused_inside_a_checkpoint_directory(bundled_run):
     from jax3d.train.checkpoint_read import list_steps
     ck = str(bundled_run / "ckpt")
     steps = list_steps(ck)
-    with pytest.raises(ConfigError, match="--hf-dir .*98 would be a folder inside checkpoint directory"):
+    with pytest.raises(ConfigError, match="--hf-dir .*98 would be read as step 98 of the checkpoint in"):
         export_hf(ck, os.path.join(ck, "98"))
     hf = os.path.join(str(bundled_run), "hf")
     export_hf(ck, hf)
-    with pytest.raises(ConfigError, match="--save .*97 would be a folder inside checkpoint directory"):
+    with pytest.raises(ConfigError, match="--save .*97 would be read as step 97 of the checkpoint in"):
         import_hf(hf, os.path.join(ck, "97"))
     assert list_steps(ck) == steps and load_params(ck)[1]["step"] == steps[-1]
 

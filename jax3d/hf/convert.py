@@ -147,7 +147,7 @@ def _check_new_dir(flag: str, path: str) -> None:
     problem = dir_problem(path) or ("is not empty" if os.path.isdir(path) and os.listdir(path) else None)
     if problem:
         raise ConfigError(f"{flag} {path} {problem}; pass a new directory you can write")
-    from jax3d.export import check_outside_checkpoint
+    from jax3d.train.checkpoint_read import check_outside_checkpoint
     check_outside_checkpoint(flag, path)
 
 

@@ -49,6 +49,23 @@ def manager(directory: str, *, read_only: bool, keep: int = 0, async_save: bool 
     return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
 
+def check_outside_checkpoint(flag: str, path: str) -> None:
+    """ConfigError when new folder `path` would be read as a step of a jax3d checkpoint directory: orbax takes
+    every folder there named by a number for one (`ck/99` became the latest step, which --load failed on).
+    Other names there (`ck/logs`, the checkpoint's own `tokenizer/`) and numbered folders elsewhere are fine."""
+    name = os.path.basename(os.path.normpath(path))
+    parent = os.path.dirname(os.path.abspath(path))
+    steps = list_steps(parent) if name.isdigit() else []
+    if not steps:
+        return
+    try:
+        read_meta(parent, steps[-1])
+    except ConfigError:
+        return  # numbered folders, but not jax3d's checkpoints
+    raise ConfigError(f"{flag} {path} would be read as step {int(name)} of the checkpoint in {parent}; give the folder "
+                      "a name that is not a number, or put it outside that directory")
+
+
 def resolve_step(directory: str, steps: list[int], want: int) -> int:
     """`want` when it is a complete step of `directory` (ConfigError otherwise); the latest when -1."""
     if want < -1:
