@@ -170,11 +170,11 @@ def _echo_of_failed_read(exc) -> bool:
     loop already closed, or an error from TensorStore or orbax's reading code that nothing waits for any more."""
     if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
         return True
-    if exc is not None and re.match(r"[A-Z_]+: |.*TensorStore", str(exc)):  # TensorStore's errors (absl status)
+    if exc is not None and re.search(r"OCDBT|TensorStore", str(exc)):  # a read's error, set on its future in C
         return True
     tb = getattr(exc, "__traceback__", None)
     while tb is not None:
-        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+        if re.search(r"[/\\](orbax|tensorstore)[/\\]", tb.tb_frame.f_code.co_filename):
             return True
         tb = tb.tb_next
     return False
@@ -210,8 +210,9 @@ def _quiet_after_failed_read():
     try:
         yield
     except BaseException:
-        # reads never started are collected unawaited, each a RuntimeWarning
-        warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
+        # orbax's reads never started are collected unawaited, each a RuntimeWarning (its coroutines' names)
+        warnings.filterwarnings("ignore", message="coroutine '(_read_array_index_and_device_put|async_deserialize)' "
+                                "was never awaited", category=RuntimeWarning)
         raise
     sys.unraisablehook = previous
     logging.getLogger("asyncio").removeFilter(no_echoes)
