@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 import tempfile
 
@@ -22,13 +23,29 @@ def run_command(main, argv, bad_input) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError as e:
+        if not _stdout_reader_gone():  # another pipe or socket broke: not the `| head` case
+            return _bad_input_or_bug(e, bad_input)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit fails no more
         return 141
     except Exception as e:
-        if isinstance(e, bad_input()):
-            return report_error(e)
-        raise
+        return _bad_input_or_bug(e, bad_input)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on the writing end)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or stdout is no file
+        return False
+
+
+def _bad_input_or_bug(e: Exception, bad_input) -> int:
+    if isinstance(e, bad_input()):
+        return report_error(e)
+    raise e
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -5,6 +5,7 @@ Command-line flags map onto these in one place (`jax3d.cli`). Library users buil
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -95,7 +96,7 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                      "max_position_embeddings"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # numpy's integers are whole too
                 raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a whole number")
             if v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {v} must be at least 1")

@@ -268,6 +268,8 @@ def main(argv):
         raise KeyboardInterrupt
     if argv[0] == "bad":
         raise ConfigError("--flag 3 must be 2")
+    if argv[0] == "other-pipe":  # a pipe other than stdout: a bug, with its traceback
+        raise BrokenPipeError(32, "a worker pipe")
     raise RuntimeError("a bug")
 sys.exit(run_command(main, sys.argv[1:], lambda: (ConfigError,)))
 """
@@ -282,6 +284,8 @@ sys.exit(run_command(main, sys.argv[1:], lambda: (ConfigError,)))
     assert (r.returncode, r.stderr) == (2, "error: --flag 3 must be 2\n")
     r = run("bug")
     assert r.returncode == 1 and "Traceback" in r.stderr and "RuntimeError: a bug" in r.stderr
+    r = run("other-pipe", pipe=True)
+    assert r.returncode == 1 and "BrokenPipeError: [Errno 32] a worker pipe" in r.stderr
 
 
 def test_a_numbered_folder_inside_a_checkpoint_directory_is_refused_and_other_folders_are_not(tmp_path, capsys):

@@ -49,3 +49,4 @@ def test_model_shapes_are_checked_where_the_config_is_made():
                                 ("seq_length", 64.0, "--seq-length 64.0 must be a whole number")]:
         with pytest.raises(ConfigError, match=words):
             ModelConfig(**{field: value})
+    assert ModelConfig(hidden_size=np.int64(256), num_attention_heads=4).ffn_hidden_size == 1024  # a sweep's value
