@@ -46,14 +46,7 @@ def split_ranges(split: str, num_docs: int) -> list[tuple[int, int]]:
     Weights are normalised; rounding error is taken from the later splits so the last ends at
     `num_docs`.
     """
-    try:
-        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
-    except ValueError:
-        raise DataError(f"--split {split} must be comma-separated weights like 969,30,1.") from None
-    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise DataError(f"--split {split} must be up to three non-negative weights with a positive "
-                        "sum, like 969,30,1.")
-    parts = parts + [0.0] * (3 - len(parts))
+    parts = split_weights(split)
     total = sum(parts)
     bounds = [0]
     for p in parts:
@@ -63,18 +56,31 @@ def split_ranges(split: str, num_docs: int) -> list[tuple[int, int]]:
     return [(max(bounds[i], 0), bounds[i + 1]) for i in range(3)]
 
 
+def split_weights(split: str) -> list[float]:
+    """The three weights (train, valid, test) of Megatron's `--split 969,30,1`; DataError when malformed."""
+    try:
+        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    except ValueError:
+        raise DataError(f"--split {split} must be comma-separated weights like 969,30,1.") from None
+    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise DataError(f"--split {split} must be up to three non-negative weights with a positive "
+                        "sum, like 969,30,1.")
+    return parts + [0.0] * (3 - len(parts))
+
+
 def why_split_is_empty(data_paths, split: str, which: str) -> str:
     """Why split `which` ("train", "valid" or "test") of `data_paths` holds no document: "--split S gives it no
-    share", or its share and how few documents there are to round it from. It names the fix."""
-    parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()] + [0.0, 0.0]
+    share", or its share and how few documents each source has to round it from. It names the fix."""
+    parts = split_weights(split)
     share = parts[SPLIT_NAMES.index(which)] / sum(parts)
     if share == 0:
         return f"--split {split} gives the {which} split no share; give it one, e.g. --split 969,30,1"
     _, prefixes = parse_data_paths(data_paths)
-    docs = sum(IndexedDataset(p).num_documents for p in prefixes)
-    where = prefixes[0] if len(prefixes) == 1 else f"the {len(prefixes)} sources"
-    return (f"--split {split} gives the {which} split {share:.1%} of the {docs} documents in {where}, which rounds "
-            "to none; add documents or raise its share")
+    docs = [IndexedDataset(p).num_documents for p in prefixes]
+    where = (f"of the {docs[0]} documents in {prefixes[0]}, which rounds to none" if len(prefixes) == 1 else
+             f"of each of the {len(prefixes)} sources ({', '.join(map(str, docs))} documents), which rounds to none "
+             "in each (each source is split on its own)")
+    return f"--split {split} gives the {which} split {share:.1%} {where}; add documents or raise its share"
 
 
 def cache_key(**fields) -> str:

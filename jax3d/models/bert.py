@@ -21,11 +21,6 @@ class BertHeads(nn.Module):
     def __call__(self, x_btd, wte_vd):
         cfg = self.cfg
         d = cfg.hidden_size
-        if self.rules.splits("act_seq"):
-            # Both heads read whole sequences: gather once here (as Megatron does before its LM head). Left
-            # split, the pooler's `x[:, 0]` has a collective-permute in its gradient, which deadlocks inside
-            # the pipeline's last-stage branch.
-            x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
         init = nn.initializers.normal(cfg.init_method_std)
         w = _param(self, "mlm_dense", ("embed", None), (d, d), init)
         b = _param(self, "mlm_dense_bias", ("norm",), (d,), nn.initializers.zeros)
@@ -36,7 +31,14 @@ class BertHeads(nn.Module):
         logits = self.rules.constrain(logits, ("batch", "seq", "vocab"))
         wp = _param(self, "pooler", ("embed", None), (d, d), init)
         bp = _param(self, "pooler_bias", ("norm",), (d,), nn.initializers.zeros)
-        pooled = jnp.tanh(jnp.einsum("bd,de->be", x_btd[:, 0], wp) + bp)
+        if self.rules.splits("act_seq"):
+            # The first token of a sequence-split x, as a one-hot sum over the split dim: an all-reduce of
+            # (batch, hidden). `x[:, 0]` has a collective-permute in its gradient, which deadlocks inside the
+            # pipeline's last-stage branch.
+            first_bd = jnp.einsum("btd,t->bd", x_btd, jax.nn.one_hot(0, x_btd.shape[1], dtype=x_btd.dtype))
+        else:
+            first_bd = x_btd[:, 0]
+        pooled = jnp.tanh(jnp.einsum("bd,de->be", first_bd, wp) + bp)
         wc = _param(self, "binary", ("embed", "classes"), (d, 2), init)
         bc = _param(self, "binary_bias", ("classes",), (2,), nn.initializers.zeros)
         sop_logits = jnp.einsum("bd,dc->bc", pooled, wc, preferred_element_type=jnp.float32) + bc

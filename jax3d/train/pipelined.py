@@ -64,10 +64,9 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
         obj, aux = model.objective(shared, x, mb, shared["_norms"])
         return obj * shared["_scale"], aux
 
-    place_x = None
-    if model.rules.splits("act_seq"):  # sequence parallelism: every stage's input is split over the sequence
-        def place_x(x):
-            return model.rules.constrain(x, ("batch", "act_seq", "embed"))
+    def split_over_sequence(x):  # sequence parallelism: every stage's input is split over the sequence
+        return model.rules.constrain(x, ("batch", "act_seq", "embed"))
+    place_x = split_over_sequence if model.rules.splits("act_seq") else None
 
     def grads_fn(params, batch, rng, scale, norms):
         accum = jax.tree.leaves(batch)[0].shape[0]
