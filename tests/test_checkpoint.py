@@ -451,3 +451,16 @@ def test_a_step_folder_given_as_load_names_the_flags_to_pass(small_ckpt):
         saved_step_meta(step_dir)
     with pytest.raises(ConfigError, match=want):
         Checkpointer(steps.cfg.replace(train={"load": step_dir, "save": ""})).restore(steps)
+
+
+def test_the_fields_load_adopts_are_those_no_given_flag_sets():
+    """What errors then blame on the checkpoint, also where its value equals the flag's default (a layout
+    error named --num-layers 2, the default, as if the user had typed it)."""
+    from jax3d.train.checkpoint import adopted_fields
+
+    everything = adopted_fields({"load"})
+    assert {"num_layers", "hidden_size", "vocab_size", "activation"} <= everything
+    assert "hidden_dropout" not in everything  # free to change in a fine-tune
+    assert everything - adopted_fields({"load", "num_layers"}) == {"num_layers"}
+    assert {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}.isdisjoint(
+        adopted_fields({"load", "preset"}))

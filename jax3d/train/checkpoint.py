@@ -142,6 +142,14 @@ def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> Non
                           f"{_flag(field)} {value}{hint}; use the checkpoint's model shape or another --load")
 
 
+def adopted_fields(given_flags: set[str]) -> set[str]:
+    """The model fields `--load` takes from its checkpoint: every one that no flag given sets."""
+    explicit = set(FREE_MODEL_FIELDS) | {"ablate"}
+    for flag in given_flags:
+        explicit.update(_FLAG_FIELDS.get(flag, (flag,)))
+    return {f.name for f in dataclasses.fields(ModelConfig)} - explicit
+
+
 def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[str]) -> Config:
     """`cfg` with the model of checkpoint `load_dir` wherever the command line did not set that field.
 
@@ -152,11 +160,8 @@ def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[st
     if not found:
         return cfg
     saved = read_meta(load_dir, resolve_step(load_dir, found, step))["config"]["model"]
-    explicit = set(FREE_MODEL_FIELDS) | {"ablate"}
-    for flag in given_flags:
-        explicit.update(_FLAG_FIELDS.get(flag, (flag,)))
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    kw = {k: as_tuple(v) for k, v in saved.items() if k in names and k not in explicit}
+    adopted = adopted_fields(given_flags)
+    kw = {k: as_tuple(v) for k, v in saved.items() if k in adopted}
     model = dataclasses.replace(cfg.model, **kw)
     # A shape a flag or --preset gave must be the checkpoint's; said now, before a layout or memory check
     # could blame a field the checkpoint supplied (a vocabulary still to come from the tokenizer is left out).
