@@ -75,7 +75,8 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     setup_devices(args)
-    from jax3d.train.checkpoint_read import check_outside_checkpoint  # reading a directory's steps starts JAX: after the devices
+    # Reading a directory's steps starts JAX, so this comes after the devices are set up.
+    from jax3d.train.checkpoint_read import check_outside_checkpoint
     for flag, path in (("--save", cfg.train.save), ("--log-dir", cfg.train.log_dir)):
         if path:
             check_outside_checkpoint(flag, path)
