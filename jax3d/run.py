@@ -1,7 +1,6 @@
 """`python launch/train.py`: flags -> config -> devices and mesh -> data -> train (or --dry-run)."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import os
@@ -89,15 +88,9 @@ def _main(argv) -> int:
     from_checkpoint = ()
     if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
         from jax3d.cli import given_flags
-        from jax3d.train.checkpoint import adopt_saved_model, adopted_fields
-        from jax3d.train.checkpoint_read import list_steps
-        flag_model, flags = cfg.model, given_flags(argv)
-        cfg = adopt_saved_model(cfg, args.load, args.ckpt_step, flags)
+        from jax3d.train.checkpoint import adopt_saved_model
         # what the checkpoint set, including values that equal a flag's default
-        from_checkpoint = {f.name for f in dataclasses.fields(flag_model)
-                           if getattr(flag_model, f.name) != getattr(cfg.model, f.name)}
-        if list_steps(args.load):
-            from_checkpoint |= adopted_fields(flags)
+        cfg, from_checkpoint = adopt_saved_model(cfg, args.load, args.ckpt_step, given_flags(argv))
     # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it.
     tok, paths = tokenizer_and_paths(cfg)
     if args.load:

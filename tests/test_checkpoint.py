@@ -221,8 +221,8 @@ def test_a_preset_that_differs_from_the_checkpoint_is_named_before_the_layout_ch
     cfg = config_from_args(build_parser().parse_args(argv))
     with pytest.raises(ConfigError, match=f"checkpoint {d} was saved with --num-layers 4 but this run has --num-layers 12"):
         adopt_saved_model(cfg, d, -1, {"load", "preset"})
-    same = adopt_saved_model(config_from_args(build_parser().parse_args(["--load", d, "--seq-length", "16"])), d, -1,
-                             {"load", "seq_length"})
+    same, _ = adopt_saved_model(config_from_args(build_parser().parse_args(["--load", d, "--seq-length", "16"])), d,
+                                -1, {"load", "seq_length"})
     assert same.model.num_layers == 4 and same.model.seq_length == 16  # a free field may differ
 
 

@@ -205,12 +205,13 @@ def test_dry_run_reports_the_peak_the_memory_guard_checks(tmp_path, monkeypatch,
 def test_fields_adopted_from_the_checkpoint_are_blamed_on_it(tmp_path, monkeypatch, capsys):
     from jax3d.train import checkpoint
 
-    monkeypatch.setattr(checkpoint, "adopt_saved_model", lambda cfg, *a: cfg.replace(model={"vocab_size": 128}))
+    monkeypatch.setattr(checkpoint, "adopt_saved_model", lambda cfg, *a: (cfg.replace(model={"vocab_size": 128}), {"vocab_size"}))
     assert main([*BASE, "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"error: the checkpoint in --load {tmp_path / 'ckpt'} has a vocabulary of 128, smaller than" in err
     # any other field the checkpoint supplied is said to come from it when a rule fails on it
-    monkeypatch.setattr(checkpoint, "adopt_saved_model", lambda cfg, *a: cfg.replace(model={"num_attention_heads": 2}))
+    monkeypatch.setattr(checkpoint, "adopt_saved_model", lambda cfg, *a: (cfg.replace(model={"num_attention_heads": 2}),
+                                                                          {"num_attention_heads"}))
     assert main([*BASE, "--tensor-model-parallel-size", "4", "--load", str(tmp_path / "ckpt"),
                  "--log-dir", str(tmp_path)]) == 2
     assert (f"error: --num-attention-heads 2 (from the checkpoint in --load {tmp_path / 'ckpt'}) is not divisible "

@@ -150,15 +150,16 @@ def adopted_fields(given_flags: set[str]) -> set[str]:
     return {f.name for f in dataclasses.fields(ModelConfig)} - explicit
 
 
-def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[str]) -> Config:
-    """`cfg` with the model of checkpoint `load_dir` wherever the command line did not set that field.
+def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[str]) -> tuple[Config, set[str]]:
+    """(`cfg` with the model of checkpoint `load_dir` wherever the command line did not set that field, the
+    fields it took), or (`cfg`, none) when `load_dir` holds no checkpoint yet.
 
     So `train.py --load CKPT` fine-tunes an imported model without restating its shape (and fields such
     as `activation` that have no flag); a flag given explicitly still has to match the checkpoint.
     """
     found = list_steps(load_dir)
     if not found:
-        return cfg
+        return cfg, set()
     saved = read_meta(load_dir, resolve_step(load_dir, found, step))["config"]["model"]
     adopted = adopted_fields(given_flags)
     kw = {k: as_tuple(v) for k, v in saved.items() if k in adopted}
@@ -170,7 +171,7 @@ def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[st
     if "seq_length" not in given_flags and "preset" not in given_flags:
         model = dataclasses.replace(model, seq_length=min(saved.get("seq_length", model.seq_length),
                                                           model.max_position_embeddings))
-    return dataclasses.replace(cfg, model=model)
+    return dataclasses.replace(cfg, model=model), set(kw)
 
 
 def _same_dir(a: str, b: str) -> bool:
