@@ -55,6 +55,7 @@ class Run:
     xla_flags: str = ""
     # Kernel settings for this run, as (module, "field=value,...") pairs: ("fused_gelu", "cols_fwd=2048").
     tunings: tuple[tuple[str, str], ...] = ()
+    dropout: float = 0.0  # hidden and attention dropout (the peer has none)
 
     def __post_init__(self):  # tuples again after a trip through JSON
         object.__setattr__(self, "ablate", tuple(self.ablate))
@@ -78,6 +79,8 @@ class Run:
         parts += ["-every optimisation"] if set(self.ablate) == set(OPTIMISATIONS) else [f"-{a}" for a in self.ablate]
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
+        if self.dropout:
+            parts.append(f"dropout={self.dropout:g}")
         if self.xla_flags:
             parts.append(f"xla[{self.xla_flags}]")
         parts += [f"{module}[{fields}]" for module, fields in self.tunings]
@@ -113,8 +116,8 @@ def config_for(run: Run):
     else:
         vocab = BERT_VOCAB if is_bert(run.shape) else VOCAB
     model = ModelConfig(model_type="bert" if is_bert(run.shape) else "gpt", num_layers=layers, hidden_size=d,
-                        num_attention_heads=heads, seq_length=seq, vocab_size=vocab, hidden_dropout=0.0,
-                        attention_dropout=0.0, recompute=run.recompute, ablate=tuple(run.ablate),
+                        num_attention_heads=heads, seq_length=seq, vocab_size=vocab, hidden_dropout=run.dropout,
+                        attention_dropout=run.dropout, recompute=run.recompute, ablate=tuple(run.ablate),
                         kernel_tunings=run.tunings)
     return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype),
                   train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
@@ -280,7 +283,7 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
     peak = peak_tflops()
     layers, d, heads, seq, batch_size = run.dims()
     return {"who": "jax3d", "run": run.label(), "layers": layers, "d": d, "heads": heads, "seq": seq,
-            "batch": batch_size, "ablate": list(run.ablate), "recompute": run.recompute,
+            "batch": batch_size, "ablate": list(run.ablate), "recompute": run.recompute, "dropout": run.dropout,
             "xla_flags": run.xla_flags, "step_s": round(dt, 5), "tokens_per_s": round(tokens / dt),
             "tflops_per_device": round(tflops, 1), "mfu": round(tflops / peak, 4) if peak else None,
             "compile_s": round(compile_s, 1), "hlo_transposes": transposes, "kernels": kernels,

@@ -46,6 +46,9 @@ def main(argv=None) -> int:
                         "(one run per --tune; fields of the kernel module's Tuning). A run in which that "
                         "kernel does not run (a CPU, or settings that do not fit the shape) reports an error")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="hidden and attention dropout of every jax3d run (Megatron's default is 0.1; the "
+                        "peer runs without); attention with dropout is XLA's, not cuDNN's")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 warm-up steps)")
     p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None,
                    help=f"run the PyTorch peer too (default script: {os.path.relpath(DEFAULT_PEER)})")
@@ -80,10 +83,10 @@ def main(argv=None) -> int:
             peer = run_peer(shape, batch, a.steps, a.peer) if a.peer and not is_bert(shape) else None
             if peer:
                 emit(peer)
-            runs = [Run(shape, batch, recompute=r, dtype=a.dtype) for r in a.recompute]
-            runs += [Run(shape, batch, ablate=names, dtype=a.dtype) for names in ablations]
-            runs += [Run(shape, batch, dtype=a.dtype, xla_flags=f) for f in a.xla_flags]
-            runs += [Run(shape, batch, dtype=a.dtype, tunings=t) for t in tunings]
+            runs = [Run(shape, batch, recompute=r, dtype=a.dtype, dropout=a.dropout) for r in a.recompute]
+            runs += [Run(shape, batch, ablate=names, dtype=a.dtype, dropout=a.dropout) for names in ablations]
+            runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, xla_flags=f) for f in a.xla_flags]
+            runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, tunings=t) for t in tunings]
             base = None
             for run in runs:
                 rec = run_isolated(run, a.steps)
