@@ -20,15 +20,17 @@ def bert_batch(seed):
             "padding_mask": pad, "is_random": r.randint(0, 2, (BATCH,)).astype(np.int32)}
 
 
-def train_bert(data, stage, model, schedule="1f1b", zero=0, virtual=1, sequence_parallel=False):
+def train_bert(data, stage, model, schedule="1f1b", zero=0, virtual=1, sequence_parallel=False, dropout=0.0,
+               num_steps=STEPS):
     cfg, mesh_cfg, mesh = tiny_config(data=data, stage=stage, model=model, zero=zero, micro=1, global_batch=BATCH,
                                       pipeline_schedule=schedule, virtual_stages=virtual,
                                       sequence_parallel=sequence_parallel,
-                                      model_kw=dict(num_layers=4, model_type="bert", seq_length=SEQ, vocab_size=VOCAB))
+                                      model_kw=dict(num_layers=4, model_type="bert", seq_length=SEQ, vocab_size=VOCAB,
+                                                    hidden_dropout=dropout, attention_dropout=dropout))
     steps = build_steps(cfg, mesh_cfg, mesh)
     state = steps.init_state(1)
     out = []
-    for i in range(STEPS):
+    for i in range(num_steps):
         b = {k: jax.device_put(v.reshape(steps.accum_steps, -1, *v.shape[1:]), steps.batch_sharding())
              for k, v in bert_batch(i % 4).items()}
         state, m = steps.train_step(state, b)
@@ -57,6 +59,13 @@ def test_bert_layouts_match(reference, layout):
     zero, virtual, sequence_parallel = (list(rest) + [0, 1, False][len(rest):])
     losses = train_bert(data, stage, model, schedule, zero, virtual, sequence_parallel)
     np.testing.assert_allclose(losses, reference, atol=1e-3)
+
+
+def test_bert_dropout_layouts_match(reference):
+    """Dropout on, the pipelined tensor-parallel run draws the (8, 1, 1) run's masks (jax3d.dropout_keys)."""
+    ref = train_bert(8, 1, 1, dropout=0.1, num_steps=3)
+    assert np.abs(ref - reference[:3]).max() > 1e-3  # dropout is really on
+    np.testing.assert_allclose(train_bert(2, 2, 2, "1f1b", 1, dropout=0.1, num_steps=3), ref, rtol=1e-5)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jax3d import dropout_keys
 from jax3d.config import ModelConfig
 from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent
 from jax3d.models.pallas_gpu import tuning_for
@@ -45,7 +46,7 @@ def _dropout_rng(module: nn.Module, rng, deterministic: bool):
 def _dropout(x, rate: float, rng, deterministic: bool):
     if deterministic or rate == 0.0 or rng is None:
         return x
-    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    keep = dropout_keys.bernoulli(rng, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
@@ -242,7 +243,7 @@ class Block(nn.Module):
     def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None):
         cfg = self.cfg
         rng = _dropout_rng(self, rng, deterministic)
-        r_attn, r_h1, r_h2 = jax.random.split(rng, 3) if rng is not None else (None,) * 3
+        r_attn, r_h1, r_h2 = dropout_keys.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
         before = not cfg.post_layernorm  # each layer norm before its sublayer, or after the residual add
         x_btd = self.rules.constrain(x_btd, stream)

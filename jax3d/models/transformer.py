@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax3d import dropout_keys
 from jax3d.config import ModelConfig
 from jax3d.models.layers import Block
 from jax3d.sharding.rules import ShardingRules
@@ -35,8 +36,9 @@ def logical_axes_of(boxed_tree):
 
 
 def layer_rng(rng, layer: int | jax.Array):
-    """Dropout key of one layer: the same derivation whether layers run in one loop or across stages."""
-    return None if rng is None else jax.random.fold_in(rng, layer)
+    """Dropout key of one layer (per sample, given a batch of keys): the same derivation whether layers
+    run in one loop or across stages."""
+    return None if rng is None else dropout_keys.fold_in(rng, layer)
 
 
 def unstack_layers(blocks, num: int, split: bool = True) -> list:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax3d import dropout_keys
+
 
 class PipelineError(ValueError):
     """The pipeline cannot run with the arguments given."""
@@ -102,9 +104,13 @@ def from_pipeline_order(stacked, layout: LayerLayout):
 
 
 def dropout_key(rng, microbatch, layer):
-    """The dropout key of one (micro-batch, logical layer): fold_in(fold_in(rng, mb), layer).
+    """The dropout key of one (micro-batch, logical layer): fold_in(fold_in(rng, mb), layer). With one
+    key per sample (rng shaped (micro-batches, rows)), the micro-batch's row of keys, each folded with
+    the layer.
 
     A sequential reference that derives keys this way sees the same randomness as the pipeline."""
+    if dropout_keys.per_sample(rng, 2):
+        return dropout_keys.fold_in(jax.lax.dynamic_index_in_dim(rng, microbatch, 0, keepdims=False), layer)
     return jax.random.fold_in(jax.random.fold_in(rng, microbatch), layer)
 
 

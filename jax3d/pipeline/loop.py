@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jax3d import dropout_keys
 from jax3d.pipeline import program as prog_mod
 from jax3d.pipeline import passes
 from jax3d.pipeline.layout import (PipelineError, dropout_key, from_pipeline_order, layer_keys,
@@ -89,7 +90,10 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
       like Megatron's fp32 main grads, so bf16 params do not lose small micro-batch grads); None
       keeps each param's dtype.
     rng: optional key; layer l of micro-batch i gets dropout_key(rng, i, l), folded further with the
-      `data` index when data > 1 so data shards draw different masks.
+      `data` index when data > 1 so data shards draw different masks. Or one key per sample, shaped
+      like the micro-batches' leading (m, batch) dims (jax3d.dropout_keys.sample_keys): then layer l
+      of a sample gets fold_in(its key, l) wherever it runs, and the keys first_fn and stage_fn get
+      carry the batch dim (one per row of mb; the keys of stage_fn are (layers, rows)).
     data_dims: optional pair (stacked_dims, shared_dims) of pytrees like the params, an int per leaf:
       the dim ZeRO shards over `data`, or -1. With shard_grads (ZeRO-2) the gradient accumulators of
       leaves with a dim are sharded there over `data` (reduce-scattered per micro-batch) and returned
@@ -144,16 +148,20 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     use_rng = rng is not None
     if rng is None:
         rng = jax.random.key(0)
+    per_sample = dropout_keys.per_sample(rng, 2)
+    if per_sample and tuple(rng.shape) != (m, jax.tree.leaves(microbatches)[0].shape[1]):
+        raise PipelineError(f"per-sample keys of shape {tuple(rng.shape)} don't match the micro-batches' "
+                            f"leading (m, batch) dims")
 
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
-                             use_rng, dp > 1, p, grad_dtype, layout.num_layers, (st_dims, sh_dims),
-                             gather_stacked, place_x or (lambda x: x))
+                             use_rng, dp > 1 and not per_sample, p, grad_dtype, layout.num_layers,
+                             (st_dims, sh_dims), gather_stacked, place_x or (lambda x: x))
     st_specs = jax.tree.map(lambda d: _spec(d, "stage"), st_dims)
     sh_specs = jax.tree.map(lambda d: _spec(d, None), sh_dims)
     run = jax.shard_map(
         body, mesh=mesh, axis_names=set(_MANUAL),
         in_specs=(st_specs if gather_stacked else P("stage"), P(), P(None, "data"), P(None, "stage"),
-                  P(), P("stage"), P()),
+                  P(), P("stage"), P(None, "data") if per_sample else P()),
         out_specs=(P(), P(), st_specs if shard_grads else P("stage"), sh_specs if shard_grads else P()))
     loss, aux, g_stacked, g_shared = run(stacked_params, shared_params, microbatches,
                                          jnp.asarray(program.table), jnp.asarray(program.sends),

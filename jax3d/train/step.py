@@ -16,6 +16,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax3d import dropout_keys
 from jax3d.config import Config, ConfigError
 from jax3d.mesh import MeshConfig, with_auto_axes
 from jax3d.models import build_model
@@ -100,7 +101,9 @@ class Steps:
 
 
 def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
-    """Objective and (scaled) gradients summed over the micro-batches of `batch`, in a scan.
+    """Objective and (scaled) gradients summed over the micro-batches of `batch`, in a scan. `rng` is one
+    key (micro-batch i draws from fold_in(rng, i)) or one per sample, shaped like the batch's leading
+    (micro-batches, rows) dims.
 
     Each micro-batch's objective is its exact share of the global-batch loss (`norms` were counted
     over the whole batch), times the fp16 loss scale, so the sums need no rescaling but 1 / scale.
@@ -112,17 +115,19 @@ def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     accum = jax.tree.leaves(batch)[0].shape[0]
+    per_sample = dropout_keys.per_sample(rng, 2)  # (micro-batches, rows) of keys, else one key
     zeros = constrain_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params), specs["grads"])
 
     def body(carry, xs):
         g_acc, obj_acc, aux_acc = carry
-        i, mb = xs
-        (_, (obj, aux)), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        i, mb, keys = xs
+        (_, (obj, aux)), g = grad_fn(params, mb, keys if per_sample else jax.random.fold_in(rng, i))
         g_acc = constrain_tree(jax.tree.map(jnp.add, g_acc, g), specs["grads"])
         return (g_acc, obj_acc + obj, jax.tree.map(jnp.add, aux_acc, aux)), None
 
     aux0 = _zero_aux(model, params, batch, norms)
-    (grads, obj, aux), _ = jax.lax.scan(body, (zeros, jnp.float32(0), aux0), (jnp.arange(accum), batch))
+    xs = (jnp.arange(accum), batch, rng if per_sample else None)
+    (grads, obj, aux), _ = jax.lax.scan(body, (zeros, jnp.float32(0), aux0), xs)
     return grads, obj, aux
 
 
@@ -192,9 +197,17 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                 raise ConfigError(f"batch[{key!r}] has shape {got}; this {cfg.model.model_type} step takes ({want}), "
                                   f"as abstract_batch and batch_sharding describe")
 
+    def per_sample(rng, batch):
+        """With dropout, one key per sample of the global batch, by its index there, so that a sample's
+        masks don't depend on the layout (jax3d.dropout_keys); without, `rng` as it is."""
+        if model.cfg.deterministic:
+            return rng
+        rows = jax.tree.leaves(batch)[0].shape[:2]
+        return dropout_keys.sample_keys(rng, jnp.arange(rows[0] * rows[1]).reshape(rows))
+
     def train_step(state: TrainState, batch):
         check_batch(batch)
-        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        rng = per_sample(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), batch)
         scale = state.loss_scale.scale
         norms = model.normalizers(batch)
         with jax.named_scope("forward_backward"):
@@ -233,7 +246,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
 
     def loss_and_grads(params, batch):
         check_batch(batch)
-        rng = jax.random.key(0)
+        rng = per_sample(jax.random.key(0), batch)
         grads, obj, _ = grads_fn(params, batch, rng, jnp.float32(1.0), model.normalizers(batch))
         grads = constrain_tree(grads, specs["grads"])
         return obj, order.params_to_logical(grads)
