@@ -259,6 +259,10 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
 
     from jax3d.train.metrics import memory_gb, model_flops_per_token, peak_tflops
 
+    short = step_host_shortfall(run)
+    if short:  # a GPU-sized shape on a CPU would be killed by the OOM killer, with nothing printed
+        return {"who": "jax3d", "run": run.label(), "error": f"its train step {short}; this shape is for a GPU "
+                "(on a CPU, try --shape tiny)"}
     steps, state, batch, compiled, compile_s = build(run)
     hlo = compiled.as_text()
     kernels = kernels_used(hlo)

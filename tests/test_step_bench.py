@@ -143,6 +143,19 @@ def test_profile_step_refuses_a_shape_this_cpu_cannot_hold(monkeypatch, capsys):
     assert abs(_mib(err, "needs ") - want) <= 0.05
 
 
+def test_measure_refuses_a_shape_this_cpu_cannot_hold(monkeypatch):
+    """throughput.py's runs (step_bench.measure in a child process) report a step that can't fit this CPU as
+    an error line; before, a GPU shape here was OOM-killed with nothing printed. With the host's memory the
+    same run is timed."""
+    import jax3d.train.memory as memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda **_: 2**20)
+    rec = step_bench.measure(step_bench.Run("tiny"), steps_timed=1, warmup=0)
+    assert set(rec) == {"who", "run", "error"} and "the host has 1.0 MiB free" in rec["error"]
+    monkeypatch.undo()
+    assert step_bench.measure(step_bench.Run("tiny"), steps_timed=1, warmup=0)["tokens_per_s"] > 0
+
+
 def test_stage_times_refuses_a_stage_this_cpu_cannot_hold_and_runs_one_it_can(monkeypatch, capsys):
     """stage_times.py with too little free memory stops with one sentence; with the host's memory, the CPU run
     docs/pipeline-costs.md makes still counts its matmuls as that page's table does (6, 12, 8, 4, 17)."""
