@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 
-def per_sample(rng, dims: int = 1) -> bool:
+def is_per_sample(rng, dims: int = 1) -> bool:
     """Whether `rng` is typed keys, one per sample, with `dims` leading dims ((rows,), or (micro-batches,
     rows) for a whole step), rather than one key."""
     return (rng is not None and getattr(rng, "ndim", 0) == dims
@@ -25,7 +25,7 @@ def sample_keys(rng, ids):
 
 def fold_in(rng, data):
     """`jax.random.fold_in`, per sample when `rng` is a batch of keys."""
-    if per_sample(rng):
+    if is_per_sample(rng):
         return jax.vmap(lambda k: jax.random.fold_in(k, data))(rng)
     return jax.random.fold_in(rng, data)
 
@@ -33,7 +33,7 @@ def fold_in(rng, data):
 def split(rng, num: int):
     """`jax.random.split` into `num`; per sample when `rng` is a batch of keys (then `num` rows of
     batches)."""
-    if per_sample(rng):
+    if is_per_sample(rng):
         return jax.vmap(lambda k: jax.random.split(k, num), out_axes=1)(rng)
     return jax.random.split(rng, num)
 
@@ -41,6 +41,6 @@ def split(rng, num: int):
 def bernoulli(rng, p: float, shape: tuple):
     """`jax.random.bernoulli` over `shape`; per sample when `rng` is a batch of keys (each key draws
     `shape[1:]`, and `shape[0]` is the batch)."""
-    if per_sample(rng):
+    if is_per_sample(rng):
         return jax.vmap(lambda k: jax.random.bernoulli(k, p, shape[1:]))(rng)
     return jax.random.bernoulli(rng, p, shape)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax3d import dropout_keys
 from jax3d.pipeline import (PipelineError, from_pipeline_order, make_layout, make_schedule,
                             pipeline_value_and_grad, to_pipeline_order, toy)
 
@@ -69,6 +70,24 @@ def test_uneven_layers_with_layout(shape, name, v, layout):
 ])
 def test_dropout_keys_match_sequential(shape, name, v):
     _check(shape, name, v, rng=jax.random.key(7))
+
+
+def test_per_sample_keys_match_sequential_at_data_2():
+    """One key per sample ((m, batch), jax3d.dropout_keys): with two data shards the pipeline draws the
+    sequential model's masks (one key is folded with the data shard there, so it does not)."""
+    keys = dropout_keys.sample_keys(jax.random.key(7), jnp.arange(16).reshape(4, 4))
+    _check((2, 2, 2), "1f1b", rng=keys, m=4)
+
+
+def test_keys_of_the_wrong_shape_are_named():
+    mesh = _mesh((2, 2, 2))
+    stacked, shared = toy.init(jax.random.key(1), layers=4)
+    mbs = toy.microbatches(jax.random.key(2), m=4, batch=4, seq=8)
+    keys = dropout_keys.sample_keys(jax.random.key(7), jnp.arange(16).reshape(4, 4))
+    with jax.set_mesh(mesh):
+        for bad in (keys.reshape(-1), keys[:, :3], jax.random.key_data(keys)):
+            with pytest.raises(PipelineError, match=re.escape("dims (4, 4)")):
+                toy.pipelined(mesh, make_schedule("1f1b", 2, 4))(stacked, shared, mbs, bad)
 
 
 @pytest.mark.slow

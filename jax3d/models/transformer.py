@@ -97,7 +97,8 @@ class TransformerLM:
     # ---- forward ------------------------------------------------------------------------------
     def run_blocks(self, blocks, x, rng=None, deterministic=True, mask=None, keys=None):
         """Applies stacked blocks in order. Block i's dropout key is `layer_rng(rng, i)`, or `keys[i]` when
-        a stack of keys is given (the pipeline derives them the same way)."""
+        a stack of keys is given (the pipeline derives them the same way); a key may be one typed key per
+        row of x (jax3d.dropout_keys)."""
         num = jax.tree.leaves(blocks)[0].shape[0]
 
         def one(p, x, i):
@@ -143,7 +144,8 @@ class TransformerLM:
     def loss(self, params, mb, rng=None, deterministic=True, norms=None):
         """(objective, aux sums) of one micro-batch, sequentially through all blocks.
 
-        Without `norms` the micro-batch is its own batch, and the objective is its mean loss.
+        Without `norms` the micro-batch is its own batch, and the objective is its mean loss. `rng` is one
+        key, or one typed key per row of the micro-batch (jax3d.dropout_keys), which the train step gives.
         """
         norms = self.normalizers(mb) if norms is None else norms
         x = self.embed(params, mb, layer_rng(rng, self.cfg.num_layers), deterministic)

@@ -109,11 +109,12 @@ def dropout_key(rng, microbatch, layer):
     the layer.
 
     A sequential reference that derives keys this way sees the same randomness as the pipeline."""
-    if dropout_keys.per_sample(rng, 2):
+    if dropout_keys.is_per_sample(rng, 2):
         return dropout_keys.fold_in(jax.lax.dynamic_index_in_dim(rng, microbatch, 0, keepdims=False), layer)
     return jax.random.fold_in(jax.random.fold_in(rng, microbatch), layer)
 
 
 def layer_keys(rng, microbatch, layers):
-    """Keys for a run of logical layers (int array), stacked on a leading dim."""
+    """Keys for a run of logical layers (int array), stacked on a leading dim: (layers,), or (layers, rows)
+    with one key per sample."""
     return jax.vmap(lambda l: dropout_key(rng, microbatch, l))(jnp.asarray(layers))

@@ -93,7 +93,8 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
       `data` index when data > 1 so data shards draw different masks. Or one key per sample, shaped
       like the micro-batches' leading (m, batch) dims (jax3d.dropout_keys.sample_keys): then layer l
       of a sample gets fold_in(its key, l) wherever it runs, and the keys first_fn and stage_fn get
-      carry the batch dim (one per row of mb; the keys of stage_fn are (layers, rows)).
+      carry the batch dim (one per row of mb; the keys of stage_fn are (layers, rows)): draw masks with
+      jax3d.dropout_keys.bernoulli, which takes either kind.
     data_dims: optional pair (stacked_dims, shared_dims) of pytrees like the params, an int per leaf:
       the dim ZeRO shards over `data`, or -1. With shard_grads (ZeRO-2) the gradient accumulators of
       leaves with a dim are sharded there over `data` (reduce-scattered per micro-batch) and returned
@@ -148,10 +149,13 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     use_rng = rng is not None
     if rng is None:
         rng = jax.random.key(0)
-    per_sample = dropout_keys.per_sample(rng, 2)
-    if per_sample and tuple(rng.shape) != (m, jax.tree.leaves(microbatches)[0].shape[1]):
-        raise PipelineError(f"per-sample keys of shape {tuple(rng.shape)} don't match the micro-batches' "
-                            f"leading (m, batch) dims")
+    per_sample = dropout_keys.is_per_sample(rng, 2)
+    want = (m, jax.tree.leaves(microbatches)[0].shape[1])
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if rng.ndim != (0 if typed else 1) and (not per_sample or tuple(rng.shape) != want):
+        raise PipelineError(f"rng is a key array of shape {tuple(rng.shape)} ({rng.dtype}); pass one key, or typed "
+                            f"keys one per sample shaped like the micro-batches' leading (m, batch) dims {want} "
+                            f"(jax3d.dropout_keys.sample_keys; raw uint32 key data needs jax.random.wrap_key_data)")
 
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
                              use_rng, dp > 1 and not per_sample, p, grad_dtype, layout.num_layers,

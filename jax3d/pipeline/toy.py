@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax3d import dropout_keys
 from jax3d.pipeline.layout import layer_keys
 from jax3d.pipeline.loop import pipeline_value_and_grad
 
@@ -52,7 +53,7 @@ def stage_fn(layers, x, keys, mb=None):
         h = jnp.tanh(jnp.einsum("bsd,dh->bsh", x, layers["w1"][j]))
         h = jax.lax.with_sharding_constraint(h, P(None, None, "model"))
         if keys is not None:
-            keep = jax.random.bernoulli(keys[j], 1.0 - DROPOUT, h.shape)
+            keep = dropout_keys.bernoulli(keys[j], 1.0 - DROPOUT, h.shape)  # one key, or one per row
             h = jnp.where(keep, h / (1.0 - DROPOUT), 0.0)
         x = x + jnp.einsum("bsh,hd->bsd", h, layers["w2"][j])
     return x

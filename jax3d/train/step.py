@@ -115,7 +115,7 @@ def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     accum = jax.tree.leaves(batch)[0].shape[0]
-    per_sample = dropout_keys.per_sample(rng, 2)  # (micro-batches, rows) of keys, else one key
+    per_sample = dropout_keys.is_per_sample(rng, 2)  # (micro-batches, rows) of keys, else one key
     zeros = constrain_tree(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params), specs["grads"])
 
     def body(carry, xs):
@@ -197,7 +197,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                 raise ConfigError(f"batch[{key!r}] has shape {got}; this {cfg.model.model_type} step takes ({want}), "
                                   f"as abstract_batch and batch_sharding describe")
 
-    def per_sample(rng, batch):
+    def step_keys(rng, batch):
         """With dropout, one key per sample of the global batch, by its index there, so that a sample's
         masks don't depend on the layout (jax3d.dropout_keys); without, `rng` as it is."""
         if model.cfg.deterministic:
@@ -207,7 +207,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
 
     def train_step(state: TrainState, batch):
         check_batch(batch)
-        rng = per_sample(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), batch)
+        rng = step_keys(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), batch)
         scale = state.loss_scale.scale
         norms = model.normalizers(batch)
         with jax.named_scope("forward_backward"):
@@ -246,7 +246,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
 
     def loss_and_grads(params, batch):
         check_batch(batch)
-        rng = per_sample(jax.random.key(0), batch)
+        rng = step_keys(jax.random.key(0), batch)
         grads, obj, _ = grads_fn(params, batch, rng, jnp.float32(1.0), model.normalizers(batch))
         grads = constrain_tree(grads, specs["grads"])
         return obj, order.params_to_logical(grads)
