@@ -98,8 +98,7 @@ def export(load_dir: str, output: str, *, step: int = -1, fmt: str = "safetensor
     problem = dir_problem(os.path.dirname(os.path.abspath(output)))
     if problem:
         raise ConfigError(f"--output {output}: its folder {problem}; pass another path")
-    if fmt == "orbax":
-        check_outside_checkpoint("--output", output)
+    check_outside_checkpoint("--output", output)
     params, meta = load_params(load_dir, step)
     info = {"format": "jax3d-params", "jax3d_version": meta["jax3d_version"], "step": meta["step"],
             "source": os.path.abspath(load_dir), "layers_stacked": not split_layers,

@@ -69,18 +69,27 @@ def test_safetensors_export_has_a_plain_writes_mode(sharded_ckpt, tmp_path):
 def test_orbax_export_is_refused_inside_the_checkpoint_directory(sharded_ckpt, tmp_path):
     """`--output CK/99` would be read as step 99 of CK, and --load would then fail on it: refused, the
     directory keeps the steps it had and still restores. A folder there not named by a number, or a
-    safetensors file, is harmless and allowed."""
+    safetensors file, is harmless and allowed; anything inside a step's folder is refused."""
     import shutil
 
     from jax3d.export import load_params
     from jax3d.train.checkpoint_read import list_steps
     d, _, params = sharded_ckpt
     steps = list_steps(d)
+    before = sorted(os.listdir(os.path.join(d, str(steps[-1]))))
     with pytest.raises(ConfigError, match=f"--output .*99 would be read as step 99 of the checkpoint in {d}"):
         export(d, os.path.join(d, "99"), fmt="orbax")
     export(d, os.path.join(d, "final"), fmt="orbax")
     export(d, os.path.join(d, "model.safetensors"))
     assert list_steps(d) == steps
+    # Inside a step's folder, a later save with --keep-checkpoints would delete the export with the step.
+    step_dir = os.path.join(d, str(steps[-1]))
+    for out, fmt in ((os.path.join(step_dir, "model.safetensors"), "safetensors"),
+                     (os.path.join(step_dir, "hf", "orbax"), "orbax")):
+        with pytest.raises(ConfigError, match=f"--output .* is inside the folder of step {steps[-1]} of the "
+                                              f"checkpoint in {d}, .*; put it outside {step_dir}$"):
+            export(d, out, fmt=fmt)
+    assert sorted(os.listdir(step_dir)) == before
     shutil.rmtree(os.path.join(d, "final"))
     os.remove(os.path.join(d, "model.safetensors"))
     _assert_tree_equal(load_params(d)[0], params)

@@ -302,6 +302,9 @@ def test_a_numbered_folder_inside_a_checkpoint_directory_is_refused_and_other_fo
         assert f"error: {flag} {path} would be read as step {path[-2:].strip('/')} of the checkpoint in {ck}" \
             in capsys.readouterr().err
     assert main([*BASE, *one, "2", "--load", ck, "--save", ck, "--log-dir", f"{ck}/logs"]) == 0  # it was refused
+    assert main([*BASE, *one, "3", "--load", ck, "--save", ck, "--log-dir", f"{ck}/1/logs"]) == 2
+    assert f"error: --log-dir {ck}/1/logs is inside the folder of step 1 of the checkpoint in {ck}" \
+        in capsys.readouterr().err
     (runs / "1").mkdir(parents=True)
     assert main([*BASE, *one, "1", "--log-dir", str(runs / "2")]) == 0
     assert list_steps(ck) == [1, 2] and sorted(os.listdir(ck)) == ["1", "2", "logs"]

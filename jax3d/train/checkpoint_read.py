@@ -50,20 +50,36 @@ def manager(directory: str, *, read_only: bool, keep: int = 0, async_save: bool 
 
 
 def check_outside_checkpoint(flag: str, path: str) -> None:
-    """ConfigError when new folder `path` would be read as a step of a jax3d checkpoint directory: orbax takes
-    every folder there named by a number for one (`ck/99` became the latest step, which --load failed on).
-    Other names there (`ck/logs`, the checkpoint's own `tokenizer/`) and numbered folders elsewhere are fine."""
+    """ConfigError when new `path` would be read as a step of a jax3d checkpoint directory, or would sit inside
+    a step's folder. Orbax takes every folder there named by a number for a step (`ck/99` became the latest
+    step, which --load failed on), and a later save may delete a step's folder with all it holds
+    (--keep-checkpoints). Other names there (`ck/logs`, the checkpoint's own `tokenizer/`) and numbered
+    folders elsewhere are fine."""
     name = os.path.basename(os.path.normpath(path))
     parent = os.path.dirname(os.path.abspath(path))
-    steps = list_steps(parent) if name.isdigit() else []
-    if not steps:
-        return
+    if name.isdigit() and _holds_jax3d_steps(parent):
+        raise ConfigError(f"{flag} {path} would be read as step {int(name)} of the checkpoint in {parent}; give the "
+                          "folder a name that is not a number, or put it outside that directory")
+    folder = parent
+    while os.path.dirname(folder) != folder:
+        up, step = os.path.dirname(folder), os.path.basename(folder)
+        if step.isdigit() and _holds_jax3d_steps(up, int(step)):
+            raise ConfigError(f"{flag} {path} is inside the folder of step {int(step)} of the checkpoint in {up}, "
+                              f"which a later save may delete (--keep-checkpoints) with everything in it; put it "
+                              f"outside {folder}")
+        folder = up
+
+
+def _holds_jax3d_steps(directory: str, step: int | None = None) -> bool:
+    """Whether `directory` is a jax3d checkpoint directory (and, given `step`, one holding that step)."""
+    steps = list_steps(directory)
+    if not steps or (step is not None and step not in steps):
+        return False
     try:
-        read_meta(parent, steps[-1])
+        read_meta(directory, steps[-1])
     except ConfigError:
-        return  # numbered folders, but not jax3d's checkpoints
-    raise ConfigError(f"{flag} {path} would be read as step {int(name)} of the checkpoint in {parent}; give the folder "
-                      "a name that is not a number, or put it outside that directory")
+        return False  # numbered folders, but not jax3d's checkpoints
+    return True
 
 
 def resolve_step(directory: str, steps: list[int], want: int) -> int:
