@@ -201,6 +201,25 @@ def test_bundled_corpus_export_has_its_tokenizers_eos(bundled_run, tmp_path):
     assert hf.config.eos_token_id == hf.config.bos_token_id == hf.generation_config.eos_token_id == eod
 
 
+def test_bundled_corpus_checkpoint_keeps_its_tokenizer_files(bundled_run, tmp_path, monkeypatch):
+    """The checkpoint holds the bundled tokenizer's files, and generation reads them there: with the corpus
+    cache gone (another machine, or another Python, whose sources would train another tokenizer), nothing is
+    rebuilt and the tokenizer is the one the run trained with."""
+    from jax3d.data import default_corpus
+    from jax3d.export import load_params
+    from jax3d.inference.generate import load_tokenizer
+    ck = bundled_run / "ckpt"
+    assert sorted(os.listdir(ck / "tokenizer")) == ["merges.txt", "vocab.json"]
+    trained = default_corpus(kind="gpt")[1]
+    empty = tmp_path / "no-cache"
+    empty.mkdir()
+    monkeypatch.setenv("JAX3D_CACHE", str(empty))
+    tok = load_tokenizer(load_params(str(ck))[1], "gpt")
+    assert os.listdir(empty) == []
+    text = "def main(argv=None):\n    return 0\n"
+    assert tok.tokenize(text) == trained.tokenize(text) and tok.vocab_size == trained.vocab_size
+
+
 def test_hf_export_files_have_a_plain_writes_mode(bundled_run, tmp_path):
     """model.safetensors is readable by others like config.json and the tokenizer files (it was 0600 before)."""
     import stat

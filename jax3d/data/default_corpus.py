@@ -141,6 +141,17 @@ def default_corpus_dir(cache_dir: str | None = None, kind: str = "gpt", vocab_si
     return os.path.join(base, f"{py}_{kind}_v{vocab_size}_{max_bytes // 1000}kB_r{_BUILD_VERSION}")
 
 
+def tokenizer_files(cache_dir: str | None = None, kind: str = "gpt") -> dict:
+    """The cached corpus's tokenizer files ({"vocab_file": path, ...}), as `default_corpus` builds them; {}
+    when that cache is not built."""
+    d = default_corpus_dir(cache_dir, kind=kind)
+    try:
+        with open(os.path.join(d, "meta.json")) as f:
+            return {k: os.path.join(d, v) for k, v in json.load(f)["tokenizer_files"].items()}
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 def default_corpus(cache_dir: str | None = None, vocab_size: int = VOCAB_SIZE, kind: str = "gpt",
                    max_bytes: int = 8_000_000):
     """Return `(data_prefix, tokenizer)` for the stdlib-source corpus, building it on first use.

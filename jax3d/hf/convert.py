@@ -222,13 +222,15 @@ _FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_file")
 
 
 def _run_tokenizer(tok: dict, cfg) -> dict:
-    """The checkpoint's tokenizer record, with the files filled in for a run on the bundled corpus (which
-    records none: they live in its cache, under `--data-cache-path` if the run gave one)."""
+    """The checkpoint's tokenizer record, with the files filled in for a run on the bundled corpus that
+    recorded none (checkpoints saved before the files were kept with them: they live in its cache, under
+    `--data-cache-path` if the run gave one)."""
+    from jax3d.data.default_corpus import tokenizer_files
     from jax3d.train.checkpoint import BUNDLED_TOKENIZER
 
     if tok.get("note") != BUNDLED_TOKENIZER or any(tok.get(k) for k in _FILE_KEYS):
         return tok
-    files = _default_corpus_files(cfg.model.model_type, cfg.data.cache_dir or None)
+    files = tokenizer_files(cfg.data.cache_dir or None, cfg.model.model_type)
     if not files:
         print("jax3d: the bundled corpus's tokenizer is not in its cache any more, so the export has no tokenizer "
               "files and no eos/bos token ids; rebuild the cache with a short launch/train.py run (with the run's "
@@ -301,14 +303,3 @@ def _main(argv) -> int:
         summary = export_hf(a.load, a.hf_dir, step=a.ckpt_step)
     print(json.dumps(summary))
     return 0
-
-
-def _default_corpus_files(model_type: str, cache_dir: str | None = None) -> dict:
-    from jax3d.data.default_corpus import default_corpus_dir
-
-    d = default_corpus_dir(cache_dir, kind=model_type)
-    try:
-        with open(os.path.join(d, "meta.json")) as f:
-            return {k: os.path.join(d, v) for k, v in json.load(f)["tokenizer_files"].items()}
-    except (OSError, ValueError, KeyError):
-        return {}

@@ -82,6 +82,12 @@ def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
         from jax3d.data.default_corpus import VOCAB_SIZE
         bundled = tokenizer is not None or cfg.model.vocab_size == VOCAB_SIZE
         info["note"] = BUNDLED_TOKENIZER if bundled else NO_TOKENIZER
+        if tokenizer is not None:
+            # Its files, which the first save copies into the checkpoint: a cache rebuilt elsewhere (another
+            # Python's sources) would learn another tokenizer.
+            from jax3d.data.default_corpus import tokenizer_files
+            files = tokenizer_files(d.cache_dir or None, cfg.model.model_type)
+            info.update({k: os.path.abspath(v) for k, v in files.items()})
     return info
 
 
@@ -117,9 +123,8 @@ def check_same_tokenizer(load_dir: str, step: int, tokenizer) -> None:
     saved = read_meta(load_dir, resolve_step(load_dir, found, step)).get("tokenizer") or {}
     had, has = int(saved.get("vocab_size") or 0), int(tokenizer.vocab_size)
     if had and has < had:
-        which = saved.get("vocab_file") or saved.get("tokenizer_file") or (
-            "the bundled corpus's, used without --data-path" if saved.get("note") == BUNDLED_TOKENIZER
-            else saved.get("type"))
+        which = ("the bundled corpus's, used without --data-path" if saved.get("note") == BUNDLED_TOKENIZER
+                 else saved.get("vocab_file") or saved.get("tokenizer_file") or saved.get("type"))
         raise ConfigError(f"--load {load_dir} was trained on a tokenizer of {had} tokens and this run's has {has}; "
                           f"preprocess the data with the checkpoint's tokenizer ({which})")
     if had and has > had:
