@@ -53,6 +53,8 @@ def classify(kernel: str, hlo_op: str = "", scope: str = "") -> str:
         return "optimizer"
     if any(g in k for g in _GEMM) or h.startswith(("cublas", "gemm", "custom-call")):
         return "matmul"
+    if h.startswith(("ynn", "xnn")) and s.endswith("dot_general"):  # a CPU's library-fused product
+        return "attention" if "bnts" in s else "matmul"  # the attention core's einsums, spelled out in XLA
     if h.startswith(("copy", "transpose")) or k.startswith(("copy", "transpose")) or "transpose" in k:
         return "copies"
     return "elementwise_norm"

@@ -83,6 +83,19 @@ def test_profile_groups_a_kernels_instances():
     assert [(r["op"], r["per_step"]) for r in out["top"]] == [("loop_reduce_fusion", 2.0), ("loop_add_fusion", 1.0)]
 
 
+def test_cpu_products_are_classed_as_matmul_and_attention():
+    """On a CPU the products run as library fusions named by neither kernel nor HLO op as a GEMM (before, the
+    whole tiny profile read 0 ms of matmul); their scope names the einsum. (Names as a CPU trace of
+    `profile_step.py --shape tiny` gives them.)"""
+    c = profile_step.classify
+    assert c("ynn_fusion.4", "ynn_fusion.4", "forward_backward/jvp(Block)/mlp/mlp/btd,df->btf/dot_general") == "matmul"
+    assert c("ynn_fusion", "ynn_fusion", "transpose(jvp(Block))/attention/attn/vmap(BTNH,BSNH->BNTS)/dot_general") \
+        == "attention"
+    assert c("ynn_fusion.9", "ynn_fusion.9", "jvp(Block)/attention/attn/vmap()/reduce_max") == "elementwise_norm"
+    # an elementwise fusion that took the product's name stays elementwise, on any platform
+    assert c("convert_bitcast_fusion", "convert_bitcast_fusion", "jvp()/btd,vd->btv/dot_general") == "elementwise_norm"
+
+
 def test_clock_summary_takes_the_median_inside_the_window():
     samples = [(0.5, 1980, 120), (1.0, 1500, 690), (1.5, 1600, 700), (2.0, 1400, 695), (3.0, 1980, 130)]
     assert step_bench.clock_summary(samples, 1.0, 2.0) == {"sm_clock_mhz": 1500, "power_w": 695}
