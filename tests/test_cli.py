@@ -307,4 +307,6 @@ def test_a_numbered_folder_inside_a_checkpoint_directory_is_refused_and_other_fo
         in capsys.readouterr().err
     (runs / "1").mkdir(parents=True)
     assert main([*BASE, *one, "1", "--log-dir", str(runs / "2")]) == 0
-    assert list_steps(ck) == [1, 2] and sorted(os.listdir(ck)) == ["1", "2", "logs"]
+    assert main([*BASE, *one, "1", "--log-dir", f"{ck}/99/logs"]) == 2  # a numbered folder on the way there too
+    assert f"error: --log-dir {ck}/99/logs needs {ck}/99, which would be read as step 99" in capsys.readouterr().err
+    assert list_steps(ck) == [1, 2] and sorted(os.listdir(ck)) == ["1", "2", "logs", "tokenizer"]

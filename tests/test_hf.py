@@ -218,6 +218,15 @@ def test_bundled_corpus_checkpoint_keeps_its_tokenizer_files(bundled_run, tmp_pa
     assert os.listdir(empty) == []
     text = "def main(argv=None):\n    return 0\n"
     assert tok.tokenize(text) == trained.tokenize(text) and tok.vocab_size == trained.vocab_size
+    # Moved (or copied to another machine): the recorded paths are gone, and the copies in the checkpoint serve.
+    moved = tmp_path / "moved"
+    shutil.copytree(ck, moved)
+    os.rename(ck / "tokenizer", tmp_path / "away")
+    try:
+        tok = load_tokenizer(load_params(str(moved))[1], "gpt")
+    finally:
+        os.rename(tmp_path / "away", ck / "tokenizer")
+    assert tok.tokenize(text) == trained.tokenize(text) and os.listdir(empty) == []
 
 
 def test_hf_export_files_have_a_plain_writes_mode(bundled_run, tmp_path):

@@ -233,9 +233,9 @@ def _run_tokenizer(tok: dict, cfg) -> dict:
     files = tokenizer_files(cfg.data.cache_dir or None, cfg.model.model_type)
     if not files:
         print("jax3d: the bundled corpus's tokenizer is not in its cache any more, so the export has no tokenizer "
-              "files and no eos/bos token ids; rebuild the cache with a short launch/train.py run (with the run's "
-              "--data-cache-path, if it had one) and export again",
-              file=sys.stderr)
+              "files and no eos/bos token ids; rebuild the cache with a short launch/train.py run on the Python "
+              "version that trained it (another version's sources give another tokenizer), with the run's "
+              "--data-cache-path if it had one, and export again", file=sys.stderr)
     return {**tok, **files}
 
 

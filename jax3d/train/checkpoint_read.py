@@ -50,30 +50,28 @@ def manager(directory: str, *, read_only: bool, keep: int = 0, async_save: bool 
 
 
 def check_outside_checkpoint(flag: str, path: str) -> None:
-    """ConfigError when new `path` would be read as a step of a jax3d checkpoint directory, or would sit inside
-    a step's folder. Orbax takes every folder there named by a number for a step (`ck/99` became the latest
-    step, which --load failed on), and a later save may delete a step's folder with all it holds
-    (--keep-checkpoints). Other names there (`ck/logs`, the checkpoint's own `tokenizer/`) and numbered
-    folders elsewhere are fine."""
-    name = os.path.basename(os.path.normpath(path))
-    parent = os.path.dirname(os.path.abspath(path))
-    if name.isdigit() and _holds_jax3d_steps(parent):
-        raise ConfigError(f"{flag} {path} would be read as step {int(name)} of the checkpoint in {parent}; give the "
-                          "folder a name that is not a number, or put it outside that directory")
-    folder = parent
+    """ConfigError when new `path` would make or sit inside a folder named by a number directly in a jax3d
+    checkpoint directory. Orbax takes every such folder for a step (`ck/99` became the latest step, which
+    --load failed on), and a later save may delete a step's folder with all it holds (--keep-checkpoints).
+    Other names there (`ck/logs`, the checkpoint's own `tokenizer/`) and numbered folders elsewhere are fine."""
+    folder = os.path.abspath(path)
     while os.path.dirname(folder) != folder:
-        up, step = os.path.dirname(folder), os.path.basename(folder)
-        if step.isdigit() and _holds_jax3d_steps(up, int(step)):
-            raise ConfigError(f"{flag} {path} is inside the folder of step {int(step)} of the checkpoint in {up}, "
-                              f"which a later save may delete (--keep-checkpoints) with everything in it; put it "
-                              f"outside {folder}")
+        up, name = os.path.dirname(folder), os.path.basename(folder)
+        if name.isdigit() and _holds_jax3d_steps(up):
+            if folder != os.path.abspath(path) and int(name) in list_steps(up) and os.path.isdir(folder):
+                raise ConfigError(f"{flag} {path} is inside the folder of step {int(name)} of the checkpoint in "
+                                  f"{up}, which a later save may delete (--keep-checkpoints) with everything in "
+                                  f"it; put it outside {folder}")
+            what = f"{flag} {path}" if folder == os.path.abspath(path) else f"{flag} {path} needs {folder}, which"
+            raise ConfigError(f"{what} would be read as step {int(name)} of the checkpoint in {up}; give the folder a "
+                              "name that is not a number, or put it outside that directory")
         folder = up
 
 
-def _holds_jax3d_steps(directory: str, step: int | None = None) -> bool:
-    """Whether `directory` is a jax3d checkpoint directory (and, given `step`, one holding that step)."""
+def _holds_jax3d_steps(directory: str) -> bool:
+    """Whether `directory` is a jax3d checkpoint directory."""
     steps = list_steps(directory)
-    if not steps or (step is not None and step not in steps):
+    if not steps:
         return False
     try:
         read_meta(directory, steps[-1])
@@ -135,7 +133,21 @@ def read_meta(directory: str, step: int) -> dict:
     except (ConfigError, TypeError, ValueError) as e:
         raise ConfigError(f"checkpoint {directory} step {step} has damaged metadata ({e}); pass another --ckpt-step "
                           "or --load") from None
+    _find_kept_tokenizer(directory, meta)
     return meta
+
+
+def _find_kept_tokenizer(directory: str, meta: dict) -> None:
+    """Points `meta`'s tokenizer files at the checkpoint's own copies (`<directory>/tokenizer/`) where the
+    recorded absolute paths are gone: a checkpoint moved, or copied to another machine."""
+    tok = meta.get("tokenizer")
+    if not isinstance(tok, dict):
+        return
+    for key in ("vocab_file", "merge_file", "tokenizer_file"):
+        recorded = tok.get(key)
+        kept = os.path.join(os.path.abspath(directory), "tokenizer", os.path.basename(recorded or ""))
+        if recorded and not os.path.exists(recorded) and os.path.isfile(kept):
+            tok[key] = kept
 
 
 # What every reader of a checkpoint's metadata relies on ("a.b": key b inside dict a).
