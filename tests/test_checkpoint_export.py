@@ -89,6 +89,10 @@ def test_orbax_export_is_refused_inside_the_checkpoint_directory(sharded_ckpt, t
         with pytest.raises(ConfigError, match=f"--output .* is inside the folder of step {steps[-1]} of the "
                                               f"checkpoint in {d}, .*; put it outside {step_dir}$"):
             export(d, out, fmt=fmt)
+    link = str(tmp_path / "step-link")  # a link to the step's folder is that folder
+    os.symlink(step_dir, link)
+    with pytest.raises(ConfigError, match=f"is inside the folder of step {steps[-1]} of the checkpoint in {d}"):
+        export(d, os.path.join(link, "model.safetensors"))
     assert sorted(os.listdir(step_dir)) == before
     shutil.rmtree(os.path.join(d, "final"))
     os.remove(os.path.join(d, "model.safetensors"))

@@ -102,6 +102,11 @@ def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_pat
                                           "this run's has 1000; .*the bundled corpus's, used without --data-path"):
         check_same_tokenizer(ck, -1, SimpleNamespace(vocab_size=1000))
     capsys.readouterr()
+    # one of the same size that reads text otherwise (another Python's bundled BPE, say): refused
+    other = SimpleNamespace(vocab_size=own.vocab_size, tokenize=lambda text: own.tokenize(text)[::-1])
+    with pytest.raises(ConfigError, match=f"--load {ck} was trained on another tokenizer of the same "
+                                          f"{own.vocab_size} tokens .*its files are in {ck}/tokenizer"):
+        check_same_tokenizer(ck, -1, other)
     check_same_tokenizer(ck, -1, SimpleNamespace(vocab_size=own.vocab_size + 2))  # added tokens: allowed
     assert "this run's tokenizer has" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="records no tokenizer .*imported without tokenizer files"):

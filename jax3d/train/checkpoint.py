@@ -113,23 +113,47 @@ def _kept_in(save_dir: str, info: dict) -> dict:
     return out
 
 
+# Text both tokenizers of a fine-tune read, to tell two vocabularies of one size apart: prose and code.
+_PROBE = "The model's 3 layers read text, then code:\n    def main(argv=None):\n        return {'ok': 0}\n"
+
+
 def check_same_tokenizer(load_dir: str, step: int, tokenizer) -> None:
-    """ConfigError when checkpoint `load_dir` (step `step`, -1 the latest) was trained on a larger
-    vocabulary than `tokenizer`'s: another tokenizer, whose ids would read the wrong embeddings. A larger
-    one (the checkpoint's plus added tokens) is allowed with a note."""
+    """ConfigError when checkpoint `load_dir` (step `step`, -1 the latest) was trained on another tokenizer
+    than `tokenizer`, whose ids would read the wrong embeddings: a smaller vocabulary, or one of the same
+    size that reads a probe text otherwise (when the checkpoint's files are at hand). A larger one (the
+    checkpoint's plus added tokens) is allowed with a note."""
     found = list_steps(load_dir)
     if not found or tokenizer is None:
         return
     saved = read_meta(load_dir, resolve_step(load_dir, found, step)).get("tokenizer") or {}
     had, has = int(saved.get("vocab_size") or 0), int(tokenizer.vocab_size)
+    which = ("the bundled corpus's, used without --data-path" if saved.get("note") == BUNDLED_TOKENIZER
+             else saved.get("vocab_file") or saved.get("tokenizer_file") or saved.get("type"))
     if had and has < had:
-        which = ("the bundled corpus's, used without --data-path" if saved.get("note") == BUNDLED_TOKENIZER
-                 else saved.get("vocab_file") or saved.get("tokenizer_file") or saved.get("type"))
         raise ConfigError(f"--load {load_dir} was trained on a tokenizer of {had} tokens and this run's has {has}; "
                           f"preprocess the data with the checkpoint's tokenizer ({which})")
+    own = _saved_tokenizer(saved) if had == has and hasattr(tokenizer, "tokenize") else None
+    if own is not None and own.tokenize(_PROBE) != tokenizer.tokenize(_PROBE):
+        raise ConfigError(f"--load {load_dir} was trained on another tokenizer of the same {has} tokens (it reads "
+                          f"text differently from this run's); preprocess the data with the checkpoint's tokenizer "
+                          f"({which}; its files are in {os.path.join(load_dir, 'tokenizer')})")
     if had and has > had:
         _log(f"jax3d: this run's tokenizer has {has} tokens, {has - had} more than the checkpoint's; "
              "their embeddings are the checkpoint's padding rows, as yet untrained")
+
+
+def _saved_tokenizer(record: dict):
+    """The tokenizer a checkpoint's record names, built from its files; None when they are not all at hand."""
+    from jax3d.data.tokenizers import TOKENIZER_TYPES, DataError, build_tokenizer
+
+    files = {k: record.get(k) or None for k in ("vocab_file", "merge_file", "tokenizer_file")}
+    if record.get("type") not in TOKENIZER_TYPES or not any(files.values()) or \
+            not all(os.path.isfile(f) for f in files.values() if f):
+        return None
+    try:
+        return build_tokenizer(record["type"], **files)
+    except (DataError, OSError):  # files it can't read: the size check above is all there is
+        return None
 
 
 def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> None:

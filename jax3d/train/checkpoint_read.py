@@ -54,15 +54,16 @@ def check_outside_checkpoint(flag: str, path: str) -> None:
     checkpoint directory. Orbax takes every such folder for a step (`ck/99` became the latest step, which
     --load failed on), and a later save may delete a step's folder with all it holds (--keep-checkpoints).
     Other names there (`ck/logs`, the checkpoint's own `tokenizer/`) and numbered folders elsewhere are fine."""
-    folder = os.path.abspath(path)
+    folder = os.path.realpath(path)  # a link to a step's folder is that folder
+    target = folder
     while os.path.dirname(folder) != folder:
         up, name = os.path.dirname(folder), os.path.basename(folder)
         if name.isdigit() and _holds_jax3d_steps(up):
-            if folder != os.path.abspath(path) and int(name) in list_steps(up) and os.path.isdir(folder):
+            if folder != target and int(name) in list_steps(up) and os.path.isdir(folder):
                 raise ConfigError(f"{flag} {path} is inside the folder of step {int(name)} of the checkpoint in "
                                   f"{up}, which a later save may delete (--keep-checkpoints) with everything in "
                                   f"it; put it outside {folder}")
-            what = f"{flag} {path}" if folder == os.path.abspath(path) else f"{flag} {path} needs {folder}, which"
+            what = f"{flag} {path}" if folder == target else f"{flag} {path} needs {folder}, which"
             raise ConfigError(f"{what} would be read as step {int(name)} of the checkpoint in {up}; give the folder a "
                               "name that is not a number, or put it outside that directory")
         folder = up
