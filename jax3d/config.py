@@ -159,6 +159,10 @@ class PrecisionConfig:
     hysteresis: int = 2
 
 
+# DataConfig's tokenizer files, as Megatron's flags name them; a checkpoint's tokenizer record uses the same keys.
+TOKENIZER_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_file")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where samples come from; empty `data_path` means the bundled default corpus."""

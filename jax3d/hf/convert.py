@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from jax3d.argparse_util import dir_problem, run_command
-from jax3d.config import Config, ConfigError, DataConfig, TrainConfig
+from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, TrainConfig
 from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf, to_hf
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
@@ -218,9 +218,6 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
             "tensors": len(tensors), "tokenizer_files": copied}
 
 
-_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_file")
-
-
 def _run_tokenizer(tok: dict, cfg) -> dict:
     """The checkpoint's tokenizer record, with the files filled in for a run on the bundled corpus that
     recorded none (checkpoints saved before the files were kept with them: they live in its cache, under
@@ -228,7 +225,7 @@ def _run_tokenizer(tok: dict, cfg) -> dict:
     from jax3d.data.default_corpus import tokenizer_files
     from jax3d.train.checkpoint import BUNDLED_TOKENIZER
 
-    if tok.get("note") != BUNDLED_TOKENIZER or any(tok.get(k) for k in _FILE_KEYS):
+    if tok.get("note") != BUNDLED_TOKENIZER or any(tok.get(k) for k in TOKENIZER_FILE_KEYS):
         return tok
     files = tokenizer_files(cfg.data.cache_dir or None, cfg.model.model_type)
     if not files:
@@ -244,7 +241,7 @@ def _eod(cfg, tok: dict) -> int | None:
 
     Without it transformers assumes GPT-2's 50256, which a smaller vocabulary does not have, and generate
     never stops."""
-    files = {k: tok.get(k) or None for k in _FILE_KEYS}
+    files = {k: tok.get(k) or None for k in TOKENIZER_FILE_KEYS}
     if cfg.model.model_type != "gpt" or not tok.get("type") or not any(files.values()):
         return None
     if any(f and not os.path.exists(f) for f in files.values()):

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax3d.config import ConfigError, ModelConfig
+from jax3d.config import TOKENIZER_FILE_KEYS, ConfigError, ModelConfig
 from jax3d.mesh import with_auto_axes
 from jax3d.models import build_model
 from jax3d.sharding import ShardingRules, named_shardings, tree_specs
@@ -265,7 +265,7 @@ def load_tokenizer(meta: dict, kind: str):
     from jax3d.train.checkpoint import NO_TOKENIZER
 
     tok = meta.get("tokenizer") or {}
-    files = [tok[k] for k in ("vocab_file", "merge_file", "tokenizer_file") if tok.get(k)]
+    files = [tok[k] for k in TOKENIZER_FILE_KEYS if tok.get(k)]
     if tok.get("note") == NO_TOKENIZER:
         raise ConfigError("the checkpoint records no tokenizer (it was imported without tokenizer files, or saved by "
                           "code that gave Checkpointer none); import it again from a folder that has them (vocab.json "

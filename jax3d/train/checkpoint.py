@@ -26,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from jax3d.config import Config, ConfigError, ModelConfig, as_tuple
+from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError, ModelConfig, as_tuple
 from jax3d.sharding import with_shardings
 from jax3d.train.checkpoint_read import (list_steps, manager, no_checkpoint, orbax_checkpoint, read_meta,
                                          resolve_step, restore_arrays)
@@ -100,7 +100,7 @@ def _kept_in(save_dir: str, info: dict) -> dict:
 
     keep = os.path.join(os.path.abspath(save_dir), "tokenizer")
     out = dict(info)
-    for key in ("vocab_file", "merge_file", "tokenizer_file"):
+    for key in TOKENIZER_FILE_KEYS:
         src = info.get(key)
         if not src or not os.path.isfile(src) or os.path.abspath(src).startswith(os.path.abspath(save_dir) + os.sep):
             continue
@@ -146,7 +146,7 @@ def _saved_tokenizer(record: dict):
     """The tokenizer a checkpoint's record names, built from its files; None when they are not all at hand."""
     from jax3d.data.tokenizers import TOKENIZER_TYPES, DataError, build_tokenizer
 
-    files = {k: record.get(k) or None for k in ("vocab_file", "merge_file", "tokenizer_file")}
+    files = {k: record.get(k) or None for k in TOKENIZER_FILE_KEYS}
     if record.get("type") not in TOKENIZER_TYPES or not any(files.values()) or \
             not all(os.path.isfile(f) for f in files.values() if f):
         return None

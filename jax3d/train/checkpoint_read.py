@@ -14,7 +14,7 @@ import warnings
 
 import jax
 
-from jax3d.config import ConfigError, config_from_dict
+from jax3d.config import TOKENIZER_FILE_KEYS, ConfigError, config_from_dict
 
 
 def orbax_checkpoint():
@@ -58,8 +58,9 @@ def check_outside_checkpoint(flag: str, path: str) -> None:
     target = folder
     while os.path.dirname(folder) != folder:
         up, name = os.path.dirname(folder), os.path.basename(folder)
-        if name.isdigit() and _holds_jax3d_steps(up):
-            if folder != target and int(name) in list_steps(up) and os.path.isdir(folder):
+        steps = _jax3d_steps(up) if name.isdigit() else []
+        if steps:
+            if folder != target and int(name) in steps and os.path.isdir(folder):
                 raise ConfigError(f"{flag} {path} is inside the folder of step {int(name)} of the checkpoint in "
                                   f"{up}, which a later save may delete (--keep-checkpoints) with everything in "
                                   f"it; put it outside {folder}")
@@ -69,16 +70,16 @@ def check_outside_checkpoint(flag: str, path: str) -> None:
         folder = up
 
 
-def _holds_jax3d_steps(directory: str) -> bool:
-    """Whether `directory` is a jax3d checkpoint directory."""
+def _jax3d_steps(directory: str) -> list[int]:
+    """The steps of `directory` when it is a jax3d checkpoint directory, else []."""
     steps = list_steps(directory)
     if not steps:
-        return False
+        return []
     try:
         read_meta(directory, steps[-1])
     except ConfigError:
-        return False  # numbered folders, but not jax3d's checkpoints
-    return True
+        return []  # numbered folders, but not jax3d's checkpoints
+    return steps
 
 
 def resolve_step(directory: str, steps: list[int], want: int) -> int:
@@ -144,7 +145,7 @@ def _find_kept_tokenizer(directory: str, meta: dict) -> None:
     tok = meta.get("tokenizer")
     if not isinstance(tok, dict):
         return
-    for key in ("vocab_file", "merge_file", "tokenizer_file"):
+    for key in TOKENIZER_FILE_KEYS:
         recorded = tok.get(key)
         kept = os.path.join(os.path.abspath(directory), "tokenizer", os.path.basename(recorded or ""))
         if recorded and not os.path.exists(recorded) and os.path.isfile(kept):
