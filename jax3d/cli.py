@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from jax3d.argparse_util import HelpFormatter, OneLineParser, dir_problem, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
@@ -125,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default="", help="checkpoint directory to resume or fine-tune from")
     g.add_argument("--ckpt-step", type=int, default=-1, help="step to load (default: the latest)")
     g.add_argument("--keep-checkpoints", type=int, default=0, help="keep only the newest N (0: all)")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the weights of --load and start a new run at step 0: a fresh optimizer, "
+                        "learning-rate schedule, data position and RNG, on this command line's data")
+    g.add_argument("--override-data", action="store_true",
+                   help="resume --load (its step, optimizer and data position) on other data or another "
+                        "tokenizer than it was trained on; without it a resumed run keeps the checkpoint's")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="resume at the checkpoint's step with fresh Adam moments (the schedule goes on)")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="resume with the RNG of --seed instead of the checkpoint's (dropout masks)")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="leave the optimizer state out of saved checkpoints (a third of their size in fp32 "
+                        "Adam); loading one starts fresh moments")
+    g.add_argument("--no-save-rng", action="store_true", help="leave the RNG out of saved checkpoints")
 
     g = p.add_argument_group("devices")
     g.add_argument("--cpu-devices", type=int, default=None,
@@ -207,10 +222,20 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         train_iters=a.train_iters, exit_interval=a.exit_interval, seed=a.seed,
                         log_interval=a.log_interval, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
-                        ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops)
+                        ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops,
+                        finetune=a.finetune, override_data=a.override_data, no_load_optim=a.no_load_optim,
+                        no_load_rng=a.no_load_rng, no_save_optim=a.no_save_optim, no_save_rng=a.no_save_rng)
     _refuse_bad_values(a, model, optim, train)
     tok_flags = [f for f, v in (("--tokenizer-type", a.tokenizer_type), ("--vocab-file", a.vocab_file),
                                 ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file)) if v]
+    loading = [f"--{k.replace('_', '-')}" for k in ("finetune", "override_data", "no_load_optim", "no_load_rng")
+               if getattr(a, k)]
+    if loading and not a.load:
+        raise ConfigError(f"{' and '.join(loading)} {'say' if len(loading) > 1 else 'says'} how to read --load, "
+                          "which is not given; add --load or drop them")
+    if a.finetune and a.save and os.path.abspath(a.save) == os.path.abspath(a.load):
+        raise ConfigError(f"--finetune starts a new run at step 0, whose saves would replace the checkpoints in "
+                          f"--load {a.load}; pass another --save")
     if a.ckpt_step != -1 and not a.load:
         raise ConfigError(f"--ckpt-step {a.ckpt_step} picks a step of --load, which is not given; add --load or drop it")
     if tok_flags and not a.data_path:

@@ -195,6 +195,13 @@ class TrainConfig:
     ckpt_step: int = -1
     keep_checkpoints: int = 0  # 0: keep all
     peak_tflops: float = 0.0  # 0: from the device kind
+    # Megatron's fine-tuning switches (their meanings in jax3d.cli's help).
+    finetune: bool = False  # --load's weights only: step 0, a fresh optimizer, schedule, data position and RNG
+    override_data: bool = False  # resume on other data or tokenizer than the checkpoint's
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    no_save_optim: bool = False
+    no_save_rng: bool = False
 
 
 @dataclass(frozen=True)

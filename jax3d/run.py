@@ -90,7 +90,18 @@ def _main(argv) -> int:
         from jax3d.cli import given_flags
         from jax3d.train.checkpoint import adopt_saved_model
         # what the checkpoint set, including values that equal a flag's default
-        cfg, from_checkpoint = adopt_saved_model(cfg, args.load, args.ckpt_step, given_flags(argv))
+        given = given_flags(argv)
+        cfg, from_checkpoint = adopt_saved_model(cfg, args.load, args.ckpt_step, given)
+        from jax3d.train.checkpoint_read import list_steps, read_meta, resolve_step
+        from jax3d.train.run_record import adopt_saved_run
+        found = list_steps(args.load)
+        if found:  # resuming: the checkpoint's data, tokenizer, optimizer and seed, unless flags say otherwise
+            meta = read_meta(args.load, resolve_step(args.load, found, args.ckpt_step))
+            adopted = adopt_saved_run(cfg, args.load, meta, given)
+            cfg = adopted.cfg
+            if jax.process_index() == 0:
+                for note in adopted.notes:
+                    print(f"jax3d: --load {args.load}: {note}", file=sys.stderr)
     # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it.
     tok, paths = tokenizer_and_paths(cfg)
     if args.load:

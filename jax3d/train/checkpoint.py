@@ -28,8 +28,8 @@ import numpy as np
 
 from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError, ModelConfig, as_tuple
 from jax3d.sharding import with_shardings
-from jax3d.train.checkpoint_read import (list_steps, manager, no_checkpoint, orbax_checkpoint, read_meta,
-                                         resolve_step, restore_arrays)
+from jax3d.train.checkpoint_read import (check_files, list_steps, manager, no_checkpoint, orbax_checkpoint,
+                                         read_meta, record_files, resolve_step, restore_arrays)
 
 FORMAT_VERSION = 1
 # Model fields that don't change the parameters and may differ between the saved run and this one.
@@ -88,6 +88,8 @@ def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
             from jax3d.data.default_corpus import tokenizer_files
             files = tokenizer_files(d.cache_dir or None, cfg.model.model_type)
             info.update({k: os.path.abspath(v) for k, v in files.items()})
+    from jax3d.train.run_record import tokenizer_fingerprints
+    info["fingerprints"] = tokenizer_fingerprints(info)
     return info
 
 
@@ -222,6 +224,9 @@ class Checkpointer:
         self.save_dir = tr.save
         self.load_dir = tr.load
         self.tokenizer = tokenizer_info(cfg, tokenizer)
+        from jax3d.train.run_record import data_record
+        self.data = data_record(cfg.data)
+        self._writing = None  # (step, start time) of the save being written
         self.async_save = async_save
         self._mgr = None
         self._last_saved = -1
@@ -248,7 +253,10 @@ class Checkpointer:
         """The checkpoint step a run resumes from (reading no arrays), or None when it starts fresh;
         ConfigError where the run cannot start, its `--save` directory included (`check_save_dir`)."""
         self.check_save_dir()
-        return self._load_step()
+        step = self._load_step()
+        if step is not None:
+            check_files(self.load_dir, step)  # before the step compiles: a damaged checkpoint is found in seconds
+        return step
 
     def _load_step(self) -> int | None:
         tr = self.cfg.train
@@ -275,13 +283,21 @@ class Checkpointer:
             if self.load_dir:
                 _log(f"jax3d: no checkpoint in {self.load_dir} yet; starting from scratch")
             return None, 0
-        state, meta = restore_state(self.load_dir, step, steps)
+        tr = self.cfg.train
+        fresh = {"step", "opt_state", "rng", "loss_scale"} if tr.finetune else \
+            {k for k, off in (("opt_state", tr.no_load_optim), ("rng", tr.no_load_rng)) if off}
+        state, meta, fresh = restore_state(self.load_dir, step, steps, fresh)
         if self.save_dir and _same_dir(self.save_dir, self.load_dir):
             self._resumed_from = step
-        _log(f"jax3d: restored step {step} from {self.load_dir} (saved on (data, stage, model) = "
-             f"{tuple(meta['mesh'].values())}, ZeRO-{meta['config']['parallel']['zero_stage']}, "
-             f"jax3d {meta['jax3d_version']})")
-        return state, int(meta["loader"]["consumed_samples"])
+        notes = ["fine-tuning from step 0 with a fresh optimizer"] if tr.finetune else [
+            f"{what} started anew ({f'--no-load-{word}' if asked else f'it was saved with --no-save-{word}'})"
+            for part, what, word, asked in (("opt_state", "Adam moments", "optim", tr.no_load_optim),
+                                            ("rng", "RNG", "rng", tr.no_load_rng)) if part in fresh]
+        _log(f"jax3d: {'loaded the weights of' if tr.finetune else 'restored'} step {step} from {self.load_dir} "
+             f"(saved on (data, stage, model) = {tuple(meta['mesh'].values())}, "
+             f"ZeRO-{meta['config']['parallel']['zero_stage']}, jax3d {meta['jax3d_version']})"
+             + "".join(f"; {n}" for n in notes))
+        return state, 0 if tr.finetune else int(meta["loader"]["consumed_samples"])
 
     # ---- save ----------------------------------------------------------------------------------------
     def manager(self):
@@ -295,7 +311,8 @@ class Checkpointer:
         self.tokenizer = _kept_in(self.save_dir, self.tokenizer)
         return {"format": "jax3d", "format_version": FORMAT_VERSION, "jax3d_version": jax3d.__version__,
                 "step": int(step), "loader": {k: int(v) for k, v in loader_state.items()},
-                "config": self.cfg.to_dict(), "tokenizer": self.tokenizer,
+                "config": self.cfg.to_dict(), "tokenizer": self.tokenizer, "data": self.data,
+                "saved": {"optim": not self.cfg.train.no_save_optim, "rng": not self.cfg.train.no_save_rng},
                 "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))) if mesh is not None else {},
                 "process_count": jax.process_count(), "time": time.time()}
 
@@ -305,6 +322,7 @@ class Checkpointer:
         mgr = self.manager()
         t0 = time.perf_counter()
         mgr.wait_until_finished()
+        self._report_written()
         # Steps past the one this run resumed from belong to an abandoned future (a rollback with
         # --ckpt-step), as do any at or past this one. That future is dropped once, at the first save:
         # later saves keep the steps this run wrote.
@@ -317,16 +335,32 @@ class Checkpointer:
                 mgr.delete(s)
         mesh = _mesh_of(state)
         state = self._logical(state, mesh)
-        train_part = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng,
-                      "loss_scale": state.loss_scale}
+        tr = self.cfg.train
+        train_part = {"step": state.step, "loss_scale": state.loss_scale,
+                      **({} if tr.no_save_optim else {"opt_state": state.opt_state}),
+                      **({} if tr.no_save_rng else {"rng": state.rng})}
         args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
                                   train=ocp.args.StandardSave(train_part),
                                   meta=ocp.args.JsonSave(self._meta(step, loader_state, mesh)))
         mgr.save(step, args=args, force=True)
+        self._writing = (step, t0)
         if wait:
             mgr.wait_until_finished()
+            self._report_written()
         self.last_save_blocked_s = time.perf_counter() - t0
         self._last_saved = step
+
+    def _report_written(self) -> None:
+        """Once the save being written is on disk: its file list (what `check_files` compares a later load
+        with) and one line "saved step N to DIR (X GB, Y s)"."""
+        if self._writing is None:
+            return
+        step, t0 = self._writing
+        self._writing = None
+        if jax.process_index() == 0:
+            total = record_files(self.save_dir, step)
+            size = f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"
+            _log(f"jax3d: saved step {step} to {self.save_dir} ({size}, {time.perf_counter() - t0:.1f} s)")
 
     def _logical(self, state, mesh):
         """The state in logical layer order, as checkpoints hold it (the state itself when it is)."""
@@ -343,6 +377,8 @@ class Checkpointer:
 
     def maybe_save(self, step: int, state, loader_state: dict, force: bool = False) -> bool:
         """Saves at `--save-interval` multiples, when forced, and on a caught signal (then raises)."""
+        if self._writing is not None and not self.manager().is_saving_in_progress():
+            self._report_written()
         stop = self._stop_requested(step, force)
         if stop:
             saved = False
@@ -365,10 +401,12 @@ class Checkpointer:
         """Blocks until every pending write is on disk."""
         if self._mgr is not None:
             self._mgr.wait_until_finished()
+            self._report_written()
 
     def close(self) -> None:
         if self._mgr is not None:
             self._mgr.wait_until_finished()
+            self._report_written()
             self._mgr.close()
             self._mgr = None
         self.uninstall_signal_handlers()
@@ -415,20 +453,45 @@ class Checkpointer:
         return hit[0] if hit else 0
 
 
-def restore_state(directory: str, step: int, steps):
-    """Restores checkpoint `step` onto `steps` (its model checked first); returns (TrainState, meta)."""
-    from jax3d.train.state import TrainState
+def restore_state(directory: str, step: int, steps, fresh=frozenset()):
+    """Restores checkpoint `step` onto `steps` (its model checked first); returns (TrainState, meta, the parts
+    started anew). The parts `fresh` names ("step", "opt_state", "rng", "loss_scale"), and those the checkpoint
+    was saved without (--no-save-optim, --no-save-rng), are not read but started as a new run starts them; a
+    fresh optimizer state under a restored step counts from that step, so the learning-rate schedule goes on."""
+    from jax3d.train.state import TrainState, initial_loss_scale, seed_keys
 
     meta = read_meta(directory, step)
     check_model_compatible(meta["config"]["model"], steps.cfg.model, f"{directory} step {step}")
+    saved = meta.get("saved") or {}
+    fresh = set(fresh) | {k for k, key in (("opt_state", "optim"), ("rng", "rng")) if not saved.get(key, True)}
     targets = with_shardings(steps.abstract_logical_state, steps.logical_shardings)
-    train_t = {"step": targets.step, "opt_state": targets.opt_state, "rng": targets.rng,
-               "loss_scale": targets.loss_scale}
-    r = restore_arrays(directory, step, {"params": targets.params, "train": train_t})
-    t = r.train
+    parts = ("step", "opt_state", "rng", "loss_scale")
+    train_t = {k: getattr(targets, k) for k in parts if k not in fresh}
+    r = restore_arrays(directory, step, {"params": targets.params, "train": train_t},
+                       partial={"train"} if fresh else ())
+    t = dict(r.train)
+    shardings = steps.logical_shardings
+    if "step" in fresh:
+        t["step"] = jax.device_put(np.int32(0), shardings.step)
+    if "loss_scale" in fresh:
+        t["loss_scale"] = jax.device_put(initial_loss_scale(steps.cfg.precision), shardings.loss_scale)
+    if "rng" in fresh:
+        t["rng"] = jax.device_put(jax.random.key_data(seed_keys(steps.cfg.train.seed)[1]), shardings.rng)
+    if "opt_state" in fresh:
+        applied = int(t["step"]) - int(t["loss_scale"].skipped)  # optax counts the updates applied
+        t["opt_state"] = jax.jit(lambda p: _counting_from(steps.optimizer.init(p), applied),
+                                 out_shardings=shardings.opt_state)(r.params)
     state = TrainState(step=t["step"], params=r.params, opt_state=t["opt_state"], rng=t["rng"],
                        loss_scale=t["loss_scale"])
-    return steps.state_from_logical(state), meta
+    return steps.state_from_logical(state), meta, fresh
+
+
+def _counting_from(opt_state, count: int):
+    """An optax state with every update counter (`count`) set to `count`."""
+    def set_count(path, leaf):
+        name = getattr(path[-1], "name", getattr(path[-1], "key", None)) if path else None
+        return jax.numpy.full_like(leaf, count) if name == "count" else leaf
+    return jax.tree_util.tree_map_with_path(set_count, opt_state)
 
 
 def _mesh_of(state):

@@ -82,6 +82,46 @@ def _jax3d_steps(directory: str) -> list[int]:
     return steps
 
 
+FILE_LIST = "jax3d_files.json"  # in a step's folder: its files and their sizes, written once the save is complete
+
+
+def record_files(directory: str, step: int) -> int:
+    """Writes the file list of a complete step (relative path -> bytes) into it; returns the total bytes."""
+    import json
+
+    root = os.path.join(os.path.abspath(directory), str(step))
+    sizes = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name != FILE_LIST:
+                sizes[os.path.relpath(path, root)] = os.path.getsize(path)
+    with open(os.path.join(root, FILE_LIST), "w") as f:
+        json.dump(sizes, f)
+    return sum(sizes.values())
+
+
+def check_files(directory: str, step: int) -> None:
+    """ConfigError naming the first file of checkpoint step `step` that is missing or not the size it was
+    saved with (a copy cut short, a disk that filled up): seconds of stat calls instead of a failure in the
+    middle of a restore, after the step has compiled. Steps saved before file lists were kept pass."""
+    import json
+
+    root = os.path.join(os.path.abspath(directory), str(step))
+    try:
+        with open(os.path.join(root, FILE_LIST)) as f:
+            sizes = json.load(f)
+    except (OSError, ValueError):
+        return
+    for rel, want in sizes.items():
+        path = os.path.join(root, rel)
+        have = os.path.getsize(path) if os.path.isfile(path) else None
+        if have != want:
+            what = "is missing" if have is None else f"holds {have:,} bytes where {want:,} were saved"
+            raise ConfigError(f"checkpoint {directory} step {step} is damaged: {os.path.join(str(step), rel)} {what}; "
+                              "copy the checkpoint again, or pass another --ckpt-step or --load")
+
+
 def resolve_step(directory: str, steps: list[int], want: int) -> int:
     """`want` when it is a complete step of `directory` (ConfigError otherwise); the latest when -1."""
     if want < -1:
@@ -248,10 +288,18 @@ def _quiet_after_failed_read():
     logging.getLogger("asyncio").removeFilter(no_echoes)
 
 
-def restore_arrays(directory: str, step: int, items: dict):
-    """Restores orbax items {name: target tree of sharded ShapeDtypeStructs}; ConfigError when unreadable."""
+def restore_arrays(directory: str, step: int, items: dict, partial=()):
+    """Restores orbax items {name: target tree of sharded ShapeDtypeStructs}; ConfigError when unreadable.
+    The items named in `partial` may leave out parts of what was saved."""
     ocp = orbax_checkpoint()
-    args = ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in items.items()})
+    check_files(directory, step)
+
+    def restore_args(name, target):
+        if name not in partial:
+            return ocp.args.StandardRestore(target)
+        return ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+    args = ocp.args.Composite(**{k: restore_args(k, v) for k, v in items.items()})
     with manager(directory, read_only=True) as mgr:
         for name, target in items.items():
             _check_tree(_saved_item(mgr, step, name), directory, step, name, target)

@@ -8,7 +8,7 @@ import time
 import jax
 import numpy as np
 
-from jax3d.config import Config
+from jax3d.config import Config, ConfigError
 from jax3d.mesh import MeshConfig
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, peak_tflops
 from jax3d.train.memory import STATE_FIXES, check_fits
@@ -72,7 +72,10 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     tr = cfg.train
     chief = jax.process_index() == 0
     saved = checkpointer.step_to_restore() if checkpointer is not None else None
-    if saved is not None and saved >= tr.train_iters:  # before compiling: a finished run has nothing to do
+    if saved is not None and not tr.finetune and saved >= tr.train_iters:  # said before compiling
+        if saved > tr.train_iters:
+            raise ConfigError(f"--load {tr.load} is at step {saved}, past --train-iters {tr.train_iters}; raise "
+                              "--train-iters to train on, or add --finetune to train its weights from step 0")
         print(f"jax3d: nothing to do: the checkpoint is already at step {saved} of {tr.train_iters}", file=sys.stderr)
         return {}
     steps = build_steps(cfg, mesh_cfg, mesh)

@@ -25,6 +25,11 @@ class TrainState:
     loss_scale: LossScale
 
 
+def seed_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """(the parameters' init key, the run's RNG key) of a seed."""
+    return tuple(jax.random.split(jax.random.key(seed)))
+
+
 def initial_loss_scale(precision) -> LossScale:
     if precision.dtype != "float16":
         scale = 1.0

@@ -25,7 +25,7 @@ from jax3d.sharding import (ShardingRules, cast_for_compute, constrain_tree, nam
 from jax3d.train.layer_order import LayerOrder, state_layout
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
-from jax3d.train.state import TrainState, initial_loss_scale, update_loss_scale
+from jax3d.train.state import TrainState, initial_loss_scale, seed_keys, update_loss_scale
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -179,8 +179,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     repl = NamedSharding(mesh, P())
 
     def init_fn(seed):
-        key = jax.random.key(seed)
-        k_params, k_run = jax.random.split(key)
+        k_params, k_run = seed_keys(seed)
         params = order.params_from_logical(model.init(k_params))  # reordered once, here
         return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
                           rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision))

@@ -1,0 +1,208 @@
+"""What a checkpoint remembers of its run besides the model: its data, tokenizer, optimizer settings, batch
+sizes, precision and seed, and what a resumed run takes from that record.
+
+A run resumed with `--load` continues the run it loads: where the command line leaves one of those flags out,
+the checkpoint's value is taken, and a data or tokenizer flag that names other
+data than the checkpoint's is refused unless `--override-data` or `--finetune` says the change is meant.
+Files are compared by fingerprint, not path, so data or tokenizer files that moved are still theirs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, OptimConfig, config_from_dict
+
+# The data flags a resumed run adopts or checks (argparse dests, which are DataConfig's field names).
+DATA_FIELDS = ("data_path", "split", "tokenizer_type", *TOKENIZER_FILE_KEYS)
+_EDGE = 1 << 20  # bytes read at each end of an .idx for its fingerprint
+
+
+def file_fingerprint(path: str, whole: bool = True) -> str:
+    """sha256 of a file's size and bytes; with `whole` False, of its size and first and last MiB only (an .idx
+    holds every document's size and offset, so its ends and length tell two corpora apart)."""
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if whole or size <= 2 * _EDGE:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        else:
+            h.update(f.read(_EDGE))
+            f.seek(size - _EDGE)
+            h.update(f.read(_EDGE))
+    return h.hexdigest()[:24]
+
+
+def _idx_fingerprint(prefix: str) -> str | None:
+    path = prefix + ".idx"
+    return file_fingerprint(path, whole=False) if os.path.isfile(path) else None
+
+
+def data_record(d: DataConfig) -> dict:
+    """The checkpoint's record of a run's data: `--data-path` as given and absolute, each prefix's .idx
+    fingerprint, the split and the sample-index cache."""
+    from jax3d.data.sampling import parse_data_paths
+
+    prefixes = parse_data_paths(list(d.data_path))[1] if d.data_path else []
+    return {"data_path": list(d.data_path), "split": d.split, "cache_dir": os.path.abspath(d.cache_dir) if d.cache_dir else "",
+            "prefixes": [os.path.abspath(p) for p in prefixes],
+            "idx_fingerprints": [_idx_fingerprint(p) for p in prefixes]}
+
+
+def tokenizer_fingerprints(info: dict) -> dict:
+    """{file key: fingerprint} of a tokenizer record's files that exist."""
+    return {k: file_fingerprint(info[k]) for k in TOKENIZER_FILE_KEYS if info.get(k) and os.path.isfile(info[k])}
+
+
+@dataclasses.dataclass
+class Adopted:
+    """A resumed run's config with the checkpoint's data, optimizer and seed taken in, and what to tell."""
+
+    cfg: Config
+    notes: list[str]
+
+
+def adopt_saved_run(cfg: Config, load_dir: str, meta: dict, given: set[str]) -> Adopted:
+    """`cfg` as a run resuming checkpoint `load_dir` (whose metadata is `meta`) trains: the checkpoint's data,
+    tokenizer, optimizer settings, batch sizes, precision and seed wherever no flag in `given` (argparse dests)
+    set them; ConfigError
+    when a data or tokenizer flag names other data than the checkpoint's and neither --override-data nor
+    --finetune says that is meant. A fine-tune (--finetune) takes none of them, and a checkpoint at step 0 (an
+    import, or a run saved before its first step) has trained on no data to keep."""
+    if cfg.train.finetune:
+        return Adopted(cfg, [])
+    saved = config_from_dict(meta["config"])
+    notes = []
+    optim = _adopt_optim(cfg, saved, meta, given, notes)
+    train = dataclasses.replace(cfg.train, **_unless_given(saved.train, _TRAIN_FIELDS, given))
+    precision = dataclasses.replace(cfg.precision, **_unless_given(saved.precision, _PRECISION_FIELDS, given))
+    data = cfg.data
+    if int(meta.get("step", 0)) > 0 and not cfg.train.override_data:
+        data = _adopt_data(cfg.data, saved.data, meta, load_dir, given, notes)
+    cfg = dataclasses.replace(cfg, optim=optim, data=data, train=train, precision=precision)
+    return Adopted(cfg, notes)
+
+
+# Fields a resumed run takes from its checkpoint unless one of the flags (argparse dests) listed sets them.
+_TRAIN_FIELDS = {"seed": ("seed",), "global_batch_size": ("global_batch_size", "preset"),
+                 "micro_batch_size": ("micro_batch_size", "preset")}
+_PRECISION_FIELDS = {"dtype": ("bf16", "fp16"), "loss_scale": ("loss_scale",),
+                     "initial_loss_scale": ("initial_loss_scale",), "loss_scale_window": ("loss_scale_window",),
+                     "hysteresis": ("hysteresis",), "min_loss_scale": ("min_loss_scale",)}
+
+
+def _unless_given(saved, fields: dict, given: set[str]) -> dict:
+    return {f: getattr(saved, f) for f, flags in fields.items() if not given & set(flags)}
+
+
+def _adopt_optim(cfg: Config, saved: Config, meta: dict, given: set[str], notes: list[str]) -> OptimConfig:
+    """The optimizer settings no flag gave, from the checkpoint; its learning-rate decay keeps its length
+    when a longer --train-iters extends a finished run (Megatron keeps a checkpoint's schedule too)."""
+    kw = {f.name: getattr(saved.optim, f.name) for f in dataclasses.fields(OptimConfig) if f.name not in given}
+    if "lr" in given and "min_lr" not in given:
+        kw.pop("min_lr", None)  # the command line derived it from this run's --lr
+    if "lr_decay_iters" not in given:
+        kw["lr_decay_iters"] = saved.optim.lr_decay_iters or saved.train.train_iters
+        if not saved.optim.lr_decay_iters and saved.train.train_iters != cfg.train.train_iters \
+                and saved.optim.lr_decay_style != "constant":
+            notes.append(f"the learning rate keeps the checkpoint's {saved.optim.lr_decay_style} decay over "
+                         f"{kw['lr_decay_iters']} iterations (its --train-iters); pass --lr-decay-iters to set another")
+    return dataclasses.replace(cfg.optim, **kw)
+
+
+def _adopt_data(d: DataConfig, saved: DataConfig, meta: dict, load_dir: str, given: set[str],
+                notes: list[str]) -> DataConfig:
+    record = meta.get("data")
+    tok_record = meta.get("tokenizer") or {}
+    kw = {f: getattr(saved, f) for f in DATA_FIELDS if f not in given}
+    if "data_cache_path" not in given and saved.cache_dir:
+        kw["cache_dir"] = saved.cache_dir if record is None else record["cache_dir"]
+    out = dataclasses.replace(d, **{k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()})
+    if record is None:  # written before checkpoints kept fingerprints: what the config says, unchecked
+        return out
+    out = _check_data_paths(out, record, load_dir, "data_path" in given)
+    out = _check_tokenizer(out, saved, tok_record, load_dir, given)
+    if out.split != record["split"]:
+        _refuse(load_dir, f"--split {out.split}", f"--split {record['split']}")
+    adopted = [f for f in ("data_path", "tokenizer_type") if f not in given and getattr(saved, f)]
+    if adopted:
+        files = [os.path.relpath(getattr(out, k)) for k in TOKENIZER_FILE_KEYS if getattr(out, k)]
+        notes.append(f"continuing on its data ({' '.join(_shown(out.data_path))}, split {out.split}) and tokenizer "
+                     f"({out.tokenizer_type}: {', '.join(files)}); --override-data or --finetune trains on other data")
+    return out
+
+
+def _shown(data_path) -> list[str]:
+    return [p if _is_number(p) else os.path.relpath(p) for p in data_path]
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _refuse(load_dir: str, this: str, recorded: str) -> None:
+    raise ConfigError(f"{this} is not what --load {load_dir} was trained on ({recorded}); leave it out to continue "
+                      "on the checkpoint's, add --override-data to resume on this, or --finetune to start a new run "
+                      "from its weights")
+
+
+def _check_data_paths(d: DataConfig, record: dict, load_dir: str, given: bool) -> DataConfig:
+    """`d` with each prefix the checkpoint's data (by .idx fingerprint) found where it is now; a given
+    --data-path that is other data is refused, a recorded one that moved is looked for where it was given."""
+    from jax3d.data.sampling import parse_data_paths
+
+    recorded = record["prefixes"]
+    if not given:
+        found = []
+        for absolute, as_given, fp in zip(recorded, parse_data_paths(record["data_path"])[1] if recorded else [],
+                                          record["idx_fingerprints"]):
+            here = next((p for p in (absolute, as_given) if _idx_fingerprint(p) == fp), None)
+            if here is None:
+                raise ConfigError(f"--load {load_dir} was trained on --data-path {as_given}, and {absolute}.idx is "
+                                  "gone or holds another corpus; pass --data-path where that corpus is now")
+            found.append(here)
+        weights = list(d.data_path[0::2]) if len(d.data_path) > 1 else []
+        paths = [x for pair in zip(weights, found) for x in pair] if weights else found
+        return dataclasses.replace(d, data_path=tuple(paths))
+    shown = " ".join(d.data_path) if d.data_path else "no --data-path (the bundled corpus)"
+    was = " ".join(_shown(record["data_path"])) or "the bundled corpus"
+    weights, prefixes = parse_data_paths(list(d.data_path)) if d.data_path else ([], [])
+    rec_weights = parse_data_paths(record["data_path"])[0] if record["data_path"] else []
+    if len(prefixes) != len(recorded) or any(abs(a - b) > 1e-9 for a, b in zip(weights, rec_weights)) or \
+            any(_idx_fingerprint(p) != fp for p, fp in zip(prefixes, record["idx_fingerprints"])):
+        _refuse(load_dir, f"--data-path {shown}", f"--data-path {was}")
+    return d
+
+
+def _check_tokenizer(d: DataConfig, saved: DataConfig, tok_record: dict, load_dir: str,
+                     given: set[str]) -> DataConfig:
+    """`d` with the checkpoint's tokenizer files found (where recorded, else the copies kept in the
+    checkpoint); given tokenizer flags must name the same tokenizer (type and file contents)."""
+    fps = tok_record.get("fingerprints") or {}
+    if d.tokenizer_type != saved.tokenizer_type:
+        _refuse(load_dir, f"--tokenizer-type {d.tokenizer_type or '(none)'}",
+                f"--tokenizer-type {saved.tokenizer_type or '(the bundled corpus tokenizer)'}")
+    kw = {}
+    for key in TOKENIZER_FILE_KEYS:
+        flag = "--" + key.replace("_", "-")
+        path, want = getattr(d, key), fps.get(key)
+        if key in given:
+            if want and (not os.path.isfile(path) or file_fingerprint(path) != want):
+                _refuse(load_dir, f"{flag} {path}", f"other file contents, kept in {os.path.join(load_dir, 'tokenizer')}")
+            continue
+        if not path or not want:
+            continue
+        kept = os.path.join(os.path.abspath(load_dir), "tokenizer", os.path.basename(path))
+        here = next((p for p in (path, kept) if os.path.isfile(p) and file_fingerprint(p) == want), None)
+        if here is None:
+            raise ConfigError(f"--load {load_dir} was trained with {flag} {path}, which is gone or changed, and "
+                              f"the checkpoint keeps no copy; pass {flag} with the original file")
+        kw[key] = here
+    return dataclasses.replace(d, **kw)
