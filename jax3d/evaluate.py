@@ -85,9 +85,12 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
                               "pass at most that many, or 0 for all of them")
         return ds, num_samples or len(ds)
     from jax3d.data.sampling import parse_data_paths, why_split_is_empty
-    from jax3d.train.inputs import check_token_ids
+    from jax3d.train.inputs import check_token_ids, check_tokenized_by
 
     check_token_ids(data_paths, tokenizer.vocab_size)
+    check_tokenized_by(data_paths, tokenizer, "the checkpoint's",
+                       "preprocess it with the checkpoint's tokenizer (a checkpoint keeps its files in its tokenizer/ "
+                       "folder)")
     idx = SPLITS.index(which)
 
     def build(samples: int, paths=tuple(data_paths)):

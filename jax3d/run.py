@@ -90,14 +90,16 @@ def _main(argv) -> int:
         from jax3d.cli import given_flags
         from jax3d.train.checkpoint import adopt_saved_model
         # what the checkpoint set, including values that equal a flag's default
-        given = given_flags(argv)
-        cfg, from_checkpoint = adopt_saved_model(cfg, args.load, args.ckpt_step, given)
-        from jax3d.train.checkpoint_read import list_steps, read_meta, resolve_step
+        from jax3d.train.checkpoint_read import check_files, list_steps, read_meta, resolve_step
         from jax3d.train.run_record import adopt_saved_run
         found = list_steps(args.load)
+        step = resolve_step(args.load, found, args.ckpt_step) if found else None
+        if found:
+            check_files(args.load, step)  # a damaged checkpoint is named before anything else is said
+        given = given_flags(argv)
+        cfg, from_checkpoint = adopt_saved_model(cfg, args.load, args.ckpt_step, given)
         if found:  # resuming: the checkpoint's data, tokenizer, optimizer and seed, unless flags say otherwise
-            meta = read_meta(args.load, resolve_step(args.load, found, args.ckpt_step))
-            adopted = adopt_saved_run(cfg, args.load, meta, given)
+            adopted = adopt_saved_run(cfg, args.load, read_meta(args.load, step), given)
             cfg = adopted.cfg
             if jax.process_index() == 0:
                 for note in adopted.notes:

@@ -467,9 +467,9 @@ def restore_state(directory: str, step: int, steps, fresh=frozenset()):
     targets = with_shardings(steps.abstract_logical_state, steps.logical_shardings)
     parts = ("step", "opt_state", "rng", "loss_scale")
     train_t = {k: getattr(targets, k) for k in parts if k not in fresh}
-    r = restore_arrays(directory, step, {"params": targets.params, "train": train_t},
-                       partial={"train"} if fresh else ())
-    t = dict(r.train)
+    items = {"params": targets.params, **({"train": train_t} if train_t else {})}
+    r = restore_arrays(directory, step, items, partial={"train"} if fresh else ())
+    t = dict(r.train) if train_t else {}
     shardings = steps.logical_shardings
     if "step" in fresh:
         t["step"] = jax.device_put(np.int32(0), shardings.step)
