@@ -258,6 +258,9 @@ def test_damaged_checkpoint_is_a_config_error(small_ckpt, tmp_path):
         for f in files:
             with open(os.path.join(root, f), "wb") as fh:
                 fh.write(b"garbage")
+    with pytest.raises(ConfigError, match="step 2 is damaged: 2/params/.* holds 7 bytes where"):
+        _restore(cfg, steps, load=d)  # the file list kept with the step names the first file
+    os.remove(os.path.join(d, "2", "jax3d_files.json"))  # as in a checkpoint written before file lists
     with pytest.raises(ConfigError, match="step 2 could not be restored") as e:
         _restore(cfg, steps, load=d)
     assert "See full" not in str(e.value) and "bound method" not in str(e.value)
