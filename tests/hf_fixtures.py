@@ -2,6 +2,8 @@
 import torch
 import transformers
 
+TEXT = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"] * 50  # to train tokenizers on
+
 
 def _perturb(model, seed=0):
     """Random values in every parameter (HF inits layer norms to 1 / 0 and biases to 0, which would hide
@@ -36,8 +38,33 @@ def gpt2_folder_with_tokenizer(path, seed=0, **kw):
     """A tiny random GPT-2 saved with a byte-level BPE vocab.json / merges.txt trained on a little text."""
     from jax3d.data.tokenizers import build_tokenizer, train_tokenizer
 
-    text = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog\n"] * 50
-    train_tokenizer([], str(path), "bpe", vocab_size=300, min_frequency=1, texts=iter(text))
+    train_tokenizer([], str(path), "bpe", vocab_size=300, min_frequency=1, texts=iter(TEXT))
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(path / "vocab.json"), merge_file=str(path / "merges.txt"))
     model = tiny_gpt2(str(path), vocab=tok.vocab_size, n_positions=64, seed=seed, **kw)
     return model, tok
+
+
+def jax3d_checkpoint_with_tokenizer(path, model_type, seed=0):
+    """A checkpoint as launch/train.py saves one (not an import: no `unpadded_vocab_size`), with a tokenizer of
+    an odd size trained on a little text, so that its embedding ends in padding rows. Returns (checkpoint
+    directory, jax3d tokenizer)."""
+    import jax
+
+    from jax3d.data.tokenizers import build_tokenizer, train_tokenizer
+    from jax3d.hf.mapping import padded
+    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.train.step import build_steps
+    from tests.helpers import tiny_config
+
+    kind, tok_type = ("bpe", "GPT2BPETokenizer") if model_type == "gpt" else ("wordpiece", "BertWordPieceLowerCase")
+    files = train_tokenizer([], str(path / "tok"), kind, vocab_size=300, min_frequency=1, texts=iter(TEXT))
+    tok = build_tokenizer(tok_type, **files)
+    assert tok.vocab_size % 128, tok.vocab_size  # or there would be no padding rows to cut
+    cfg, mesh_cfg, mesh = tiny_config(model_kw=dict(model_type=model_type, vocab_size=padded(tok.vocab_size, 128)))
+    cfg = cfg.replace(train={"save": str(path / "ckpt")}, data={"tokenizer_type": tok_type, **files})
+    steps = build_steps(cfg, mesh_cfg, mesh)
+    state = steps.init_state(seed)
+    # Random biases and norms too, so that a misplaced tensor shows.
+    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape), state.params)
+    Checkpointer(cfg, tokenizer=tok).save(1, state.replace(params=params), {"consumed_samples": 0}, wait=True)
+    return str(path / "ckpt"), tok

@@ -190,15 +190,18 @@ def bundled_run(tmp_path_factory):
 def test_bundled_corpus_export_has_its_tokenizers_eos(bundled_run, tmp_path):
     """config.json's eos/bos are the end-of-document id of the bundled tokenizer, as transformers' own tokenizer
     reads it from the exported files (before, they were left out and transformers took 50256, past the 4096-token
-    vocabulary, so generate never stopped)."""
+    vocabulary, so generate never stopped), and transformers' pipeline runs on the export."""
     from jax3d.data import default_corpus
     out = str(tmp_path / "out")
     assert convert_main(["export", "--load", str(bundled_run / "ckpt"), "--hf-dir", out]) == 0
     eod = default_corpus(kind="gpt")[1].eod
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert hf_tok.eos_token_id == eod == 0
+    assert hf_tok.eos_token_id == hf_tok.pad_token_id == eod == 0 and len(hf_tok) == hf.config.vocab_size
     assert hf.config.eos_token_id == hf.config.bos_token_id == hf.generation_config.eos_token_id == eod
+    # A launch/train.py checkpoint's export runs in transformers' pipeline with no extra arguments (before, its
+    # default of 256 new tokens ran past the model's 32 positions: IndexError).
+    assert transformers.pipeline("text-generation", model=out)("def main")[0]["generated_text"].startswith("def main")
 
 
 def test_bundled_corpus_checkpoint_keeps_its_tokenizer_files(bundled_run, tmp_path, monkeypatch):
@@ -323,15 +326,15 @@ def test_train_py_fine_tunes_an_import_from_transformers_loss(tmp_path):
     from jax3d.data import build_gpt_datasets
     from jax3d.data.indexed import IndexedDatasetBuilder
     from jax3d.run import main as train_main
-    from tests.hf_fixtures import gpt2_folder_with_tokenizer
+    from tests.hf_fixtures import TEXT, gpt2_folder_with_tokenizer
 
     hf, tok = gpt2_folder_with_tokenizer(tmp_path / "hf", act="gelu")
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     prefix = str(tmp_path / "data")
     b = IndexedDatasetBuilder(prefix, np.uint16)
     rs = np.random.RandomState(0)
-    for _ in range(40):
-        b.add_item(rs.randint(0, tok.vocab_size, rs.randint(20, 60)))
+    for _ in range(40):  # text, not random ids: train.py checks that the data reads back through the tokenizer
+        b.add_item(tok.tokenize("".join(rs.choice(TEXT, rs.randint(2, 6)))))
         b.end_document()
     b.finalize()
     td = str(tmp_path / "ckpt" / "tokenizer")
@@ -340,7 +343,7 @@ def test_train_py_fine_tunes_an_import_from_transformers_loss(tmp_path):
             "--train-iters", "2", "--global-batch-size", "8", "--micro-batch-size", "1", "--seq-length", "32",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2",
             "--pipeline-model-parallel-size", "1", "--eval-interval", "0", "--log-interval", "1", "--no-progress",
-            "--log-dir", str(tmp_path / "log")]
+            "--log-dir", str(tmp_path / "log"), "--seed", "1234"]  # the reference's (an import records seed 0)
     assert train_main(argv) == 0
     with open(tmp_path / "log" / "metrics.jsonl") as f:
         first = next(r for r in map(_json.loads, f) if r.get("step") == 1)
@@ -353,7 +356,9 @@ def test_train_py_fine_tunes_an_import_from_transformers_loss(tmp_path):
     assert cfg.activation == "gelu_erf" and cfg.unpadded_vocab_size == tok.vocab_size
     shutil.rmtree(tmp_path / "ckpt")  # the fine-tune keeps its own tokenizer files (it read the base's)
     export_hf(str(tmp_path / "tuned"), str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "merges.txt", "model.safetensors", "vocab.json"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "merges.txt",
+                                                    "model.safetensors", "special_tokens_map.json",
+                                                    "tokenizer_config.json", "vocab.json"]
 
 
 def test_jax3d_bert_exports_to_megatron_bert(tmp_path):

@@ -7,16 +7,16 @@ parameters onto one CPU device and writes a folder `transformers` loads. Pickled
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
-import sys
 
 import numpy as np
 
 from jax3d.argparse_util import dir_problem, run_command
-from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, TrainConfig
+from jax3d.config import Config, ConfigError, DataConfig, TrainConfig
 from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf, to_hf
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
@@ -197,77 +197,34 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
 
 
 def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
-    """Writes checkpoint `load` (latest or `step`) as an HF folder `hf_dir`: config.json, model.safetensors
-    and the run's tokenizer files; returns a summary. Nothing is written when the model can't be expressed."""
-    from jax3d.export import load_params, save_safetensors
+    """Writes checkpoint `load` (latest or `step`) as an HF folder `hf_dir`: config.json, model.safetensors with
+    the embedding and head cut to the tokenizer's size, the run's tokenizer files with their
+    tokenizer_config.json and special_tokens_map.json, and a GPT's generation_config.json; returns a summary.
+    Nothing is written when the model can't be expressed."""
     from jax3d.config import config_from_dict
+    from jax3d.export import load_params, save_safetensors
+    from jax3d.hf import tokenizer as hf_tok
 
     _check_new_dir("--hf-dir", hf_dir)
     params, meta = load_params(load, step)
     cfg = config_from_dict(meta["config"])
-    tok = _run_tokenizer(meta.get("tokenizer") or {}, cfg)
-    eod = _eod(cfg, tok)
-    hf_cfg = hf_config_from_model(cfg.model, eod)
-    tensors = to_hf(params, cfg.model)
+    record = hf_tok.run_tokenizer_record(meta.get("tokenizer") or {}, cfg)
+    tokenizer = hf_tok.build_run_tokenizer(record)
+    model = dataclasses.replace(cfg.model, unpadded_vocab_size=hf_tok.export_vocab(cfg.model, record, tokenizer))
+    specials = hf_tok.special_tokens(tokenizer, model.model_type)
+    token_ids = hf_tok.special_token_ids(tokenizer, specials) if specials else {}
+    hf_cfg = hf_config_from_model(model, token_ids)
+    tensors = to_hf(params, model)
     os.makedirs(hf_dir, exist_ok=True)
     save_safetensors(tensors, os.path.join(hf_dir, "model.safetensors"), {"format": "pt"})
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
-    copied = _copy_tokenizer(tok, hf_dir, cfg.model.model_type)
+    files = hf_tok.copy_tokenizer_files(record, hf_dir, model.model_type)
+    files += hf_tok.write_tokenizer_config(record, tokenizer, hf_dir, model)
+    if model.model_type == "gpt":  # transformers writes none for a class that cannot generate (BERT)
+        files.append(hf_tok.write_generation_config(hf_dir, token_ids, model))
     return {"hf_dir": hf_dir, "architecture": hf_cfg["architectures"][0], "step": meta["step"],
-            "tensors": len(tensors), "tokenizer_files": copied}
-
-
-def _run_tokenizer(tok: dict, cfg) -> dict:
-    """The checkpoint's tokenizer record, with the files filled in for a run on the bundled corpus that
-    recorded none (checkpoints saved before the files were kept with them: they live in its cache, under
-    `--data-cache-path` if the run gave one)."""
-    from jax3d.data.default_corpus import tokenizer_files
-    from jax3d.train.checkpoint import BUNDLED_TOKENIZER
-
-    if tok.get("note") != BUNDLED_TOKENIZER or any(tok.get(k) for k in TOKENIZER_FILE_KEYS):
-        return tok
-    files = tokenizer_files(cfg.data.cache_dir or None, cfg.model.model_type)
-    if not files:
-        print("jax3d: the bundled corpus's tokenizer is not in its cache any more, so the export has no tokenizer "
-              "files and no eos/bos token ids; rebuild the cache with a short launch/train.py run on the Python "
-              "version that trained it (another version's sources give another tokenizer), with the run's "
-              "--data-cache-path if it had one, and export again", file=sys.stderr)
-    return {**tok, **files}
-
-
-def _eod(cfg, tok: dict) -> int | None:
-    """The end-of-document id of a GPT's tokenizer (HF's bos and eos), None when its files are gone.
-
-    Without it transformers assumes GPT-2's 50256, which a smaller vocabulary does not have, and generate
-    never stops."""
-    files = {k: tok.get(k) or None for k in TOKENIZER_FILE_KEYS}
-    if cfg.model.model_type != "gpt" or not tok.get("type") or not any(files.values()):
-        return None
-    if any(f and not os.path.exists(f) for f in files.values()):
-        return None  # `_copy_tokenizer` names the missing file
-    from jax3d.data import build_tokenizer
-    return build_tokenizer(tok["type"], **files).eod  # unreadable files raise DataError: one sentence, exit 2
-
-
-def _copy_tokenizer(tok: dict, hf_dir: str, model_type: str) -> list[str]:
-    """Copies the run's tokenizer files under HF's names (and any HF tokenizer files beside them)."""
-    copied = []
-    for key, hf_name in (("vocab_file", "vocab.txt" if model_type == "bert" else "vocab.json"),
-                         ("merge_file", "merges.txt"), ("tokenizer_file", "tokenizer.json")):
-        src = tok.get(key)
-        if src and not os.path.exists(src):
-            print(f"jax3d: the checkpoint's tokenizer file {src} does not exist; the export leaves it out",
-                  file=sys.stderr)
-        elif src:
-            shutil.copy(src, os.path.join(hf_dir, hf_name))
-            copied.append(hf_name)
-            for extra in ("tokenizer_config.json", "special_tokens_map.json"):
-                side = os.path.join(os.path.dirname(src), extra)
-                if os.path.exists(side) and extra not in copied:
-                    shutil.copy(side, os.path.join(hf_dir, extra))
-                    copied.append(extra)
-    return copied
+            "tensors": len(tensors), "vocab_size": hf_cfg["vocab_size"], "files": files}
 
 
 def main(argv=None) -> int:

@@ -98,9 +98,12 @@ def model_config_from_hf(hf: dict, divisible_by: int = 128) -> ModelConfig:
                        unpadded_vocab_size=v, **kw)
 
 
-def hf_config_from_model(cfg: ModelConfig, eod: int | None = None) -> dict:
-    """config.json for the HF class that computes what jax3d model `cfg` computes; ConfigError naming the
-    field when no HF GPT-2 / BERT class can express it."""
+def hf_config_from_model(cfg: ModelConfig, token_ids: dict[str, int] | None = None) -> dict:
+    """config.json for the HF class that computes what jax3d model `cfg` computes, with the tokenizer's
+    `token_ids` (`bos_token_id`, ...; without them transformers assumes GPT-2's 50256, which a smaller
+    vocabulary lacks, and generate never stops); ConfigError naming the field when no HF GPT-2 / BERT class
+    can express it."""
+    token_ids = token_ids or {}
     vocab = cfg.unpadded_vocab_size or cfg.vocab_size
     act = {"gelu_tanh": "gelu_new", "gelu_erf": "gelu"}[cfg.activation]
     if cfg.model_type == "gpt":
@@ -115,9 +118,7 @@ def hf_config_from_model(cfg: ModelConfig, eod: int | None = None) -> dict:
                "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
                "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
                "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True}
-        if eod is not None:
-            out.update(bos_token_id=eod, eos_token_id=eod)
-        return out
+        return {**out, **token_ids}
     if cfg.post_layernorm != cfg.embedding_layernorm:
         raise ConfigError(f"HF BERT cannot express post_layernorm={cfg.post_layernorm} with embedding_layernorm="
                           f"{cfg.embedding_layernorm}; BertForPreTraining has both, MegatronBertForPreTraining neither")
@@ -129,7 +130,7 @@ def hf_config_from_model(cfg: ModelConfig, eod: int | None = None) -> dict:
             "vocab_size": vocab, "type_vocab_size": cfg.num_tokentypes, "layer_norm_eps": cfg.layernorm_epsilon,
             "hidden_act": act, "hidden_dropout_prob": cfg.hidden_dropout,
             "attention_probs_dropout_prob": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-            "position_embedding_type": "absolute", "tie_word_embeddings": True, "pad_token_id": 0}
+            "position_embedding_type": "absolute", "tie_word_embeddings": True, "pad_token_id": 0, **token_ids}
 
 
 @dataclass(frozen=True)

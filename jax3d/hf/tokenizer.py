@@ -1,0 +1,139 @@
+"""The tokenizer and generation files of a Hugging Face export.
+
+Beside the run's tokenizer files (under HF's names) an export writes `tokenizer_config.json` and
+`special_tokens_map.json`, which name the special tokens as jax3d's tokenizer defines them, and for a GPT
+`generation_config.json`, so that `AutoTokenizer`, `pipeline("text-generation")` and `generate` need no
+extra arguments. The export's vocabulary is the tokenizer's size (`export_vocab`), not the padded one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+from jax3d.config import TOKENIZER_FILE_KEYS, ConfigError
+
+# Roles as transformers names them, and the tokenizer attribute that holds each one's id.
+_BERT_ROLES = {"unk_token": "unk", "sep_token": "sep", "pad_token": "pad", "cls_token": "cls", "mask_token": "mask"}
+_HF_CLASS = {"GPT2BPETokenizer": "GPT2Tokenizer", "BertWordPieceLowerCase": "BertTokenizer",
+             "BertWordPieceCase": "BertTokenizer", "HFTokenizer": "PreTrainedTokenizerFast"}
+_HF_NAMES = {"vocab_file": {"gpt": "vocab.json", "bert": "vocab.txt"}, "merge_file": "merges.txt",
+             "tokenizer_file": "tokenizer.json"}
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # an HF import's, kept beside its files
+
+
+def run_tokenizer_record(record: dict, cfg) -> dict:
+    """The checkpoint's tokenizer record, with the files filled in for a run on the bundled corpus that
+    recorded none (checkpoints saved before the files were kept with them: they live in its cache, under
+    `--data-cache-path` if the run gave one)."""
+    from jax3d.data.default_corpus import tokenizer_files
+    from jax3d.train.checkpoint import BUNDLED_TOKENIZER
+
+    if record.get("note") != BUNDLED_TOKENIZER or any(record.get(k) for k in TOKENIZER_FILE_KEYS):
+        return record
+    files = tokenizer_files(cfg.data.cache_dir or None, cfg.model.model_type)
+    if not files:
+        print("jax3d: the bundled corpus's tokenizer is not in its cache any more, so the export has no tokenizer "
+              "files and no special tokens; rebuild the cache with a short launch/train.py run on the Python "
+              "version that trained it (another version's sources give another tokenizer), with the run's "
+              "--data-cache-path if it had one, and export again", file=sys.stderr)
+    return {**record, **files}
+
+
+def build_run_tokenizer(record: dict):
+    """jax3d's tokenizer of a record, or None when it names no files or one is gone (`copy_tokenizer_files`
+    names it). Unreadable files raise DataError: one sentence, exit 2."""
+    files = {k: record.get(k) or None for k in TOKENIZER_FILE_KEYS}
+    if not record.get("type") or not any(files.values()) or any(f and not os.path.exists(f) for f in files.values()):
+        return None
+    from jax3d.data import build_tokenizer
+    return build_tokenizer(record["type"], **files)
+
+
+def export_vocab(model_cfg, record: dict, tokenizer) -> int:
+    """Rows of the exported embedding and head: the tokenizer's size (the record's when its files are gone),
+    but never fewer than an imported model's own vocabulary, whose rows came from HF; without a tokenizer,
+    the model's unpadded vocabulary."""
+    size = tokenizer.vocab_size if tokenizer is not None else int(record.get("vocab_size") or 0)
+    vocab = max(size, model_cfg.unpadded_vocab_size) or model_cfg.vocab_size
+    if vocab > model_cfg.vocab_size:
+        raise ConfigError(f"the checkpoint's tokenizer has {vocab} tokens but its model only {model_cfg.vocab_size} "
+                          "embedding rows; export the checkpoint of a run that used this tokenizer")
+    return vocab
+
+
+def special_tokens(tokenizer, model_type: str) -> dict[str, str]:
+    """{transformers role: token text} of a jax3d tokenizer. A GPT's end-of-document token is its bos and eos,
+    and also its pad when it has no [PAD]: a pad token is what lets transformers batch prompts, and
+    generation stops at eos anyway. A BERT's are [UNK] [SEP] [PAD] [CLS] [MASK], those it has."""
+    if tokenizer is None:
+        return {}
+    ids = ({role: getattr(tokenizer, attr, None) for role, attr in _BERT_ROLES.items()} if model_type == "bert"
+           else {"bos_token": tokenizer.eod, "eos_token": tokenizer.eod, "unk_token": tokenizer.eod,
+                 "pad_token": getattr(tokenizer, "pad", None)})
+    if model_type != "bert" and ids["pad_token"] is None:
+        ids["pad_token"] = tokenizer.eod
+    return {role: tokenizer.tok.id_to_token(i) for role, i in ids.items() if i is not None}
+
+
+def special_token_ids(tokenizer, specials: dict[str, str]) -> dict[str, int]:
+    """config.json's `bos_token_id` / `eos_token_id` / `pad_token_id` of the special tokens there are."""
+    return {f"{role[:-6]}_token_id": tokenizer.tok.token_to_id(specials[role])
+            for role in ("bos_token", "eos_token", "pad_token") if role in specials}
+
+
+def copy_tokenizer_files(record: dict, hf_dir: str, model_type: str) -> list[str]:
+    """Copies the run's tokenizer files under HF's names; returns the names written."""
+    copied = []
+    for key in TOKENIZER_FILE_KEYS:
+        src, name = record.get(key), _HF_NAMES[key]
+        name = name[model_type] if isinstance(name, dict) else name
+        if src and not os.path.exists(src):
+            print(f"jax3d: the checkpoint's tokenizer file {src} does not exist; the export leaves it out",
+                  file=sys.stderr)
+        elif src:
+            shutil.copy(src, os.path.join(hf_dir, name))
+            copied.append(name)
+    return copied
+
+
+def write_tokenizer_config(record: dict, tokenizer, hf_dir: str, model_cfg) -> list[str]:
+    """Writes tokenizer_config.json and special_tokens_map.json for `tokenizer` (None: nothing written). An
+    HF import's own files, kept beside its vocabulary, are the base: their settings stay, and the special
+    tokens they leave out (GPT-2's pad) are added."""
+    if tokenizer is None:
+        return []
+    specials = special_tokens(tokenizer, model_cfg.model_type)
+    config = {"tokenizer_class": _HF_CLASS.get(record["type"], "PreTrainedTokenizerFast"),
+              "model_max_length": model_cfg.max_position_embeddings,
+              # decoder-only generation continues the last token, so a batch is padded on the left
+              "padding_side": "right" if model_cfg.model_type == "bert" else "left",
+              "added_tokens_decoder": {str(tokenizer.tok.token_to_id(t)): {
+                  "content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                  "single_word": False} for t in sorted(set(specials.values()), key=tokenizer.tok.token_to_id)},
+              **specials}
+    if record["type"] == "GPT2BPETokenizer":
+        # as jax3d's tokenizer reads and writes text: no space before the first word, none removed when decoding
+        config.update(add_prefix_space=False, clean_up_tokenization_spaces=False)
+    elif record["type"].startswith("BertWordPiece"):
+        config.update(do_lower_case=tokenizer.lower_case, tokenize_chinese_chars=True, strip_accents=None)
+    out = {"tokenizer_config.json": config, "special_tokens_map.json": specials}
+    src_dir = os.path.dirname(next(record[k] for k in TOKENIZER_FILE_KEYS if record.get(k)))
+    for name in _SIDE_FILES:
+        own = os.path.join(src_dir, name)
+        if os.path.exists(own):
+            with open(own) as f:
+                out[name].update({k: v for k, v in json.load(f).items() if v is not None})
+        with open(os.path.join(hf_dir, name), "w") as f:
+            json.dump(out[name], f, indent=2)
+    return list(_SIDE_FILES)
+
+
+def write_generation_config(hf_dir: str, token_ids: dict[str, int], model_cfg) -> str:
+    """generation_config.json of a GPT: its special token ids, and `max_length` at the model's context, which
+    also keeps `pipeline("text-generation")` from asking for its default 256 new tokens past it."""
+    config = {**token_ids, "max_length": model_cfg.max_position_embeddings}
+    with open(os.path.join(hf_dir, "generation_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return "generation_config.json"
