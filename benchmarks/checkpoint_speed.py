@@ -1,6 +1,6 @@
 """Checkpoint save / restore speed and size for the GPT-350M shape (24 layers, d 1024, 16 heads, vocab 50304).
 
-  python benchmarks/checkpoint_speed.py [--devices 8] [--layout 2,1,4] [--zero 1] [--restore-layout 1,2,4]
+  python -m benchmarks.checkpoint_speed [--devices 8] [--layout 2,1,4] [--zero 1] [--restore-layout 1,2,4]
       [--dir /tmp/jax3d_ckpt_bench]
 
 Reports, as JSON: state bytes, bytes on disk, how long the train loop is blocked by an asynchronous
@@ -13,10 +13,7 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _layout(s):

@@ -1,29 +1,26 @@
 """The MLP's gelu(h + b), forward and backward each alone: XLA's fusions against the Pallas kernels.
 
 XLA's variants are the model's own maths (GELU in the activations' dtype, bf16) and the same in fp32
-maths. Each direction is timed alone, as `norm_kernels.time_chained` times a kernel: forward, h ->
+maths. Each direction is timed alone, as `harness.time_chained` times a kernel: forward, h ->
 gelu(h + b); backward, h -> the gradient of h given h and an incoming gradient equal to h, with the
 bias gradient summed on the side (the forward value is unused, so only the backward runs). Each
 variant is also timed in a `fori_loop` chain, the harness the earlier kernel sweeps used. GB/s counts
 what must move at the least: forward, read h and write the output; backward, read h and the gradient,
 write h's gradient.
 
-    python benchmarks/gelu_kernels.py --rows 32768 --ffn 8192 --sweep
+    python -m benchmarks.gelu_kernels --rows 32768 --ffn 8192 --sweep
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks.norm_kernels import time_chained  # noqa: E402
-from jax3d.models import fused_gelu  # noqa: E402
+from benchmarks.harness import time_chained
+from jax3d.models import fused_gelu
 
 
 def _xla(fp32: bool):

@@ -15,22 +15,19 @@ to back, GEMMs run at the H200's power cap. A fourth layout here, the weight gra
 stored token-minor, asks whether the step's weight-gradient layout is the slow part; in that probe it
 was not.
 
-    python benchmarks/gemm_shapes.py --torch                  # 1.3B: d 2048, 32768 tokens
-    python benchmarks/gemm_shapes.py --d 768 --tokens 32768   # 125M
+    python -m benchmarks.gemm_shapes --torch                  # 1.3B: d 2048, 32768 tokens
+    python -m benchmarks.gemm_shapes --d 768 --tokens 32768   # 125M
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 # Each layout as (operand shapes from tokens t, in features k, out features n; dot_general's contraction).
 LAYOUTS = {

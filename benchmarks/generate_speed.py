@@ -5,19 +5,16 @@ safetensors, read into jax3d with `jax3d.hf.load_hf_params`, and both generate g
 random prompts. Decode tokens/s counts the new tokens after the first (prefill excluded); jax3d also
 reports how often prefill and decode were compiled (decode must stay at 1 however many tokens).
 
-    PYTHONPATH=. python benchmarks/generate_speed.py                      # gpt-1.3b, bf16, GPU
-    PYTHONPATH=. python benchmarks/generate_speed.py --small --batch 1 4  # a tiny model on CPU
+    python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU
+    python -m benchmarks.generate_speed --small --batch 1 4  # a tiny model on CPU
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
 import numpy as np
 

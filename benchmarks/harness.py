@@ -1,4 +1,5 @@
-"""What the one-device benchmarks share: the shapes, jax3d's real train step built for one of them, and the peer.
+"""What the benchmarks share: the shapes, jax3d's real train step built for one of them (its Pallas kernels
+left out or set otherwise where a run says so), the peer, and a kernel timed alone.
 
 The step is `jax3d.train.step.build_steps` (what `launch/train.py` runs), on random tokens, so data
 loading stays out of the figure. FLOPs are counted as the PyTorch peer counts them
@@ -7,6 +8,7 @@ loading stays out of the figure. FLOPs are counted as the PyTorch peer counts th
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -49,7 +51,7 @@ class Run:
 
     shape: str
     batch: int = 0  # 0: the shape's
-    ablate: tuple[str, ...] = ()
+    ablate: tuple[str, ...] = ()  # Pallas kernels left out (jax3d.models.pallas_gpu.KERNELS): XLA's code runs
     recompute: str = "none"
     dtype: str = "bfloat16"
     xla_flags: str = ""
@@ -74,9 +76,7 @@ class Run:
 
     def label(self) -> str:
         parts = [self.shape if not self.batch else f"{self.shape.split('-')[0]}-b{self.batch}"]
-        from jax3d.config import OPTIMISATIONS
-
-        parts += ["-every optimisation"] if set(self.ablate) == set(OPTIMISATIONS) else [f"-{a}" for a in self.ablate]
+        parts += ["-every kernel"] if set(self.ablate) == set(KERNEL_CALLS) else [f"-{a}" for a in self.ablate]
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
         if self.dropout:
@@ -87,24 +87,30 @@ class Run:
         return " ".join(parts)
 
 
-# Each Pallas kernel (jax3d.config.PALLAS_KERNELS), and the pallas_call name a compiled step that runs it holds.
-KERNELS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_qkv": "fused_qkv_bwd",
-           "fused_xent": "fused_xent"}
+# Each Pallas kernel (jax3d.models.pallas_gpu.KERNELS), and the pallas_call name a compiled step that runs it holds.
+KERNEL_CALLS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_qkv": "fused_qkv_bwd",
+                "fused_xent": "fused_xent"}
 
 
 def kernel_tuning(kernel: str, settings: str):
     """The kernel's Tuning with "field=value,..." changed from its defaults (as `--tune` gives them; at
     least one). ValueError names what is wrong."""
-    import importlib
-
     from jax3d.models.pallas_gpu import parse_tuning
 
-    if kernel not in KERNELS:
-        raise ValueError(f"no kernel {kernel!r}; choose from {', '.join(KERNELS)}")
+    if kernel not in KERNEL_CALLS:
+        raise ValueError(f"no kernel {kernel!r}; choose from {', '.join(KERNEL_CALLS)}")
     cls = importlib.import_module(f"jax3d.models.{kernel}").Tuning
     if not settings:
         raise ValueError(f"{kernel}: no FIELD=INTEGER given; the fields are those of {cls()}")
     return parse_tuning(cls, settings)
+
+
+def kernel_settings(run: Run):
+    """The context in which `run`'s step is traced: its kernels left out and its settings
+    (jax3d.models.pallas_gpu.kernel_settings). Outside it the model runs every kernel at its defaults."""
+    from jax3d.models.pallas_gpu import kernel_settings
+
+    return kernel_settings(*(kernel_tuning(k, fields) for k, fields in run.tunings), off=run.ablate)
 
 
 def config_for(run: Run):
@@ -117,15 +123,15 @@ def config_for(run: Run):
         vocab = BERT_VOCAB if is_bert(run.shape) else VOCAB
     model = ModelConfig(model_type="bert" if is_bert(run.shape) else "gpt", num_layers=layers, hidden_size=d,
                         num_attention_heads=heads, seq_length=seq, vocab_size=vocab, hidden_dropout=run.dropout,
-                        attention_dropout=run.dropout, recompute=run.recompute, ablate=tuple(run.ablate),
-                        kernel_tunings=run.tunings)
+                        attention_dropout=run.dropout, recompute=run.recompute)
     return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype),
                   train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
 
 
 def build(run: Run):
     """(steps, state, batch, compiled train step, compile seconds) on one device."""
-    return build_config(config_for(run), 1)
+    with kernel_settings(run):
+        return build_config(config_for(run), 1)
 
 
 def _steps_for(cfg, num_devices: int):
@@ -166,8 +172,9 @@ def step_host_shortfall(run: Run) -> str | None:
 
     if jax.devices()[0].platform != "cpu":
         return None
-    steps = _steps_for(config_for(run), 1)
-    compiled = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
+    with kernel_settings(run):
+        steps = _steps_for(config_for(run), 1)
+        compiled = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
     return host_shortfall(step_peak_bytes(compiled))
 
 
@@ -192,8 +199,8 @@ def build_config(cfg, num_devices: int):
 
 
 def kernels_used(hlo_text: str) -> list[str]:
-    """The jax3d Pallas kernels (KERNELS' modules) that a compiled step runs."""
-    return [module for module, call in KERNELS.items() if call in hlo_text]
+    """The jax3d Pallas kernels (KERNEL_CALLS' modules) that a compiled step runs."""
+    return [module for module, call in KERNEL_CALLS.items() if call in hlo_text]
 
 
 def hlo_transposes(hlo_text: str) -> int:
@@ -295,17 +302,21 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
             "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind, **gpu.summary(t0, t1)}
 
 
+def child_env() -> dict:
+    """This process's environment, for a child that imports this checkout's `benchmarks` and `jax3d`."""
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def run_isolated(run: Run, steps_timed: int) -> dict:
     """`measure` in a fresh process: its own peak-memory counter and XLA flags."""
     from jax3d.run import claim_device_memory
 
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     claim_device_memory(env)  # as launch/train.py does
     if run.xla_flags:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + run.xla_flags).strip()
-    code = ("import json, sys; sys.path.insert(0, %r); from step_bench import Run, measure; "
-            "print('RESULT', json.dumps(measure(Run.from_json(sys.argv[1]), %d)))"
-            % (os.path.dirname(os.path.abspath(__file__)), steps_timed))
+    code = ("import json, sys; from benchmarks.harness import Run, measure; "
+            "print('RESULT', json.dumps(measure(Run.from_json(sys.argv[1]), %d)))" % steps_timed)
     return _child([sys.executable, "-c", code, run.to_json()], env, run.label())
 
 
@@ -343,3 +354,36 @@ def _child_at(cmd, env, label, marker="RESULT ") -> tuple[dict, float | None]:
         return json.loads(found[0][len(marker):]), found[1]
     tail = ("".join(err) or "".join(out)).strip().splitlines()[-3:]
     return {"run": label, "error": f"exit {proc.returncode}: " + " | ".join(tail)}, None
+
+
+# Applications of a kernel per timed call of `time_chained`.
+REPEAT = 20
+
+
+def time_chained(step, x, iters: int, unroll: bool = True) -> float:
+    """Seconds per application of `step` (a pytree -> a pytree of the same shapes and dtypes): the median
+    over `iters` calls of one jitted chain of REPEAT applications (each output the next input), so
+    dispatch costs no part of it.
+
+    The chain is unrolled with an optimization barrier between applications, so XLA cannot fuse one
+    into the next. A `fori_loop` chain (`unroll=False`) nearly doubled the GELU kernels' time on an H200
+    (570 against 301 us at [32768, 8192]) while moving XLA's fusions by under 5%: about the cost of one
+    copy of the array per call, which the train step does not have."""
+    import jax
+
+    if unroll:
+        def chain(x):
+            for _ in range(REPEAT):
+                x = jax.lax.optimization_barrier(step(x))
+            return x
+    else:
+        def chain(x):
+            return jax.lax.fori_loop(0, REPEAT, lambda i, x: step(x), x)
+    loop = jax.jit(chain)
+    jax.block_until_ready(loop(x))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(x))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] / REPEAT

@@ -6,8 +6,8 @@ machine without a GPU can check (run this in a worktree of each commit and compa
 names do not enter the hash; the operations, their order, dtypes and block shapes do. The step is the
 1.3B preset cut to two layers, traced with every kernel taken where it would be on one GPU.
 
-    python benchmarks/kernel_jaxprs.py
-    python benchmarks/kernel_jaxprs.py --step --ablate fused_qkv_bias
+    python -m benchmarks.kernel_jaxprs
+    python -m benchmarks.kernel_jaxprs --step --shape tiny --ablate fused_qkv
 """
 from __future__ import annotations
 
@@ -16,17 +16,15 @@ import contextlib
 import hashlib
 import importlib
 import json
-import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jax3d.config import PALLAS_KERNELS  # noqa: E402
-from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent  # noqa: E402
+from benchmarks.harness import SHAPES, Run, config_for, kernel_settings, kernel_tuning
+from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent
+from jax3d.models.pallas_gpu import KERNELS
 
 
 def cases(tokens: int = 32768, d: int = 2048, ffn: int = 8192, vocab: int = 50304, chunk: int = 8192,
@@ -56,46 +54,58 @@ def cases(tokens: int = 32768, d: int = 2048, ffn: int = 8192, vocab: int = 5030
 
 
 def fingerprint(f, args) -> str:
-    text = re.sub(r"name=\S+", "", str(jax.make_jaxpr(f)(*args)))
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
+    return _sha1(jax.make_jaxpr(f)(*args))
 
 
-def step_fingerprint(shape: str = "1.3b-b16", ablate: tuple[str, ...] = (), layers: int = 2) -> str:
+def _sha1(jaxpr) -> str:
+    return hashlib.sha1(re.sub(r"name=\S+", "", str(jaxpr)).encode()).hexdigest()[:16]
+
+
+def step_fingerprint(shape: str = "1.3b-b16", ablate: tuple[str, ...] = (), layers: int = 2,
+                     tunings: tuple[tuple[str, str], ...] = ()) -> str:
     """The hash of the train step's jaxpr at `shape` (cut to `layers`), with the Pallas kernels taken as
-    on one GPU."""
+    on one GPU, but for those in `ablate`; `tunings` as `harness.Run`'s."""
     import dataclasses
     from unittest import mock
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from step_bench import Run, config_for
 
     from jax3d.plan import resolve
     from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
-    cfg = config_for(Run(shape, ablate=ablate))
+    run = Run(shape, ablate=ablate, tunings=tunings)
+    cfg = config_for(run)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
-    kernels = [importlib.import_module(f"jax3d.models.{k}") for k in PALLAS_KERNELS]
     with contextlib.ExitStack() as stack:
-        for m in kernels:
-            stack.enter_context(mock.patch.object(m, "on_one_gpu", lambda rules: rules.single_device()))
+        for k in KERNELS:
+            stack.enter_context(mock.patch.object(importlib.import_module(f"jax3d.models.{k}"), "on_one_gpu",
+                                                  lambda rules: rules.single_device()))
+        stack.enter_context(kernel_settings(run))
         plan = resolve(cfg, 1)
         steps = build_steps(plan.cfg, plan.mesh, plan.mesh.build(jax.devices()[:1]))
         with jax.set_mesh(steps.mesh):
-            jaxpr = steps.train_step.fn.trace(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).jaxpr
-    return hashlib.sha1(re.sub(r"name=\S+", "", str(jaxpr)).encode()).hexdigest()[:16]
+            return _sha1(steps.train_step.fn.trace(abstract_state(steps),
+                                                   abstract_batch(steps, steps.model.sample_shapes())).jaxpr)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step", action="store_true", help="also fingerprint the whole train step")
-    p.add_argument("--shape", default="1.3b-b16", help="the step's shape (benchmarks/step_bench.py SHAPES)")
-    p.add_argument("--ablate", action="append", default=[], help="with this optimisation off (repeatable)")
+    p.add_argument("--shape", default="1.3b-b16", choices=list(SHAPES), help="the step's shape (harness.SHAPES)")
+    p.add_argument("--ablate", action="append", default=[], choices=KERNELS,
+                   help="the step with this Pallas kernel left out (repeatable)")
+    p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
+                   help="the step with these kernel settings (repeatable), as throughput.py's --tune")
     a = p.parse_args(argv)
+    tunings = tuple(tuple(t.partition(":")[::2]) for t in a.tune)
+    for kernel, fields in tunings:
+        try:
+            kernel_tuning(kernel, fields)
+        except ValueError as e:
+            p.error(f"--tune {kernel}:{fields}: {e}")
     for name, (f, args) in cases().items():
         print(json.dumps({"kernel": name, "jaxpr_sha1": fingerprint(f, args)}), flush=True)
     if a.step:
-        print(json.dumps({"step": a.shape, "ablate": a.ablate,
-                          "jaxpr_sha1": step_fingerprint(a.shape, tuple(a.ablate))}), flush=True)
+        print(json.dumps({"step": a.shape, "ablate": a.ablate, **({"tune": a.tune} if a.tune else {}),
+                          "jaxpr_sha1": step_fingerprint(a.shape, tuple(a.ablate), tunings=tunings)}), flush=True)
     return 0
 
 

@@ -1,59 +1,28 @@
 """Layer norm alone, XLA's against the fused Pallas kernels, forward and forward+backward, in one process.
 
-Each figure is the median over `--iters` calls of one jitted loop that applies the kernel `REPEAT` times
-in a chain (its output is the next input), divided by `REPEAT`, so dispatch costs no part of it. GB/s is
-the bytes a kernel must move at the least (forward: read x, write y; backward: read x and dy, write dx)
-over its time.
+Each figure is `harness.time_chained`'s: the median over `--iters` calls of one jitted chain that applies
+the kernel `REPEAT` times (its output is the next input), divided by `REPEAT`, so dispatch costs no part of
+it. GB/s is the bytes a kernel must move at the least (forward: read x, write y; backward: read x and dy,
+write dx) over its time.
 
-    python benchmarks/norm_kernels.py --rows 32768 --width 2048 1024
+    python -m benchmarks.norm_kernels --rows 32768 --width 2048 1024
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jax3d.models import fused_norm, layers  # noqa: E402
+from benchmarks.harness import time_chained
+from jax3d.models import fused_norm, layers
 
 VARIANTS = {
-    "xla": lambda x, s, b: layers._layer_norm_lean_stats(x, s, b, 1e-5),
+    "xla": lambda x, s, b: layers.lean_layer_norm(x, s, b, 1e-5),
     "fused": lambda x, s, b: fused_norm.fused_layer_norm(x, s, b, 1e-5),
 }
-
-
-REPEAT = 20
-
-
-def time_chained(step, x, iters: int, unroll: bool = True) -> float:
-    """Seconds per application of `step` (a pytree -> a pytree of the same shapes and dtypes).
-
-    The chain is unrolled with an optimization barrier between applications, so XLA cannot fuse one
-    into the next. A `fori_loop` chain (`unroll=False`) nearly doubled the GELU kernels' time on an H200
-    (570 against 301 us at [32768, 8192]) while moving XLA's fusions by under 5%: about the cost of one
-    copy of the array per call, which the train step does not have."""
-    if unroll:
-        def chain(x):
-            for _ in range(REPEAT):
-                x = jax.lax.optimization_barrier(step(x))
-            return x
-    else:
-        def chain(x):
-            return jax.lax.fori_loop(0, REPEAT, lambda i, x: step(x), x)
-    loop = jax.jit(chain)
-    jax.block_until_ready(loop(x))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(loop(x))
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2] / REPEAT
 
 
 def _sweep(a) -> None:

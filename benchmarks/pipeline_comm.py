@@ -7,16 +7,12 @@ a conditional inside the body (run on the ticks the schedule table says somethin
 direction). Direction comes from each instruction's source-target pairs. Other collectives outside the
 loop are listed too: a reorder of the stage-sharded layer stack would show there (as all-gathers on the CPU).
 
-    python benchmarks/pipeline_comm.py --stages 4 --microbatches 8 [--model gpt [--pipeline-layout 3,2,2,1]]
+    python -m benchmarks.pipeline_comm --stages 4 --microbatches 8 [--model gpt [--pipeline-layout 3,2,2,1]]
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
 from jax3d.argparse_util import OneLineParser, layer_counts
 from jax3d.mesh import emulate_cpu_devices

@@ -7,8 +7,8 @@ With `--peer` the PyTorch peer's step is traced with `torch.profiler` and classe
 One JSON line per side, then a table in milliseconds per step, with each side's GPU busy fraction and
 median SM clock over the traced steps (kernel times scale with the clock, which the power cap sets).
 
-    python benchmarks/profile_step.py --shape 1.3b-b16 --peer
-    python benchmarks/profile_step.py --shape tiny    # tries it on a CPU (XLA's CPU ops, classed the same way)
+    python -m benchmarks.profile_step --shape 1.3b-b16 --peer
+    python -m benchmarks.profile_step --shape tiny    # tries it on a CPU (XLA's CPU ops, classed the same way)
 
 It is a GPU benchmark: on a CPU, a shape whose train step needs more than the host's free memory stops
 with one sentence before anything is allocated.
@@ -27,11 +27,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from step_bench import (DEFAULT_PEER, SHAPES, VOCAB, GpuLog, Run, _child, build, is_bert,  # noqa: E402
-                        step_host_shortfall)
+from benchmarks.harness import (DEFAULT_PEER, SHAPES, VOCAB, GpuLog, Run, _child, build, child_env, is_bert,
+                                step_host_shortfall)
+from jax3d.models.pallas_gpu import KERNELS
 
 CLASSES = ("matmul", "attention", "elementwise_norm", "optimizer", "communication", "copies")
 _COMM = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -219,7 +217,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="1.3b-b16", choices=list(SHAPES))
     p.add_argument("--batch", type=int, default=0, help="batch size (0: the shape's own)")
-    p.add_argument("--ablate", action="append", default=[], help="profile with this optimisation off")
+    p.add_argument("--ablate", action="append", default=[], choices=KERNELS,
+                   help="profile with this Pallas kernel left out, XLA's code in its place (repeatable)")
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None, help="trace the PyTorch peer too")
     p.add_argument("--out", default="", help="also write the JSON lines to this file")
@@ -233,9 +232,9 @@ def main(argv=None) -> int:
     if a.peer and is_bert(a.shape):
         print(f"--peer: the peer is a GPT; {a.shape} is profiled alone", file=sys.stderr)
     elif a.peer:  # first, in its own process: once JAX starts here it holds most of the device memory
-        cmd = [sys.executable, os.path.abspath(__file__), "--peer-only", "--peer", a.peer, "--shape", a.shape,
+        cmd = [sys.executable, "-m", "benchmarks.profile_step", "--peer-only", "--peer", a.peer, "--shape", a.shape,
                "--batch", str(a.batch), "--steps", str(a.steps)]
-        recs.append(_child(cmd, dict(os.environ), "peer profile"))
+        recs.append(_child(cmd, child_env(), "peer profile"))
     # Command buffers (CUDA graphs) hide which fusion each kernel ran for; the trace then names only
     # the buffer. Profile without them, so every kernel keeps its HLO name and name scope.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()

@@ -4,22 +4,18 @@ One JSON line per layout: layout, ZeRO stage, schedule, micro-batches, tokens/s,
 MFU, step time, peak memory per device and compile time. It runs unchanged on 8 emulated CPU devices
 (tiny model) and on N GPUs. A layout is `DATA,STAGE,MODEL[,ZERO[,SCHEDULE[,MICROBATCHES]]]`.
 
-    python benchmarks/scaling.py --cpu-devices 8 --preset gpt-tiny --layouts 8,1,1 2,2,2 1,2,4,0,zb-h1,4
-    python benchmarks/scaling.py --preset gpt-1.3b --bf16 --micro-batch-size 4 --layouts 8,1,1,1 2,1,4 1,4,2,1,1f1b,16
+    python -m benchmarks.scaling --cpu-devices 8 --preset gpt-tiny --layouts 8,1,1 2,2,2 1,2,4,0,zb-h1,4
+    python -m benchmarks.scaling --preset gpt-1.3b --bf16 --micro-batch-size 4 --layouts 8,1,1,1 2,1,4 1,4,2,1,1f1b,16
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from step_bench import build_config  # noqa: E402
+from benchmarks.harness import build_config
 
 
 def parse_layout(text: str) -> dict:

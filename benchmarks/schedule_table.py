@@ -4,17 +4,13 @@ The loop's actions cost what the simulator charges (jax3d.pipeline.schedules.sim
 backward T_B + T_W, ZB-H1's B is T_B and its W is T_W (passes.py: stored residuals, no forward re-run,
 B and W on two sides of one cut). Costs are for a whole stage; an interleaved chunk takes 1/v of each.
 
-    python benchmarks/schedule_table.py --costs 10.0,10.5,9.8
-    python benchmarks/schedule_table.py --stage-times stage_times.json
+    python -m benchmarks.schedule_table --costs 10.0,10.5,9.8
+    python -m benchmarks.schedule_table --stage-times stage_times.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
 from jax3d.pipeline.schedules import make_schedule, simulate
 

@@ -7,7 +7,7 @@ pullback cut into input-grad and weight-grad halves), and, as the reference, the
 forward + backward (`jax.vjp` then its pullback, what the unpipelined step pays). HLO dot / GEMM
 counts come from each compiled program.
 
-    python benchmarks/stage_times.py --preset gpt-1.3b --stages 4 --micro-batch-size 4 --bf16
+    python -m benchmarks.stage_times --preset gpt-1.3b --stages 4 --micro-batch-size 4 --bf16
 
 With --api-check it also times the public `pipeline_value_and_grad` at p = 1 (one stage, 1F1B over
 --microbatches micro-batches of the same layer stack) against per-micro-batch value-and-grad
@@ -21,21 +21,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.harness import host_shortfall
 from jax3d.models import build_model, get_preset
 from jax3d.pipeline import make_schedule, passes, pipeline_value_and_grad
-from step_bench import host_shortfall  # noqa: E402
 
 
 def _time(fn, *args, reps=10):

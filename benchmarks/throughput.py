@@ -4,17 +4,17 @@ Every configuration runs in its own process (its own peak-memory counter and XLA
 JSON line: tokens/s, TFLOP/s per device, MFU (model FLOPs over 989 TFLOP/s on an H100/H200, counted as
 the peer counts them), step time, compile time, peak device memory, and on a GPU the median SM clock and
 board power over the timed steps (an H200 runs these steps at its power cap, below its peak clock). With
-`--peer` the peer runs at each shape too and a ratio line follows. `--ablate NAME` (repeatable, or
-`all`) adds a run with that optimisation off, so each one's worth is measured in the same call. Because
-each run is a fresh process, a change patched into this one (a replaced function, say) never reaches the
-step; kernel settings travel with the run in its model config instead (`--tune`,
-`ModelConfig.kernel_tunings`).
+`--peer` the peer runs at each shape too and a ratio line follows. `--ablate KERNEL` (repeatable, or
+`all`) adds a run with that Pallas kernel left out (XLA's code in its place), so each one's worth is
+measured in the same call. Because each run is a fresh process, a change patched into this one (a
+replaced function, say) never reaches the step; kernel settings travel with the run instead (`--tune`,
+`harness.Run.tunings`, which the child traces its step under: `jax3d.models.pallas_gpu.kernel_settings`).
 
-    python benchmarks/throughput.py --shape 1.3b-b16 --peer --ablate all --ablate together
-    python benchmarks/throughput.py --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer
-    python benchmarks/throughput.py --shape 125m-b32 --tune fused_xent:block=2048,warps=4
-    python benchmarks/throughput.py --shape bert-large-b32   # BERT (no peer); MFU counts GPT's FLOPs per token
-    python benchmarks/throughput.py --shape tiny --dtype float32 --ablate all   # tries it on a CPU
+    python -m benchmarks.throughput --shape 1.3b-b16 --peer --ablate all --ablate together
+    python -m benchmarks.throughput --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer
+    python -m benchmarks.throughput --shape 125m-b32 --tune fused_xent:block=2048,warps=4
+    python -m benchmarks.throughput --shape bert-large-b32   # BERT (no peer); MFU counts GPT's FLOPs per token
+    python -m benchmarks.throughput --shape tiny --dtype float32 --ablate all   # tries it on a CPU
 """
 from __future__ import annotations
 
@@ -23,21 +23,17 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from step_bench import DEFAULT_PEER, SHAPES, Run, is_bert, kernel_tuning, run_isolated, run_peer  # noqa: E402
-
-from jax3d.config import OPTIMISATIONS  # noqa: E402
+from benchmarks.harness import DEFAULT_PEER, SHAPES, Run, is_bert, kernel_tuning, run_isolated, run_peer
+from jax3d.models.pallas_gpu import KERNELS
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=["1.3b-b16"], choices=list(SHAPES), help="model shapes to run")
     p.add_argument("--batch", type=int, nargs="+", default=[0], help="batch sizes (0: the shape's own)")
-    p.add_argument("--ablate", action="append", default=[], choices=["all", "together", *OPTIMISATIONS],
-                   help="also run with this optimisation off (repeatable; 'all': each in turn; "
-                        "'together': one run with every one off, the step as it was before them)")
+    p.add_argument("--ablate", action="append", default=[], choices=["all", "together", *KERNELS],
+                   help="also run with this Pallas kernel left out, XLA's code in its place (repeatable; "
+                        "'all': each in turn; 'together': one run with none of them)")
     p.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"])
     p.add_argument("--xla-flags", action="append", default=[],
                    help="also run with these XLA flags (one string per extra run)")
@@ -64,9 +60,9 @@ def main(argv=None) -> int:
         except ValueError as e:
             p.error(f"--tune {t}: {e}")
         tunings.append(((module, fields),))
-    ablations = [(name,) for name in (OPTIMISATIONS if "all" in a.ablate else a.ablate) if name != "together"]
+    ablations = [(name,) for name in (KERNELS if "all" in a.ablate else a.ablate) if name != "together"]
     if "together" in a.ablate:
-        ablations.append(tuple(OPTIMISATIONS))
+        ablations.append(KERNELS)
 
     def emit(rec):
         line = json.dumps(rec)

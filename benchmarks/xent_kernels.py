@@ -1,28 +1,25 @@
 """The LM loss's cross-entropy over one chunk of logits, XLA's against the fused Pallas kernel, in one process.
 
 Each variant computes the per-token loss and the weighted gradient of the logits (what one chunk of
-`fused_lm_loss_sum` does between its GEMMs), timed as `norm_kernels.time_chained` times a kernel: the
+`fused_lm_loss_sum` does between its GEMMs), timed as `harness.time_chained` times a kernel: the
 gradient is the next call's logits, and the weighted loss is summed on the side. GB/s counts what must
 move at the least: read the logits, write the gradient.
 
-    python benchmarks/xent_kernels.py --rows 8192 --vocab 50304 --sweep
+    python -m benchmarks.xent_kernels --rows 8192 --vocab 50304 --sweep
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks.norm_kernels import time_chained  # noqa: E402
-from jax3d.models import fused_xent  # noqa: E402
-from jax3d.models.layers import token_nll  # noqa: E402
+from benchmarks.harness import time_chained
+from jax3d.models import fused_xent
+from jax3d.models.layers import token_nll
 
 
 def main(argv=None) -> int:

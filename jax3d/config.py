@@ -13,38 +13,6 @@ class ConfigError(ValueError):
     """A configuration that can't run; the message is one sentence naming the flag and the fix."""
 
 
-# The model's speed optimisations, each of which `ModelConfig.ablate` can turn off. None changes the
-# maths: with fp32 compute every one gives the same numbers.
-OPTIMISATIONS = {
-    "bf16_logits": "LM-head logits and their gradients in the compute dtype; the loss reduces in fp32",
-    "qkv_btcnh": "the QKV projection emits (batch, seq, 3, heads, head_dim), the layout attention reads",
-    "split_layers": "stacked block parameters split once per step, so each layer's gradient is written once",
-    "lean_layernorm": "layer norm keeps only its input for the backward pass, not its fp32 intermediates",
-    "lean_gelu": "the MLP keeps only the GELU input for the backward pass; GELU is recomputed there",
-    "gelu_keeps_output": "with lean_gelu, the MLP also keeps the GELU output, so only its derivative is recomputed",
-    "gelu_bias_inside": "with lean_gelu, the MLP-up bias is added inside GELU's recompute region: the forward pass "
-                        "writes the GEMM's output and GELU's, not the biased sum as well",
-    "fused_layernorm": "on one GPU, layer norm runs as one Pallas kernel forward and one backward (x and dy "
-                       "read once) instead of XLA's separate reductions",
-    "fused_gelu": "on one GPU, the MLP's gelu(h + b) runs as one Pallas kernel forward and one backward (fp32 "
-                  "maths, the bias gradient summed in the same pass) instead of XLA's bf16 fusions; where it "
-                  "runs, the three GELU options above do not apply (it keeps what gelu_keeps_output keeps)",
-    "fused_qkv_bias": "with qkv_btcnh on one GPU, the backward pass of the QKV bias and the q/k/v split (the "
-                      "concatenate of dq, dk and dv and the bias gradient) runs as one Pallas kernel",
-    "layernorm_keeps_stats": "with lean_layernorm, layer norm also keeps each token's mean and inverse deviation",
-    "positions_gathered": "position embeddings are gathered per token, not broadcast over the batch, which "
-                          "XLA laid out batch-minor with transposes around every GEMM",
-    "fused_loss": "the LM head and loss run in sequence chunks whose gradients the forward pass computes: "
-                  "the full logits are never stored",
-    "fused_xent": "with fused_loss on one GPU, each chunk's softmax cross-entropy and its gradient run as one "
-                  "Pallas kernel that reads the logits twice instead of XLA's three reads",
-}
-
-
-# jax3d.models' Pallas kernel modules, each with a `Tuning` of block shapes and warps.
-PALLAS_KERNELS = ("fused_gelu", "fused_norm", "fused_qkv", "fused_xent")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """Transformer shape and regularisation. `ffn_hidden_size` defaults to 4 x hidden."""
@@ -66,11 +34,6 @@ class ModelConfig:
     recompute: str = "none"  # none | selective | full
     scan_layers: bool | None = None  # None: from jax3d.plan.SCAN_LAYERS_FROM layers up on CPUs (plan.resolve)
     attention_impl: str = "auto"  # auto | xla | cudnn
-    # Speed optimisations to turn off, by name (see OPTIMISATIONS): for benchmarks that measure each one.
-    ablate: tuple[str, ...] = ()
-    # Settings of the Pallas kernels (PALLAS_KERNELS) over their defaults, as (kernel, "field=value,...")
-    # pairs, e.g. (("fused_gelu", "cols_fwd=2048"),): for tuning them on a GPU (throughput.py --tune).
-    kernel_tunings: tuple[tuple[str, str], ...] = ()
     # Architecture variants that reproduce imported models exactly (jax3d.hf); defaults are GPT-2 / Megatron.
     activation: str = "gelu_tanh"  # gelu_tanh | gelu_erf
     post_layernorm: bool = False  # layer norm after each residual add and no final norm (original BERT)
@@ -78,13 +41,6 @@ class ModelConfig:
     unpadded_vocab_size: int = 0  # the tokenizer's vocabulary; rows past it are padding (0: vocab_size)
 
     def __post_init__(self):
-        unknown = set(self.ablate) - set(OPTIMISATIONS)
-        if unknown:
-            raise ConfigError(f"unknown optimisation(s) to ablate {sorted(unknown)}; choose from {sorted(OPTIMISATIONS)}")
-        object.__setattr__(self, "kernel_tunings", tuple(tuple(t) for t in self.kernel_tunings))  # JSON gives lists
-        unknown = {k for k, _ in self.kernel_tunings} - set(PALLAS_KERNELS)
-        if unknown:
-            raise ConfigError(f"kernel_tunings names unknown kernel(s) {sorted(unknown)}; choose from {PALLAS_KERNELS}")
         if self.activation not in ("gelu_tanh", "gelu_erf"):
             raise ConfigError(f"activation {self.activation!r} must be gelu_tanh or gelu_erf")
         if not self.ffn_hidden_size:
@@ -100,10 +56,6 @@ class ModelConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a whole number")
             if v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {v} must be at least 1")
-
-    def optimised(self, name: str) -> bool:
-        """Whether the speed optimisation `name` is on (all are, unless ablated)."""
-        return name not in self.ablate
 
     @property
     def deterministic(self) -> bool:
@@ -223,7 +175,8 @@ class Config:
 
 
 def config_from_dict(d: dict) -> Config:
-    """Inverse of `Config.to_dict()` (JSON turns tuples into lists; unknown keys are dropped)."""
+    """Inverse of `Config.to_dict()` (JSON turns tuples into lists). Keys of no field are dropped, so a
+    checkpoint that records fields since removed (the model's benchmark switches) still reads."""
     def build(cls, sub):
         names = {f.name: f for f in dataclasses.fields(cls)}
         kw = {}

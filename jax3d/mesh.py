@@ -26,16 +26,6 @@ def emulate_cpu_devices(n: int) -> None:
                 "jax3d.mesh.emulate_cpu_devices first thing in the process") from e
 
 
-def has_accelerator() -> bool:
-    """True when a GPU or TPU is visible, without starting JAX on a platform we don't want."""
-    import jax
-
-    try:
-        return jax.default_backend() != "cpu"
-    except RuntimeError:
-        return False
-
-
 def init_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> None:
     """Joins a multi-process run through JAX's own runtime.
 

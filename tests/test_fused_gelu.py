@@ -1,6 +1,6 @@
 """The fused GELU kernels (run in Pallas' interpreter on CPU, compiled on a GPU) against XLA's gelu(h + b):
 the same output and the same gradients for h and b; then the whole GPT with its MLPs through the kernels
-against fused_gelu off."""
+against the GPT without them (as on a CPU)."""
 import dataclasses
 
 import jax
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jax3d.models import fused_gelu
+from jax3d.models.pallas_gpu import kernel_settings
 from tests.helpers import rel_err
 
 ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
@@ -72,19 +73,20 @@ def test_fused_gelu_matches_the_derivative_in_float64():
 
 
 def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
-    """The whole GPT, each MLP's GELU through the kernels with the settings its config names, against
-    fused_gelu off: the same loss and gradients in fp32. With erf GELU (imported BERT-style models) the
-    kernels are not used."""
+    """The whole GPT, each MLP's GELU through the kernels with a benchmark's settings
+    (pallas_gpu.kernel_settings), against the GPT without them: the same loss and gradients in fp32. With
+    erf GELU (imported BERT-style models) the kernels are not used."""
     from tests.helpers import assert_same_loss_and_grads, gpt_case, interpreted, tiny_model
 
-    cfg = tiny_model(vocab_size=384, num_layers=2,
-                     kernel_tunings=(("fused_gelu", "cols_fwd=128,cols_bwd=128,rows_per_program=64"),))
+    cfg = tiny_model(vocab_size=384, num_layers=2)
     loss_and_grads = gpt_case(cfg, "up_bias")
-    ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_gelu",)))
+    ref_loss, ref_grads = loss_and_grads(cfg)
     monkeypatch.setattr(fused_gelu, "supported", lambda h, rules, tuning: True)
     calls = interpreted(monkeypatch, fused_gelu, "gelu_bias")
-    loss, grads = loss_and_grads(cfg)
-    assert calls == [fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)] * cfg.num_layers
+    tuning = fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)
+    with kernel_settings(tuning):
+        loss, grads = loss_and_grads(cfg)
+    assert calls == [tuning] * cfg.num_layers
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 
     calls.clear()

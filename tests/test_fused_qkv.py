@@ -1,14 +1,13 @@
 """The QKV bias-and-split kernel (its backward pass run in Pallas' interpreter on CPU, compiled on a GPU)
 against XLA's (y + b) sliced into q, k and v: the same outputs and gradients; then the whole GPT with its
-attention through the kernel against fused_qkv_bias off."""
-import dataclasses
-
+attention through the kernel against the GPT without it (as on a CPU)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax3d.models import fused_qkv
+from jax3d.models.pallas_gpu import kernel_settings
 from tests.helpers import rel_err
 
 ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
@@ -50,22 +49,26 @@ def test_split_bias_matches_xla(dtype, tol, tuning, interpret):
 
 
 def test_gpt_with_fused_qkv_matches_xla(monkeypatch):
-    """The whole GPT, each attention's bias and split through the kernel with the settings its config
-    names, against fused_qkv_bias off: the same loss and gradients in fp32."""
+    """The whole GPT, each attention's bias and split through the kernel with a benchmark's settings
+    (pallas_gpu.kernel_settings), against the GPT without it: the same loss and gradients in fp32; and
+    with the kernel left out there, the GPT without it again."""
     from tests.helpers import assert_same_loss_and_grads, gpt_case, interpreted, tiny_model
 
-    cfg = tiny_model(vocab_size=384, num_layers=2, kernel_tunings=(("fused_qkv", "cols=32,rows_per_program=16"),))
+    cfg = tiny_model(vocab_size=384, num_layers=2)
     loss_and_grads = gpt_case(cfg, "qkv_bias")
-    ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_qkv_bias",)))
+    ref_loss, ref_grads = loss_and_grads(cfg)
     monkeypatch.setattr(fused_qkv, "on_one_gpu", lambda rules: True)
     calls = interpreted(monkeypatch, fused_qkv, "split_bias")
-    loss, grads = loss_and_grads(cfg)
-    assert calls == [fused_qkv.Tuning(cols=32, rows_per_program=16)] * cfg.num_layers
+    tuning = fused_qkv.Tuning(cols=32, rows_per_program=16)
+    with kernel_settings(tuning):
+        loss, grads = loss_and_grads(cfg)
+    assert calls == [tuning] * cfg.num_layers
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 
     calls.clear()
-    loss_and_grads(dataclasses.replace(cfg, ablate=("qkv_btcnh",)))
-    assert not calls, "the kernel takes the (batch, seq, 3, heads, head_dim) layout only"
+    with kernel_settings(tuning, off=("fused_qkv",)):
+        loss_and_grads(cfg)
+    assert not calls, "left out, the kernel does not run even where it fits"
 
 
 def test_fused_qkv_is_taken_where_it_fits(monkeypatch):

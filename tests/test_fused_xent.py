@@ -1,7 +1,5 @@
 """The fused cross-entropy kernel (run in Pallas' interpreter on CPU) against the model's XLA loss: the same
 per-token loss and the same weighted gradient of the logits, then the same GPT loss and gradients."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -41,8 +39,8 @@ def test_fused_xent_matches_xla(dtype, tol, rows, block, width, valid, interpret
 
 
 def test_gpt_with_fused_xent_matches_xla_loss(monkeypatch):
-    """The whole GPT, its chunked LM loss through the kernel, against fused_xent off: the same loss and
-    gradients in fp32, with a padded vocabulary and a partial loss mask."""
+    """The whole GPT, its chunked LM loss through the kernel, against the GPT without it (as on a CPU): the
+    same loss and gradients in fp32, with a padded vocabulary and a partial loss mask."""
     from jax3d.models import GPT
     from tests.helpers import assert_same_loss_and_grads, gpt_loss_and_grads, random_text, tiny_model
 
@@ -54,7 +52,7 @@ def test_gpt_with_fused_xent_matches_xla_loss(monkeypatch):
     def loss_and_grads(cfg):
         return gpt_loss_and_grads(cfg, params, {"text": text, "loss_mask": mask})
 
-    ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, ablate=("fused_xent",)))
+    ref_loss, ref_grads = loss_and_grads(cfg)
     monkeypatch.setattr(fused_xent, "supported", lambda rows, rules, tuning: True)
     calls = []
     real = fused_xent.token_nll

@@ -33,5 +33,7 @@ def test_fingerprints_are_stable_and_see_the_kernel():
 def test_step_fingerprint_sees_the_kernels_a_gpu_would_take():
     base = kernel_jaxprs.step_fingerprint("tiny")
     assert kernel_jaxprs.step_fingerprint("tiny") == base
-    # The tiny step's q, k and v split into the QKV kernel's blocks, so turning it off changes the step.
-    assert kernel_jaxprs.step_fingerprint("tiny", ("fused_qkv_bias",)) != base
+    # The tiny step's q, k and v split into the QKV kernel's blocks, so leaving it out changes the step, and
+    # so do other block settings for it.
+    assert kernel_jaxprs.step_fingerprint("tiny", ("fused_qkv",)) != base
+    assert kernel_jaxprs.step_fingerprint("tiny", tunings=(("fused_qkv", "rows=8"),)) != base

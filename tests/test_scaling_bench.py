@@ -25,8 +25,7 @@ def test_hlo_transposes_counts_the_transposes_a_step_compiles_to():
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from step_bench import hlo_transposes
+    from benchmarks.harness import hlo_transposes
 
     x = jnp.ones((64, 128))
     with_t = jax.jit(lambda a: jnp.transpose(a) * 2).lower(x).compile().as_text()

@@ -1,36 +1,46 @@
-"""The step benchmark's runs: `throughput.py --tune` settings parsed from "FIELD=V,..." equal the Tuning
+"""The benchmarks' harness: `throughput.py --tune` settings parsed from "FIELD=V,..." equal the Tuning
 built directly, bad settings are refused with one sentence, a run reaches its child process intact and
-its settings its model config, a BERT shape gets a batch in Megatron's layout, and the GPU clock log
-reads `nvidia-smi` over a run's timed steps."""
+its settings and left-out kernels the step it traces, a BERT shape gets a batch in Megatron's layout, and
+the GPU clock log reads `nvidia-smi` over a run's timed steps."""
 import os
 
 import pytest
 
-from benchmarks import profile_step, step_bench
-from jax3d.config import ConfigError, ModelConfig
-from jax3d.models import fused_gelu, fused_norm, fused_xent
-from jax3d.models.pallas_gpu import tuning_for
+from benchmarks import harness, profile_step
+from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
 
 
 def test_parsed_settings_equal_the_tuning_built_directly():
-    assert step_bench.kernel_tuning("fused_xent", "block=2048,warps=4") == fused_xent.Tuning(block=2048, warps=4)
-    run = step_bench.Run("125m-b32", tunings=(("fused_xent", "block=2048"),))
+    assert harness.kernel_tuning("fused_xent", "block=2048,warps=4") == fused_xent.Tuning(block=2048, warps=4)
+    run = harness.Run("125m-b32", tunings=(("fused_xent", "block=2048"),))
     assert run.label() == "125m-b32 fused_xent[block=2048]"
+    assert harness.Run("tiny", ablate=pallas_gpu.KERNELS).label() == "tiny -every kernel"
+    assert set(harness.KERNEL_CALLS) == set(pallas_gpu.KERNELS)
 
 
-def test_a_runs_settings_reach_its_model_config():
-    """A run's settings go into the model config it builds; the kernels it does not name keep their defaults."""
-    cfg = step_bench.config_for(step_bench.Run("tiny", tunings=(("fused_xent", "block=2048"),))).model
-    assert tuning_for(cfg, fused_xent) == fused_xent.Tuning(block=2048)
-    assert tuning_for(cfg, fused_gelu) == fused_gelu.Tuning() and tuning_for(cfg, fused_norm) == fused_norm.Tuning()
-    with pytest.raises(ConfigError, match="unknown kernel"):
-        ModelConfig(kernel_tunings=(("fused_nope", "rows=1"),))
+def test_a_runs_settings_reach_the_kernels_it_traces():
+    """Inside a run's kernel settings the kernels it names run with its Tuning, those it leaves out not at all,
+    and the rest at their defaults; outside them, all at their defaults again. The model's config carries
+    none of it."""
+    run = harness.Run("tiny", ablate=("fused_qkv",), tunings=(("fused_xent", "block=2048"),))
+    assert harness.config_for(run) == harness.config_for(harness.Run("tiny"))
+    with harness.kernel_settings(run):
+        assert pallas_gpu.tuning(fused_xent) == fused_xent.Tuning(block=2048)
+        assert pallas_gpu.tuning(fused_qkv) is None and not fused_qkv.supported(None, None, None)
+        assert pallas_gpu.tuning(fused_gelu) is fused_gelu.DEFAULT and pallas_gpu.tuning(fused_norm) is fused_norm.DEFAULT
+        with pallas_gpu.kernel_settings(off=("fused_gelu",)):  # nested: adds to the outer settings
+            assert pallas_gpu.tuning(fused_gelu) is None
+            assert pallas_gpu.tuning(fused_xent) == fused_xent.Tuning(block=2048)
+        assert pallas_gpu.tuning(fused_gelu) is fused_gelu.DEFAULT
+    assert all(pallas_gpu.tuning(k) is k.DEFAULT for k in (fused_gelu, fused_norm, fused_qkv, fused_xent))
+    with pytest.raises(ValueError, match="no kernel fused_nope"):
+        harness.kernel_settings(harness.Run("tiny", ablate=("fused_nope",))).__enter__()
 
 
 def test_a_run_survives_the_trip_to_its_process():
     """run_isolated hands the child process the run as JSON: the same run comes back, tuples and all."""
-    run = step_bench.Run("125m-b32", ablate=("fused_gelu",), tunings=(("fused_xent", "block=2048"),))
-    back = step_bench.Run.from_json(run.to_json())
+    run = harness.Run("125m-b32", ablate=("fused_gelu",), tunings=(("fused_xent", "block=2048"),))
+    back = harness.Run.from_json(run.to_json())
     assert back == run and hash(back) == hash(run)
 
 
@@ -44,13 +54,13 @@ def test_a_run_survives_the_trip_to_its_process():
                                                    ("fused_norm", "bwd_programs=0", "at least 1")])
 def test_bad_settings_are_refused(module, fields, match):
     with pytest.raises(ValueError, match=match):
-        step_bench.kernel_tuning(module, fields)
+        harness.kernel_tuning(module, fields)
 
 
 def test_kernels_used_reads_the_compiled_step():
     hlo = 'custom-call(...), name="fused_gelu_fwd" ... metadata={op_name="jit(f)/fused_xent/pallas_call"}'
-    assert step_bench.kernels_used(hlo) == ["fused_gelu", "fused_xent"]
-    assert step_bench.kernels_used("fusion(...) dot(...)") == []
+    assert harness.kernels_used(hlo) == ["fused_gelu", "fused_xent"]
+    assert harness.kernels_used("fusion(...) dot(...)") == []
 
 
 def test_bert_shape_gets_a_bert_batch():
@@ -58,7 +68,7 @@ def test_bert_shape_gets_a_bert_batch():
     segment types and the sentence-order flag of 0 or 1 only."""
     import numpy as np
 
-    steps, _state, batch, _compiled, _ = step_bench.build(step_bench.Run("bert-tiny", dtype="float32"))
+    steps, _state, batch, _compiled, _ = harness.build(harness.Run("bert-tiny", dtype="float32"))
     assert steps.cfg.model.model_type == "bert"
     for key in ("types", "loss_mask", "padding_mask", "is_random"):
         assert set(np.unique(np.asarray(batch[key]))) <= {0, 1}, key
@@ -98,8 +108,8 @@ def test_cpu_products_are_classed_as_matmul_and_attention():
 
 def test_clock_summary_takes_the_median_inside_the_window():
     samples = [(0.5, 1980, 120), (1.0, 1500, 690), (1.5, 1600, 700), (2.0, 1400, 695), (3.0, 1980, 130)]
-    assert step_bench.clock_summary(samples, 1.0, 2.0) == {"sm_clock_mhz": 1500, "power_w": 695}
-    assert step_bench.clock_summary(samples, 3.5, 4.0) == {}
+    assert harness.clock_summary(samples, 1.0, 2.0) == {"sm_clock_mhz": 1500, "power_w": 695}
+    assert harness.clock_summary(samples, 3.5, 4.0) == {}
 
 
 def test_child_reports_when_its_result_line_arrived():
@@ -108,9 +118,9 @@ def test_child_reports_when_its_result_line_arrived():
 
     code = "import time; print('noise'); time.sleep(0.3); print('RESULT {\"x\": 1}'); time.sleep(0.3)"
     before = time.perf_counter()
-    rec, at = step_bench._child_at([sys.executable, "-c", code], None, "probe")
+    rec, at = harness._child_at([sys.executable, "-c", code], None, "probe")
     assert rec == {"x": 1} and before + 0.3 <= at <= time.perf_counter() - 0.3
-    rec, at = step_bench._child_at([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"],
+    rec, at = harness._child_at([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"],
                                    None, "probe")
     assert at is None and rec == {"run": "probe", "error": "exit 3: boom"}
 
@@ -123,12 +133,12 @@ def test_gpu_log_reads_nvidia_smi_and_stops_it(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\nwhile true; do echo '1500, 690.5'; echo 'garbage'; sleep 0.02; done\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    with step_bench.GpuLog() as log:
+    with harness.GpuLog() as log:
         start = time.perf_counter()
         time.sleep(0.5)
         end = time.perf_counter()
     assert log._proc.poll() is not None  # stopped on exit
-    assert step_bench.clock_summary(log.samples, start, end) == {"sm_clock_mhz": 1500, "power_w": 690}
+    assert harness.clock_summary(log.samples, start, end) == {"sm_clock_mhz": 1500, "power_w": 690}
     assert log.summary(start, end) == {"sm_clock_mhz": 1500, "power_w": 690}
 
 
@@ -152,21 +162,21 @@ def test_profile_step_refuses_a_shape_this_cpu_cannot_hold(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: profile_step.py --shape tiny is a GPU benchmark") and len(err.splitlines()) == 1
     assert "try --shape tiny on a CPU" in err and _mib(err, "the host has ") == 1.0
-    want = step_peak_bytes(step_bench.build(step_bench.Run("tiny"))[3]) / 2**20
+    want = step_peak_bytes(harness.build(harness.Run("tiny"))[3]) / 2**20
     assert abs(_mib(err, "needs ") - want) <= 0.05
 
 
 def test_measure_refuses_a_shape_this_cpu_cannot_hold(monkeypatch):
-    """throughput.py's runs (step_bench.measure in a child process) report a step that can't fit this CPU as
+    """throughput.py's runs (harness.measure in a child process) report a step that can't fit this CPU as
     an error line; before, a GPU shape here was OOM-killed with nothing printed. With the host's memory the
     same run is timed."""
     import jax3d.train.memory as memory
 
     monkeypatch.setattr(memory, "host_available_bytes", lambda **_: 2**20)
-    rec = step_bench.measure(step_bench.Run("tiny"), steps_timed=1, warmup=0)
+    rec = harness.measure(harness.Run("tiny"), steps_timed=1, warmup=0)
     assert set(rec) == {"who", "run", "error"} and "the host has 1.0 MiB free" in rec["error"]
     monkeypatch.undo()
-    assert step_bench.measure(step_bench.Run("tiny"), steps_timed=1, warmup=0)["tokens_per_s"] > 0
+    assert harness.measure(harness.Run("tiny"), steps_timed=1, warmup=0)["tokens_per_s"] > 0
 
 
 def test_stage_times_refuses_a_stage_this_cpu_cannot_hold_and_runs_one_it_can(monkeypatch, capsys):

@@ -55,10 +55,11 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(h, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
-    """Whether `gelu_bias` takes this input: on one GPU, in whole blocks of rows and columns."""
+def supported(h, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
+    """Whether `gelu_bias` takes this input: on one GPU, in whole blocks of rows and columns (never with
+    `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings)."""
     f = h.shape[-1]
-    return on_one_gpu(rules) and f > 0 and tuning.fits(h.size // f, f)
+    return tuning is not None and on_one_gpu(rules) and f > 0 and tuning.fits(h.size // f, f)
 
 
 def _sigmoid_2u(z, z2):

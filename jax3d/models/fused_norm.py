@@ -46,8 +46,11 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(x, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
-    """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole row blocks."""
+def supported(x, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
+    """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole row blocks
+    (never with `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings)."""
+    if tuning is None:
+        return False
     d = x.shape[-1]
     rows = x.size // d if d else 0
     return on_one_gpu(rules) and 128 <= d <= 8192 and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0

@@ -52,9 +52,10 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(y, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
-    """Whether `split_bias` takes this (batch, seq, 3, heads, head_dim) projection on one GPU."""
-    if y.ndim != 5 or y.shape[2] != 3:
+def supported(y, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
+    """Whether `split_bias` takes this (batch, seq, 3, heads, head_dim) projection on one GPU (never with
+    `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings)."""
+    if tuning is None or y.ndim != 5 or y.shape[2] != 3:
         return False
     b, t, _, n, h = y.shape
     return on_one_gpu(rules) and tuning.fits(b * t, n * h)

@@ -39,9 +39,10 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(rows: int, rules: ShardingRules, tuning: Tuning = DEFAULT) -> bool:
-    """Whether `token_nll` takes logits of `rows` tokens: on one GPU, in whole row blocks."""
-    return on_one_gpu(rules) and rows % tuning.rows == 0
+def supported(rows: int, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
+    """Whether `token_nll` takes logits of `rows` tokens: on one GPU, in whole row blocks (never with
+    `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings)."""
+    return tuning is not None and on_one_gpu(rules) and rows % tuning.rows == 0
 
 
 def _kernel(logits_ref, target_ref, weight_ref, nll_ref, *grad_ref, width: int, valid: int, block: int):

@@ -3,19 +3,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax3d.models import fused_xent
-from jax3d.models.layers import (Embedding, cross_entropy_sum, fused_lm_loss_sum, norm_for,
-                                 vocab_parallel_logits)
-from jax3d.models.pallas_gpu import tuning_for
+from jax3d.models.layers import Embedding, fused_lm_loss_sum, norm_for, vocab_parallel_logits
 from jax3d.models.transformer import TransformerLM
 
 
 class GPT(TransformerLM):
     """A micro-batch is `{'text': int (batch, seq+1)}`, optionally with `loss_mask` (batch, seq).
 
-    The loss computes its head's gradients in the forward pass (optimisation `fused_loss`, a custom VJP),
-    so reverse mode works and forward mode (`jax.jvp`, `jax.jacfwd`) does not; a model built with
-    `ModelConfig(ablate=("fused_loss",))` has the same loss and takes both."""
+    The loss computes its head's gradients in the forward pass (`layers.fused_lm_loss_sum`, a custom VJP),
+    so reverse mode works and forward mode (`jax.jvp`, `jax.jacfwd`) does not; `layers.cross_entropy_sum`
+    of `logits(params, tokens)` is the same loss and takes both."""
 
     causal = True
 
@@ -52,17 +49,9 @@ class GPT(TransformerLM):
         return vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules).astype(jnp.float32)
 
     def head_loss(self, params, x_btd, mb):
-        cfg = self.cfg
         x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
-        wte, targets, mask = params["embed"]["word"], mb["text"][:, 1:], self._loss_mask(mb)
-        fp32 = not cfg.optimised("bf16_logits")
-        if cfg.optimised("fused_loss"):
-            kernel = tuning_for(cfg, fused_xent) if cfg.optimised("fused_xent") else None
-            loss_sum = fused_lm_loss_sum(x_btd, wte, targets, mask, self.rules, cfg.unpadded_vocab_size, fp32,
-                                         kernel)
-        else:
-            logits = vocab_parallel_logits(x_btd, wte, self.rules, fp32)
-            loss_sum, _ = cross_entropy_sum(logits, targets, mask, cfg.unpadded_vocab_size)
+        loss_sum = fused_lm_loss_sum(x_btd, params["embed"]["word"], mb["text"][:, 1:], self._loss_mask(mb),
+                                     self.rules, self.cfg.unpadded_vocab_size)
         return {"lm": loss_sum}, {}
 
     @staticmethod

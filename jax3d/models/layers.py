@@ -19,8 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
-from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent
-from jax3d.models.pallas_gpu import tuning_for
+from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
 from jax3d.sharding.rules import ShardingRules, traced_platform
 
 
@@ -60,61 +59,49 @@ def layer_norm(x, scale, bias, eps: float):
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-# Stores only the input for the backward pass and recomputes the rest: autodiff of the plain function
-# keeps fp32 intermediates of the whole activation (two of them) alive from forward to backward.
-_layer_norm_lean = jax.checkpoint(layer_norm, static_argnums=(3,))
-# The same, but also keeping the per-token mean and inverse deviation (one float each per token), so
-# the backward pass recomputes only the elementwise normalisation, not the two reductions.
-_layer_norm_lean_stats = jax.checkpoint(layer_norm, static_argnums=(3,),
-                                        policy=jax.checkpoint_policies.save_only_these_names("ln_stats"))
+# For the backward pass, keeps the input and each token's mean and inverse deviation, and recomputes the
+# elementwise normalisation: autodiff of the plain function keeps two fp32 intermediates of the whole
+# activation alive from forward to backward (at 1.3B b16 that step ran at 0.988 of this one's speed).
+lean_layer_norm = jax.checkpoint(layer_norm, static_argnums=(3,),
+                                 policy=jax.checkpoint_policies.save_only_these_names("ln_stats"))
 
 
 def _gelu_then_dense(h_btf, b_f, w_fd, approximate: bool = True):
-    """gelu(h + b) @ w; `b_f` None when the caller has already added the bias."""
-    if b_f is not None:
-        h_btf = h_btf + b_f
-    g_btf = checkpoint_name(jax.nn.gelu(h_btf, approximate=approximate), "gelu_out")
+    """gelu(h + b) @ w."""
+    g_btf = checkpoint_name(jax.nn.gelu(h_btf + b_f, approximate=approximate), "gelu_out")
     return jnp.einsum("btf,fd->btd", g_btf, w_fd)
 
 
-# Keeps only the GELU input: the backward recomputes GELU (elementwise) rather than storing its output
-# and its derivative's intermediates, each as large as the input. With the bias passed in, the input kept
-# is the GEMM's own output, so the biased sum is never written: the backward re-adds the bias in the
-# fusion that applies GELU's derivative.
-_gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense, static_argnums=(3,))
-# Keeps the GELU input and output (what the two backward GEMMs read) but none of the derivative's
-# intermediates: the backward recomputes only GELU's derivative, inside the fusion that applies it.
-_gelu_then_dense_keep_out = jax.checkpoint(_gelu_then_dense, static_argnums=(3,),
-                                           policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
+# Keeps the GEMM's output h (the bias is re-added in the backward fusion, so h + b is never written) and
+# GELU's output (what the two backward GEMMs read), none of the derivative's intermediates: the backward
+# recomputes only GELU's derivative, inside the fusion that applies it. At 1.3B b16 (docs/performance.md),
+# keeping every intermediate took 12 GiB more for 0.3% of speed; recomputing GELU's output as well took
+# 12 GiB less and 3.2% of speed.
+_gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense, static_argnums=(3,),
+                                       policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
 
 
 class LayerNorm(nn.Module):
-    """Layer norm computed in fp32, returned in the input dtype."""
+    """Layer norm computed in fp32, returned in the input dtype: on one GPU as one Pallas kernel each way
+    (jax3d.models.fused_norm), elsewhere `lean_layer_norm`."""
 
     eps: float = 1e-5
-    lean: bool = True  # recompute its intermediates in the backward pass
-    keep_stats: bool = True  # when lean, keep the per-token mean and inverse deviation
-    fused: bool = True  # one Pallas kernel each way, where fused_norm.supported(x, rules)
     rules: ShardingRules = ShardingRules()  # where it runs: the kernels take one GPU only
-    tuning: fused_norm.Tuning = fused_norm.DEFAULT  # the kernels' block shapes and warps
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
         bias = _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
-        if self.fused and fused_norm.supported(x, self.rules, self.tuning):
-            return fused_norm.fused_layer_norm(x, scale, bias, self.eps, self.tuning)
-        if not self.lean:
-            return layer_norm(x, scale, bias, self.eps)
-        return (_layer_norm_lean_stats if self.keep_stats else _layer_norm_lean)(x, scale, bias, self.eps)
+        tuning = pallas_gpu.tuning(fused_norm)
+        if fused_norm.supported(x, self.rules, tuning):
+            return fused_norm.fused_layer_norm(x, scale, bias, self.eps, tuning)
+        return lean_layer_norm(x, scale, bias, self.eps)
 
 
 def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str) -> LayerNorm:
-    """The model's layer norm: its epsilon, and what it keeps for the backward pass (cfg.ablate)."""
-    return LayerNorm(cfg.layernorm_epsilon, cfg.optimised("lean_layernorm"),
-                     cfg.optimised("layernorm_keeps_stats"), cfg.optimised("fused_layernorm"), rules,
-                     tuning_for(cfg, fused_norm), name=name)
+    """The model's layer norm, with its epsilon."""
+    return LayerNorm(cfg.layernorm_epsilon, rules, name=name)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -147,21 +134,17 @@ class Attention(nn.Module):
         b_out = _param(self, "out_bias", ("embed",), (d,), nn.initializers.zeros)
 
         x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
-        if cfg.optimised("qkv_btcnh"):
-            # The fused attention kernel reads q, k and v as strided views of this layout; putting the
-            # q/k/v axis first instead costs a transpose and three copies forward, a stack backward.
-            qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w_qkv)
-            qkv_axes = ("batch", "seq", "qkv", "heads", "kv")
-            tuning = tuning_for(cfg, fused_qkv)
-            if cfg.optimised("fused_qkv_bias") and fused_qkv.supported(qkv, self.rules, tuning):
-                q, k, v = fused_qkv.split_bias(self.rules.constrain(qkv, qkv_axes), b_qkv, tuning)
-            else:
-                qkv = self.rules.constrain(qkv + b_qkv, qkv_axes)
-                q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (batch, seq, heads, head_dim)
+        # The fused attention kernel reads q, k and v as strided views of this layout; putting the q/k/v
+        # axis first instead cost a transpose and three copies forward, a stack backward (2% at 1.3B).
+        qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w_qkv)
+        qkv_axes = ("batch", "seq", "qkv", "heads", "kv")
+        tuning = pallas_gpu.tuning(fused_qkv)
+        if fused_qkv.supported(qkv, self.rules, tuning):
+            q, k, v = fused_qkv.split_bias(self.rules.constrain(qkv, qkv_axes), b_qkv, tuning)
         else:
-            qkv = jnp.einsum("btd,dcnh->cbtnh", x_btd, w_qkv) + b_qkv[:, None, None]
-            qkv = self.rules.constrain(qkv, ("qkv", "batch", "seq", "heads", "kv"))
-            q, k, v = qkv[0], qkv[1], qkv[2]
+            # The bias is added before the constraint: after it, the one-GPU step compiled 1.2% slower.
+            qkv = self.rules.constrain(qkv + b_qkv, qkv_axes)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (batch, seq, heads, head_dim)
         causal, impl = self.causal, attention_impl(cfg, q.dtype)
         if cache is not None:
             idx = cache["index"]
@@ -214,20 +197,13 @@ class MLP(nn.Module):
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
         b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
         h_btf = jnp.einsum("btd,df->btf", x_btd, w_up)
-        tuning = tuning_for(cfg, fused_gelu)
-        if (cfg.optimised("fused_gelu") and cfg.activation == "gelu_tanh"
-                and fused_gelu.supported(h_btf, self.rules, tuning)):
+        tuning = pallas_gpu.tuning(fused_gelu)
+        if cfg.activation == "gelu_tanh" and fused_gelu.supported(h_btf, self.rules, tuning):
             # Keeps h (inside the kernel's vjp) and GELU's output (the down-projection's input), as
-            # gelu_keeps_output does.
+            # _gelu_then_dense_lean does.
             return jnp.einsum("btf,fd->btd", fused_gelu.gelu_bias(h_btf, b_up, tuning), w_down) + b_down
-        if not cfg.optimised("lean_gelu"):
-            down = _gelu_then_dense
-        else:
-            down = _gelu_then_dense_keep_out if cfg.optimised("gelu_keeps_output") else _gelu_then_dense_lean
-        if not (cfg.optimised("lean_gelu") and cfg.optimised("gelu_bias_inside")):
-            h_btf, b_up = h_btf + b_up, None
         h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
-        return down(h_btf, b_up, w_down, cfg.activation == "gelu_tanh") + b_down
+        return _gelu_then_dense_lean(h_btf, b_up, w_down, cfg.activation == "gelu_tanh") + b_down
 
 
 class Block(nn.Module):
@@ -287,15 +263,15 @@ class Embedding(nn.Module):
                              f"{wpe.shape[0]} position embeddings; shorten it or raise --max-position-embeddings")
         # Explicit positions are for generation, where left-padded rows start counting at their first token.
         # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
-        # lay the whole residual stream out batch-minor and transpose it around every GEMM.
+        # lay the whole residual stream out batch-minor and transpose it around every GEMM (5% at 350M).
         if self.rules.splits("act_seq"):
             # The output is split over the sequence. Left open, that split reaches back to the token ids, and a
             # GPT's `text[:, :-1]` of its (seq + 1)-long rows becomes a collective-permute between neighbours,
             # which deadlocks inside the pipeline's first-stage branch (the other stages never join it).
             tokens_bt = self.rules.constrain(tokens_bt, ("batch", "seq"))
-        if positions_bt is None and cfg.optimised("positions_gathered"):
+        if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        pos = wpe[None, : tokens_bt.shape[1]] if positions_bt is None else jnp.take(wpe, positions_bt, axis=0)
+        pos = jnp.take(wpe, positions_bt, axis=0)
         # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
         # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
         x_btd = jnp.take(wte, tokens_bt, axis=0) + pos
@@ -308,15 +284,14 @@ class Embedding(nn.Module):
         return _dropout(x_btd, cfg.hidden_dropout, _dropout_rng(self, rng, deterministic), deterministic)
 
 
-def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules, fp32: bool = False):
-    """Tied LM-head logits, sharded over the vocabulary, in the compute dtype (or fp32).
+def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules):
+    """Tied LM-head logits, sharded over the vocabulary, in the compute dtype.
 
     In bf16 both backward GEMMs run on bf16 tensor cores and the logits and their gradient take half the
     memory; asking the GEMM for fp32 output instead makes XLA run all three on TF32 kernels.
     `cross_entropy_sum` upcasts inside its reductions, so the loss is still summed in fp32.
     """
-    kw = {"preferred_element_type": jnp.float32} if fp32 else {}
-    logits = jnp.einsum("btd,vd->btv", x_btd, wte_vd, **kw)
+    logits = jnp.einsum("btd,vd->btv", x_btd, wte_vd)
     return rules.constrain(logits, ("batch", "seq", "vocab"))
 
 
@@ -331,20 +306,21 @@ def loss_chunks(batch: int, seq: int) -> int:
     return max(c for c in range(1, min(most, seq) + 1) if seq % c == 0)
 
 
-def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, valid_vocab: int = 0,
-                      fp32: bool = False, kernel: fused_xent.Tuning | None = None):
+def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, valid_vocab: int = 0):
     """`cross_entropy_sum` of the tied LM head's logits, run over `loss_chunks` slices of the sequence.
 
     Each slice's logits live only inside its loop step. When differentiated, the forward pass also
     computes the gradients (of x by one GEMM, of the table accumulated in fp32 by another), so the
     backward pass only scales them by the incoming cotangent: the full logits and their gradient are
-    never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head.
-    With `kernel` (its Tuning), on one GPU, each chunk's cross-entropy and its gradient are `fused_xent`'s
-    kernel.
+    never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head, in 4.1 GiB
+    less at 1.3B b16 (docs/performance.md). Reverse mode only (a custom VJP): for `jax.jvp`, take
+    `cross_entropy_sum` of the whole logits. On one GPU each chunk's cross-entropy and its gradient are
+    `fused_xent`'s kernel.
     """
     b, t, d = x_btd.shape
     chunks = loss_chunks(b, t)
-    if kernel is not None and not fused_xent.supported(b * (t // chunks), rules, kernel):
+    kernel = pallas_gpu.tuning(fused_xent)
+    if not fused_xent.supported(b * (t // chunks), rules, kernel):
         kernel = None
 
     def split(a):  # (b, t, ...) -> (chunks, b, t / chunks, ...)
@@ -354,7 +330,7 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
         def step(carry, xs):
             loss, dw = carry
             x_c, t_c, m_c = xs
-            logits = vocab_parallel_logits(x_c, w, rules, fp32)
+            logits = vocab_parallel_logits(x_c, w, rules)
             m = m_c.astype(jnp.float32)
             if kernel is not None:
                 nll, dlogits = fused_xent.token_nll(logits, t_c, m, valid_vocab, x.dtype if with_grads else None,

@@ -1,13 +1,17 @@
-"""What jax3d's Pallas (Triton) kernels share: where they may run, the block a dimension gets, and the
-checks and compiler settings of their `Tuning`s."""
+"""What jax3d's Pallas (Triton) kernels share: where they may run, the block a dimension gets, the checks
+and compiler settings of their `Tuning`s, and the benchmarks' way to run them with other settings."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 from jax.experimental.pallas import triton as pltriton
 
-from jax3d.config import ModelConfig
 from jax3d.sharding.rules import ShardingRules, traced_platform
+
+# The kernel modules of jax3d.models, each with a `Tuning` of block shapes and warps and its `DEFAULT`.
+KERNELS = ("fused_gelu", "fused_norm", "fused_qkv", "fused_xent")
 
 
 def on_one_gpu(rules: ShardingRules) -> bool:
@@ -57,10 +61,32 @@ def parse_tuning(cls, settings: str):
     return cls(**changes)
 
 
-def tuning_for(cfg: ModelConfig, kernel) -> object:
-    """The Tuning that `kernel` (one of the kernel modules) runs with in this model: its defaults, with
-    the changes `cfg.kernel_tunings` names for it."""
-    return parse_tuning(kernel.Tuning, dict(cfg.kernel_tunings).get(_kernel(kernel.Tuning), ""))
+# A benchmark's settings for the kernels, by kernel name: a Tuning, or None for "not used". A context rather
+# than a ModelConfig field: block shapes (and a kernel left out to measure it) change how a model runs on one
+# GPU, never what it computes, and no training flag sets them.
+_SETTINGS: contextvars.ContextVar[dict] = contextvars.ContextVar("jax3d_pallas_settings", default={})
+
+
+@contextlib.contextmanager
+def kernel_settings(*tunings, off=()):
+    """Within it, what is traced runs each kernel that one of `tunings` belongs to with that Tuning instead of
+    its DEFAULT, and the kernels named in `off` (KERNELS) not at all: their plain JAX function runs, as on a
+    CPU. For benchmarks. Only tracing reads it, so a function jitted outside and called inside keeps the
+    settings it was traced with."""
+    unknown = sorted(set(off) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"no kernel {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
+    token = _SETTINGS.set({**_SETTINGS.get(), **{_kernel(type(t)): t for t in tunings}, **dict.fromkeys(off)})
+    try:
+        yield
+    finally:
+        _SETTINGS.reset(token)
+
+
+def tuning(kernel):
+    """The Tuning that `kernel` (one of the kernel modules) runs with in what is being traced: its DEFAULT,
+    or what `kernel_settings` gives; None where that leaves the kernel out."""
+    return _SETTINGS.get().get(_kernel(kernel.Tuning), kernel.DEFAULT)
 
 
 def _kernel(tuning_cls) -> str:

@@ -41,14 +41,13 @@ def layer_rng(rng, layer: int | jax.Array):
     return None if rng is None else dropout_keys.fold_in(rng, layer)
 
 
-def unstack_layers(blocks, num: int, split: bool = True) -> list:
+def unstack_layers(blocks, num: int) -> list:
     """Per-layer parameter trees of a stack, for an unrolled loop over layers.
 
     One `split` per leaf: its gradient is one concatenate. Indexing `a[i]` per layer instead gives each
-    layer a gradient padded with zeros to the whole stack, and the step then adds up `num` such stacks.
+    layer a gradient padded with zeros to the whole stack, and the step then adds up `num` such stacks
+    (2.8% slower at 1.3B b16).
     """
-    if not split:
-        return [jax.tree.map(lambda a: a[i], blocks) for i in range(num)]
     parts = jax.tree.map(lambda a: [s[0] for s in jnp.split(a, num)], blocks)
     return [jax.tree.map(lambda _, ps: ps[i], blocks, parts) for i in range(num)]
 
@@ -113,7 +112,7 @@ class TransformerLM:
                 return one(p, x, i), None
             x, _ = jax.lax.scan(body, x, (blocks, jnp.arange(num)))
             return x
-        for i, p in enumerate(unstack_layers(blocks, num, self.cfg.optimised("split_layers"))):
+        for i, p in enumerate(unstack_layers(blocks, num)):
             x = one(p, x, i)
         return x
 

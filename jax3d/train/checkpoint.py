@@ -34,7 +34,7 @@ from jax3d.train.checkpoint_read import (check_files, list_steps, manager, no_ch
 FORMAT_VERSION = 1
 # Model fields that don't change the parameters and may differ between the saved run and this one.
 FREE_MODEL_FIELDS = frozenset({"hidden_dropout", "attention_dropout", "recompute", "scan_layers",
-                               "attention_impl", "init_method_std", "seq_length", "kernel_tunings",
+                               "attention_impl", "init_method_std", "seq_length",
                                # the padded vocab_size it produced is what the checkpoint's shapes hold
                                "make_vocab_size_divisible_by"})
 # Command-line flags (argparse dests) -> the model fields each one sets explicitly.
@@ -175,7 +175,7 @@ def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> Non
 
 def adopted_fields(given_flags: set[str]) -> set[str]:
     """The model fields `--load` takes from its checkpoint: every one that no flag given sets."""
-    explicit = set(FREE_MODEL_FIELDS) | {"ablate"}
+    explicit = set(FREE_MODEL_FIELDS)
     for flag in given_flags:
         explicit.update(_FLAG_FIELDS.get(flag, (flag,)))
     return {f.name for f in dataclasses.fields(ModelConfig)} - explicit
