@@ -278,16 +278,9 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
         return {"who": "jax3d", "run": run.label(), "error": f"{', '.join(unused)} does not run in this step "
                 "(not on one GPU, or the settings do not fit the shape), so its settings were not measured"}
     transposes = hlo_transposes(hlo)
-    with GpuLog() as gpu, jax.set_mesh(steps.mesh):
-        for _ in range(warmup):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        for _ in range(steps_timed):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        t1 = time.perf_counter()
-        dt = (t1 - t0) / steps_timed
+    with GpuLog() as gpu:
+        state, metrics, t0, t1 = time_steps(steps, compiled, state, batch, steps_timed, warmup)
+    dt = (t1 - t0) / steps_timed
     cfg = steps.cfg
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     tflops = tokens / dt * model_flops_per_token(cfg.model) / 1e12
@@ -305,6 +298,22 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
 def child_env() -> dict:
     """This process's environment, for a child that imports this checkout's `benchmarks` and `jax3d`."""
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def time_steps(steps, compiled, state, batch, steps_timed: int, warmup: int):
+    """(state, metrics, start, end): `steps_timed` calls of the compiled train step on `steps.mesh` after
+    `warmup` untimed ones, the clock read around the timed calls once their results are ready."""
+    import jax
+
+    with jax.set_mesh(steps.mesh):
+        for _ in range(warmup):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        for _ in range(steps_timed):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+    return state, metrics, t0, time.perf_counter()
 
 
 def run_isolated(run: Run, steps_timed: int) -> dict:

@@ -13,9 +13,8 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 
-from benchmarks.harness import build_config
+from benchmarks.harness import build_config, time_steps
 
 
 def parse_layout(text: str) -> dict:
@@ -45,15 +44,8 @@ def measure(base, layout: dict, steps_timed: int) -> dict:
                        train={"global_batch_size": micro * m * layout["data"]})
     steps, state, batch, compiled, compile_s = build_config(cfg, n)
     cfg = steps.cfg
-    with jax.set_mesh(steps.mesh):
-        for _ in range(2):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        for _ in range(steps_timed):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-    dt = (time.perf_counter() - t0) / steps_timed
+    state, metrics, t0, t1 = time_steps(steps, compiled, state, batch, steps_timed, warmup=2)
+    dt = (t1 - t0) / steps_timed
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     tflops = tokens / dt * model_flops_per_token(cfg.model) / n / 1e12
     peak = peak_tflops()
