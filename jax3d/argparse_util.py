@@ -56,7 +56,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Prints a flag's default once: after its help, unless the help already speaks of it or there is none."""
+    """Prints a flag's default once: after its help, unless the help already speaks of it or there is none
+    (None, "", [], False, or a flag that takes no value). A list prints as its words (`--json-keys text`)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -65,7 +66,29 @@ class HelpFormatter(argparse.HelpFormatter):
         if "default" in text or any(default is v for v in (None, "", False, argparse.SUPPRESS)) or action.nargs == 0 \
                 or default == []:
             return text
+        if isinstance(default, (list, tuple)):
+            return f"{text} (default: {' '.join(map(str, default))})"
         return f"{text} (default: {default})"
+
+
+class ExampleHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """HelpFormatter that prints the description as written, so a command example in it keeps its lines."""
+
+
+def add_device_flags(p) -> None:
+    """The device and multi-host flags of every command that runs a model (`jax3d.run.setup_devices` reads
+    them)."""
+    p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                   help="emulate N CPU devices (default: 8 when no accelerator is present, else the accelerators)")
+    p.add_argument("--coordinator-address", default="", metavar="HOST:PORT",
+                   help="address of process 0 of a multi-host run; give it with --num-processes and --process-id "
+                        "on every host (default: none: one host, or the run that SLURM or Open MPI describes)")
+    p.add_argument("--num-processes", type=int, default=0, metavar="N",
+                   help="processes of a multi-host run, usually one a host (default: 0: one process, or SLURM's or "
+                        "Open MPI's count)")
+    p.add_argument("--process-id", type=int, default=-1, metavar="I",
+                   help="this process's index in a multi-host run, from 0 to --num-processes - 1 (default: -1: one "
+                        "process, or SLURM's or Open MPI's rank)")
 
 
 def layer_counts(text: str, flag: str) -> tuple[int, ...]:

@@ -140,10 +140,18 @@ def test_jsonl_corpus_learns_what_its_plain_text_does(corpus_file, tmp_path):
     for args, words in (([str(bad)], "bad.jsonl line 2: invalid JSON"),
                         ([str(jsonl), "--json-keys", "body"], "line 1: no string field 'body'"),
                         ([str(jsonl), "--on-bad-line", "skip", "--json-keys", "body"], "hold no text under --json-keys body"),
-                        (["--json-keys", "body", str(jsonl)], "pass them before --json-keys")):
+                        # --json-keys before the inputs: the words that name files are the inputs
+                        (["--json-keys", "body", str(jsonl)], "line 1: no string field 'body'"),
+                        (["--json-keys", "body", str(tmp_path / "gone.jsonl")],
+                         f"--json-keys took body {tmp_path / 'gone.jsonl'}, and none of those names a file"),
+                        (["--json-keys", str(jsonl)], "names input files but no key")):
         r = subprocess.run(cli + ["--output-dir", str(tmp_path / "new"), *args], capture_output=True, text=True, env=env)
         assert r.returncode != 0 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
         assert not (tmp_path / "new").exists()
+    r = subprocess.run(cli + ["--output-dir", str(tmp_path / "before"), "--json-keys", "text", str(jsonl)],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and (tmp_path / "before" / "merges.txt").read_text() == \
+        (tmp_path / "jsonl" / "merges.txt").read_text(), r.stderr
     r = subprocess.run(cli + ["--output-dir", str(tmp_path / "skip"), "--on-bad-line", "skip", str(bad)],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "bad.jsonl line 2: invalid JSON" in r.stderr and "skipped" in r.stderr, r.stderr

@@ -233,22 +233,36 @@ def main(argv=None) -> int:
     return run_command(_main, argv, lambda: (ConfigError, DataError))
 
 
-def _main(argv) -> int:
-    from jax3d.argparse_util import OneLineParser
+def build_parser():
+    from jax3d.argparse_util import HelpFormatter, OneLineParser
 
-    p = OneLineParser(prog="launch/convert_hf.py", description="Convert between Hugging Face GPT-2 / BERT folders "
-                      "and jax3d checkpoints.")
+    p = OneLineParser(prog="launch/convert_hf.py", formatter_class=HelpFormatter,
+                      description="Convert between Hugging Face GPT-2 / BERT folders and jax3d checkpoints.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    i = sub.add_parser("import", help="HF folder -> jax3d checkpoint (step 0, fresh optimizer state)")
+    i = sub.add_parser("import", formatter_class=HelpFormatter,
+                       help="HF folder -> jax3d checkpoint (step 0, fresh optimizer state)",
+                       description="Write a Hugging Face GPT-2 or BERT folder (GPT2LMHeadModel, BertForPreTraining, "
+                                   "BertForMaskedLM, MegatronBertForPreTraining; weights in safetensors) as a jax3d "
+                                   "checkpoint at step 0 with a fresh optimizer state; its tokenizer files go to "
+                                   "SAVE/tokenizer/.")
     i.add_argument("--hf-dir", required=True, help="folder with config.json and model.safetensors")
     i.add_argument("--save", required=True, help="new checkpoint directory (pass it to train.py --load)")
     i.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this (tensor parallelism shards it)")
-    e = sub.add_parser("export", help="jax3d checkpoint -> HF folder")
+    e = sub.add_parser("export", formatter_class=HelpFormatter,
+                       help="jax3d checkpoint -> HF folder (weights, config, tokenizer and generation files)",
+                       description="Write a jax3d GPT or BERT checkpoint as a Hugging Face folder: config.json, "
+                                   "model.safetensors (the vocabulary cut to the tokenizer's size), the run's "
+                                   "tokenizer files with tokenizer_config.json and special_tokens_map.json, and a "
+                                   "GPT's generation_config.json.")
     e.add_argument("--load", required=True, help="checkpoint directory (a --save of train.py)")
     e.add_argument("--ckpt-step", type=int, default=-1, help="step to export (default: the latest)")
     e.add_argument("--hf-dir", required=True, help="new folder to write")
-    a = p.parse_args(argv)
+    return p
+
+
+def _main(argv) -> int:
+    a = build_parser().parse_args(argv)
     if a.command == "import":
         if a.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by} must be at least 1")

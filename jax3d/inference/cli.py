@@ -6,28 +6,27 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jax3d.argparse_util import HelpFormatter, OneLineParser
+    from jax3d.argparse_util import HelpFormatter, OneLineParser, add_device_flags
 
     p = OneLineParser(prog="launch/generate.py", description="Continue prompts with a jax3d GPT checkpoint (KV cache; "
                       "tensor parallel with --tensor-model-parallel-size).",
                       formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (a --save of train.py, or convert_hf.py import)")
     p.add_argument("--ckpt-step", type=int, default=-1, help="step to load (default: the latest)")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
-    p.add_argument("--prompt-file", default="", help="one prompt per line")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="a prompt; repeat for a batch (default: none; give --prompt or --prompt-file)")
+    p.add_argument("--prompt-file", default="", help="a UTF-8 file of prompts, one a line, after any --prompt "
+                   "(default: none)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--greedy", action="store_true", help="always the most likely token")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 for all of them")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens that hold this much probability; 1.0 for all")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16")
     p.add_argument("--ignore-eod", action="store_true", help="keep going past the end-of-document token")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="shard heads / MLP / vocab over this many devices")
-    p.add_argument("--cpu-devices", type=int, default=None, help="emulate N CPU devices (default: 8 without an accelerator)")
-    p.add_argument("--coordinator-address", default="")
-    p.add_argument("--num-processes", type=int, default=0)
-    p.add_argument("--process-id", type=int, default=-1)
+    add_device_flags(p)
     return p
 
 

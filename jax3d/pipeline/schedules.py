@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from jax3d.argparse_util import OneLineParser
+from jax3d.argparse_util import HelpFormatter, OneLineParser
 
 IDLE, F, B, W = 0, 1, 2, 3
 ACTION_LETTERS = {IDLE: ".", F: "F", B: "B", W: "W"}
@@ -354,14 +354,27 @@ def summary(sched: Schedule, costs=(1.0, 1.0, 1.0)) -> dict:
     }
 
 
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m jax3d.pipeline.schedules", formatter_class=HelpFormatter,
+                           description="Print a pipeline schedule's timeline (one row a stage, one column a tick) "
+                                       "and its bubble figures as JSON. No device is needed.")
+    parser.add_argument("--stages", type=int, required=True, help="pipeline stages p")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m of one step")
+    parser.add_argument("--schedule", default="1f1b", metavar="|".join(SCHEDULES),
+                        help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, at most p "
+                             "micro-batches live; interleaved: 1f1b over --virtual-stages chunks a stage, a smaller "
+                             "bubble; zb-h1: 1f1b with each backward split into input and weight grads, the weight "
+                             "grads filling the bubble")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="model chunks on each stage (default: 2 for interleaved, 1 otherwise)")
+    parser.add_argument("--costs", default="1,1,1", metavar="T_F,T_B,T_W",
+                        help="relative times of a forward pass and of a backward pass's input-grad and weight-grad "
+                             "halves (a fused backward costs T_B + T_W), for bubble_fraction")
+    return parser
+
+
 def main(argv=None) -> int:
-    parser = OneLineParser(prog="python -m jax3d.pipeline.schedules",
-                     description="Print a pipeline schedule timeline and its bubble figures.")
-    parser.add_argument("--stages", type=int, required=True)
-    parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--virtual-stages", type=int, default=None)
-    parser.add_argument("--costs", default="1,1,1", help="T_F,T_B,T_W")
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         costs = tuple(float(c) for c in args.costs.split(","))
