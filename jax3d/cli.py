@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
                    help="activation recompute in the backward pass (default: none)")
     g.add_argument("--recompute-granularity", choices=["selective", "full"], default=None,
-                   help="Megatron's spelling of --recompute")
+                   help="Megatron's spelling of --recompute (default: none)")
     g.add_argument("--checkpoint-activations", action="store_true", help="same as --recompute full")
     g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="lax.scan over the blocks, which compiles a deep stack in seconds rather than minutes "
@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline schedule (default: interleaved with --num-layers-per-virtual-pipeline-stage, "
                         "as in Megatron, else 1f1b)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="layers per model chunk, for the interleaved schedule")
+                   help="layers per model chunk, for the interleaved schedule (default: none, one chunk per stage)")
     g.add_argument("--pipeline-model-parallel-layout", default="", metavar="N,N,...",
-                   help="layers per (virtual) stage when they don't divide evenly, e.g. 3,5,5,3")
+                   help="layers per (virtual) stage when they don't divide evenly, e.g. 3,5,5,3 (default: an even split)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch per data-parallel rank "
@@ -111,19 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=[], metavar="PATH",
-                   help="Megatron .bin/.idx prefix, or weights and prefixes: 0.3 A 0.7 B (default: the bundled corpus)")
+                   help="Megatron .bin/.idx prefix, or weights and prefixes: 0.3 A 0.7 B (default: the bundled corpus, or "
+                        "the checkpoint's with --load)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
     g.add_argument("--tokenizer-type", default="", choices=["", *TOKENIZER_TYPES], metavar="TYPE",
-                   help=f"one of: {', '.join(TOKENIZER_TYPES)}")
-    g.add_argument("--vocab-file", default="", help="GPT-2 vocab.json or BERT vocab.txt")
-    g.add_argument("--merge-file", default="", help="GPT-2 merges.txt")
-    g.add_argument("--tokenizer-file", default="", help="a Hugging Face tokenizer.json (HFTokenizer)")
+                   help=f"one of: {', '.join(TOKENIZER_TYPES)} (default: the bundled corpus's, or the checkpoint's "
+                        "with --load)")
+    g.add_argument("--vocab-file", default="", help="GPT-2 vocab.json or BERT vocab.txt (default: none, or the checkpoint's with --load)")
+    g.add_argument("--merge-file", default="", help="GPT-2 merges.txt (default: none, or the checkpoint's with --load)")
+    g.add_argument("--tokenizer-file", default="", help="a Hugging Face tokenizer.json (HFTokenizer) (default: none, or the checkpoint's with --load)")
     g.add_argument("--data-cache-path", default="", help="where sample indices are cached (default: beside the data)")
 
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--save", default="", help="checkpoint directory to write")
+    g.add_argument("--save", default="", help="checkpoint directory to write (default: none, nothing is saved)")
     g.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    g.add_argument("--load", default="", help="checkpoint directory to resume or fine-tune from")
+    g.add_argument("--load", default="", help="checkpoint directory to resume or fine-tune from; a resumed run keeps its data, tokenizer, "
+                        "optimizer settings, batch sizes, precision and seed unless flags set them (default: none)")
     g.add_argument("--ckpt-step", type=int, default=-1, help="step to load (default: the latest)")
     g.add_argument("--keep-checkpoints", type=int, default=0, help="keep only the newest N (0: all)")
     g.add_argument("--finetune", action="store_true",
@@ -144,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("devices")
     g.add_argument("--cpu-devices", type=int, default=None,
                    help="emulate N CPU devices (default: 8 when no accelerator is present)")
-    g.add_argument("--coordinator-address", default="", help="HOST:PORT of process 0, for several hosts")
+    g.add_argument("--coordinator-address", default="", help="HOST:PORT of process 0, for several hosts (default: none; SLURM or Open MPI set it)")
     g.add_argument("--num-processes", type=int, default=0, help="processes in a multi-host run")
     g.add_argument("--process-id", type=int, default=-1, help="this process's index in a multi-host run")
     return p

@@ -222,8 +222,9 @@ def _main(argv) -> int:
                       formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory")
     p.add_argument("--ckpt-step", type=int, default=-1, help="the step to evaluate (default: the latest)")
-    p.add_argument("--data-path", nargs="+", default=[], help="Megatron .bin/.idx prefix (or weights and prefixes)")
-    p.add_argument("--text-file", default="", help="a UTF-8 text file (GPT), cut into windows of the model's sequence length")
+    p.add_argument("--data-path", nargs="+", default=[], help="Megatron .bin/.idx prefix (or weights and prefixes) (default: none; pass it or --text-file)")
+    p.add_argument("--text-file", default="", help="a UTF-8 text file (GPT), cut into windows of the model's sequence length "
+                   "(default: none; pass it or --data-path)")
     p.add_argument("--split", default=None, help="as in training (default: the checkpoint's run)")
     p.add_argument("--split-name", choices=SPLITS, default="valid", help="which part of --split to evaluate (default: valid)")
     p.add_argument("--num-samples", type=int, default=0, help="the first N samples (default: all, one epoch)")
@@ -234,7 +235,8 @@ def _main(argv) -> int:
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (default: float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--cpu-devices", type=int, default=None, help="emulate N CPU devices (default: 8 without an accelerator)")
-    p.add_argument("--coordinator-address", default="", help="HOST:PORT of process 0, for several hosts")
+    p.add_argument("--coordinator-address", default="",
+                   help="HOST:PORT of process 0, for several hosts (default: none; SLURM or Open MPI set it)")
     p.add_argument("--num-processes", type=int, default=0, help="processes in all, for several hosts")
     p.add_argument("--process-id", type=int, default=-1, help="this process's index, for several hosts")
     a = p.parse_args(argv)

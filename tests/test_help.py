@@ -89,16 +89,11 @@ def test_the_rule_catches_what_it_should():
                                 "--g: says 'default' 2 times: g (default: x); default"]
 
 
-# launch/train.py's and launch/evaluate.py's flags are another change's (jax3d/cli.py, jax3d/evaluate.py): these
-# fail until their help texts are done, and then pass, which strict xfail reports; drop the marks then.
-@pytest.mark.xfail(strict=True, reason="jax3d/cli.py: 10 flags lack a shown default (issue 28)")
 def test_train_flags_have_help_and_a_default():
     from jax3d.cli import build_parser
     assert help_problems(build_parser()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="jax3d/evaluate.py: --data-path, --text-file, --coordinator-address lack a "
-                   "shown default (issue 28)")
 def test_evaluate_flags_have_help_and_a_default():
     from jax3d import evaluate
     parser = evaluate.build_parser() if hasattr(evaluate, "build_parser") else _parser_of(evaluate._main)
