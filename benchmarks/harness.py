@@ -318,7 +318,7 @@ def time_steps(steps, compiled, state, batch, steps_timed: int, warmup: int):
 
 def run_isolated(run: Run, steps_timed: int) -> dict:
     """`measure` in a fresh process: its own peak-memory counter and XLA flags."""
-    from jax3d.run import claim_device_memory
+    from jax3d.cli.train import claim_device_memory
 
     env = child_env()
     claim_device_memory(env)  # as launch/train.py does

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from jax3d.argparse_util import OneLineParser, layer_counts
+from jax3d.cli.common import OneLineParser, layer_counts
 from jax3d.mesh import emulate_cpu_devices
 
 

@@ -211,12 +211,12 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
 
 def main(argv=None) -> int:
     """`launch/evaluate.py`: one JSON line of figures; bad input is one sentence and exit 2."""
-    from jax3d.argparse_util import run_command
+    from jax3d.cli.common import run_command
     return run_command(_main, argv, lambda: (ConfigError, DataError))
 
 
 def _main(argv) -> int:
-    from jax3d.argparse_util import HelpFormatter, OneLineParser
+    from jax3d.cli.common import HelpFormatter, OneLineParser
 
     p = OneLineParser(prog="launch/evaluate.py", description="Loss and perplexity of a checkpoint over a data set.",
                       formatter_class=HelpFormatter)
@@ -246,7 +246,7 @@ def _main(argv) -> int:
             raise ConfigError(f"{flag} {v} must be at least 1")
     if a.num_samples < 0:
         raise ConfigError(f"--num-samples {a.num_samples} must not be negative")
-    from jax3d.run import setup_devices
+    from jax3d.cli.train import setup_devices
     setup_devices(a)
     out = evaluate_checkpoint(a.load, step=a.ckpt_step, data_paths=a.data_path, text_file=a.text_file,
                               split=a.split, which=a.split_name, num_samples=a.num_samples,

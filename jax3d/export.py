@@ -19,7 +19,8 @@ import os
 import jax
 import numpy as np
 
-from jax3d.argparse_util import HelpFormatter, OneLineParser, dir_problem, run_command
+from jax3d.file_util import dir_problem
+from jax3d.cli.common import HelpFormatter, OneLineParser, run_command
 from jax3d.config import ConfigError, config_from_dict
 from jax3d.file_util import readable_by_all
 from jax3d.train.checkpoint_read import check_outside_checkpoint, restore_arrays, saved_step_meta

@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
-from jax3d.data.cli import preprocess_main  # noqa: E402
+from jax3d.cli.data import preprocess_main  # noqa: E402
 
 if __name__ == "__main__":  # --workers > 1 starts processes that import this file again
     sys.exit(preprocess_main())

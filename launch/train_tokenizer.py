@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jax3d
 
-from jax3d.data.cli import train_tokenizer_main  # noqa: E402
+from jax3d.cli.data import train_tokenizer_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(train_tokenizer_main())

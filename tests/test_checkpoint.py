@@ -214,7 +214,7 @@ def test_model_config_mismatch_names_the_field(small_ckpt):
 def test_a_preset_that_differs_from_the_checkpoint_is_named_before_the_layout_check(small_ckpt):
     """--load with --preset gpt-125m: the preset's layer count is what differs (the run blamed the
     checkpoint's --max-position-embeddings, a flag never given, for a layout that could not fit)."""
-    from jax3d.cli import build_parser, config_from_args
+    from jax3d.cli.train_flags import build_parser, config_from_args
     from jax3d.train.checkpoint import adopt_saved_model
 
     d = small_ckpt[0].train.save

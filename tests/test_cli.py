@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from jax3d.run import main
+from jax3d.cli.train import main
 from tests.helpers import ROOT, free_port, subprocess_env
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -70,7 +70,7 @@ def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
 ])
 def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch):
     """A zero batch size is not silently taken as "the preset's", nor a negative interval as "never"."""
-    from jax3d.cli import build_parser, config_from_args
+    from jax3d.cli.train_flags import build_parser, config_from_args
     from jax3d.config import ConfigError
 
     monkeypatch.chdir(ROOT)
@@ -82,7 +82,7 @@ def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch
 def test_virtual_stages_select_the_interleaved_schedule():
     """As in Megatron, --num-layers-per-virtual-pipeline-stage alone means the interleaved schedule; a
     schedule given beside it is kept (and refused by the layout check when it is not interleaved)."""
-    from jax3d.cli import build_parser, config_from_args
+    from jax3d.cli.train_flags import build_parser, config_from_args
 
     def schedule(*argv):
         return config_from_args(build_parser().parse_args(list(argv))).parallel.pipeline_schedule
@@ -259,7 +259,7 @@ def test_commands_end_quietly_on_ctrl_c_a_closed_pipe_and_bad_input():
     real bug and keeps its traceback."""
     program = """
 import sys
-from jax3d.argparse_util import run_command
+from jax3d.cli.common import run_command
 from jax3d.config import ConfigError
 def main(argv):
     if argv[0] == "pipe":

@@ -3,7 +3,7 @@ import argparse
 import ast
 import os
 
-from jax3d.cli import HelpFormatter, build_parser
+from jax3d.cli.train_flags import HelpFormatter, build_parser
 from tests.helpers import ROOT
 
 PKG = os.path.join(ROOT, "jax3d")

@@ -1,7 +1,7 @@
 """Every jax3d command's --help explains each flag and shows its default.
 
 The rule, for every option of every command (and subcommand): its help is not empty, and the line `--help`
-prints for it says "default" (argparse_util.HelpFormatter adds "(default: X)"; a help that already speaks
+prints for it says "default" (jax3d.cli.common.HelpFormatter adds "(default: X)"; a help that already speaks
 of its default keeps its own words), once, and never "default: None". Exempt from the default, where none
 makes sense: a flag that takes no value and is off unless given (store_true and the like; a
 --x/--no-x pair still shows which is the default), a required option, a positional argument, and -h.
@@ -58,9 +58,9 @@ def help_problems(parser: argparse.ArgumentParser, prefix: str = "") -> list[str
 
 def _tool_parsers():
     from jax3d import export
-    from jax3d.data import cli as data_cli
+    from jax3d.cli import data as data_cli
     from jax3d.hf import convert
-    from jax3d.inference import cli as generate_cli
+    from jax3d.cli import generate as generate_cli
     from jax3d.pipeline import schedules
     return {"launch/preprocess_data.py": data_cli.preprocess_parser, "launch/train_tokenizer.py":
             data_cli.train_tokenizer_parser, "launch/export.py": export.build_parser,
@@ -90,7 +90,7 @@ def test_the_rule_catches_what_it_should():
 
 
 def test_train_flags_have_help_and_a_default():
-    from jax3d.cli import build_parser
+    from jax3d.cli.train_flags import build_parser
     assert help_problems(build_parser()) == []
 
 

@@ -179,7 +179,7 @@ def test_trained_at_222_exported_matches_transformers(tmp_path):
 @pytest.fixture(scope="module")
 def bundled_run(tmp_path_factory):
     """A checkpoint of launch/train.py on the bundled corpus, whose tokenizer files only its cache holds."""
-    from jax3d.run import main as train_main
+    from jax3d.cli.train import main as train_main
     d = tmp_path_factory.mktemp("bundled")
     assert train_main(["--preset", "gpt-tiny", "--train-iters", "1", "--global-batch-size", "8", "--micro-batch-size",
                        "1", "--seq-length", "32", "--eval-interval", "0", "--no-progress", "--save", str(d / "ckpt"),
@@ -325,7 +325,7 @@ def test_train_py_fine_tunes_an_import_from_transformers_loss(tmp_path):
 
     from jax3d.data import build_gpt_datasets
     from jax3d.data.indexed import IndexedDatasetBuilder
-    from jax3d.run import main as train_main
+    from jax3d.cli.train import main as train_main
     from tests.hf_fixtures import TEXT, gpt2_folder_with_tokenizer
 
     hf, tok = gpt2_folder_with_tokenizer(tmp_path / "hf", act="gelu")

@@ -112,7 +112,7 @@ def test_the_guard_stops_a_resumed_run_before_its_checkpoint_is_read(monkeypatch
 
 
 def test_a_run_claims_most_of_each_gpu_unless_told_otherwise():
-    from jax3d.run import DEVICE_MEMORY_FRACTION, claim_device_memory
+    from jax3d.cli.train import DEVICE_MEMORY_FRACTION, claim_device_memory
 
     env = {}
     claim_device_memory(env)

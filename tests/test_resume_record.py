@@ -12,7 +12,7 @@ import pytest
 from jax3d.config import ConfigError
 from jax3d.data import TokenizerSpec, preprocess_jsonl, train_tokenizer
 from jax3d.data.synthetic import synthetic_documents, write_jsonl
-from jax3d.run import main
+from jax3d.cli.train import main
 
 # (8, 1, 1) compiles fastest; 32-token samples of a 16-sample batch keep 6 steps inside one pass of the data, so
 # the sample order of a 4-step and a 6-step run is the same (it depends on the passes a run needs).
@@ -160,7 +160,7 @@ def test_a_checkpoint_past_train_iters_is_refused_and_one_at_it_is_done(run4, ca
 
 def _restore(ck, **train):
     """The state of checkpoint `ck` restored at (8, 1, 1) as Checkpointer.restore gives it."""
-    from jax3d.cli import build_parser, config_from_args
+    from jax3d.cli.train_flags import build_parser, config_from_args
     from jax3d.plan import resolve
     from jax3d.train.checkpoint import Checkpointer
     from jax3d.train.step import build_steps

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jax3d.argparse_util import dir_problem
+from jax3d.file_util import dir_problem
 from jax3d.data.indexed import DataError, IndexedDatasetBuilder, best_dtype, data_path, index_path
 from jax3d.data.jsonl import bad_line, checked_options, line_chunks, parse_line
 from jax3d.data.tokenizers import build_tokenizer

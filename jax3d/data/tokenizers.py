@@ -10,7 +10,7 @@ import sys
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from jax3d.argparse_util import dir_problem
+from jax3d.file_util import dir_problem
 from jax3d.data import jsonl
 from jax3d.data.indexed import DataError
 

@@ -15,7 +15,8 @@ import shutil
 
 import numpy as np
 
-from jax3d.argparse_util import dir_problem, run_command
+from jax3d.file_util import dir_problem
+from jax3d.cli.common import run_command
 from jax3d.config import Config, ConfigError, DataConfig, TrainConfig
 from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf, to_hf
 
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
 
 
 def build_parser():
-    from jax3d.argparse_util import HelpFormatter, OneLineParser
+    from jax3d.cli.common import HelpFormatter, OneLineParser
 
     p = OneLineParser(prog="launch/convert_hf.py", formatter_class=HelpFormatter,
                       description="Convert between Hugging Face GPT-2 / BERT folders and jax3d checkpoints.")

@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from jax3d.argparse_util import HelpFormatter, OneLineParser
+from jax3d.cli.common import HelpFormatter, OneLineParser
 
 IDLE, F, B, W = 0, 1, 2, 3
 ACTION_LETTERS = {IDLE: ".", F: "F", B: "B", W: "W"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jax3d.argparse_util import ExampleHelpFormatter, OneLineParser, run_command
+from jax3d.cli.common import ExampleHelpFormatter, OneLineParser, run_command
 from jax3d.data.indexed import DataError
 from jax3d.data.tokenizers import TOKENIZER_TYPES
 

@@ -5,7 +5,8 @@ import argparse
 import dataclasses
 import os
 
-from jax3d.argparse_util import HelpFormatter, OneLineParser, dir_problem, layer_counts
+from jax3d.file_util import dir_problem
+from jax3d.cli.common import HelpFormatter, OneLineParser, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig)
 from jax3d.data.tokenizers import TOKENIZER_TYPES

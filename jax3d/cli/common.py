@@ -5,7 +5,6 @@ import argparse
 import os
 import select
 import sys
-import tempfile
 
 
 def report_error(e: BaseException) -> int:
@@ -76,7 +75,7 @@ class ExampleHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 
 
 def add_device_flags(p) -> None:
-    """The device and multi-host flags of every command that runs a model (`jax3d.run.setup_devices` reads
+    """The device and multi-host flags of every command that runs a model (`jax3d.cli.train.setup_devices` reads
     them)."""
     p.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="emulate N CPU devices (default: 8 when no accelerator is present, else the accelerators)")
@@ -100,24 +99,3 @@ def layer_counts(text: str, flag: str) -> tuple[int, ...]:
     if any(c < 1 for c in counts):
         raise ValueError(f"{flag} {text!r} leaves a stage without layers; give every stage at least one")
     return counts
-
-
-def dir_problem(path: str, probe: bool = True) -> str | None:
-    """Why directory `path` can't be written to or created ("is a file", "lies inside file F", "cannot be
-    written (Permission denied)"), or None. With `probe`, it tries to create and remove a temporary folder
-    there, which leaves nothing: a command checks its output folder before it spends time on work it
-    could not save."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return "is a file, not a directory"
-    here = os.path.abspath(path)
-    while not os.path.exists(here):
-        here = os.path.dirname(here)
-    if not os.path.isdir(here):
-        return f"lies inside {here}, which is a file"
-    if not probe:
-        return None
-    try:  # permissions, read-only or special file systems: only trying tells
-        tempfile.TemporaryDirectory(dir=here).cleanup()
-    except OSError as e:
-        return f"cannot be written ({e.strerror} in {here})"
-    return None

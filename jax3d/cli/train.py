@@ -6,8 +6,8 @@ import json
 import os
 import sys
 
-from jax3d.argparse_util import run_command
-from jax3d.cli import build_parser, config_from_args
+from jax3d.cli.common import run_command
+from jax3d.cli.train_flags import build_parser, config_from_args
 from jax3d.config import ConfigError
 from jax3d.mesh import emulate_cpu_devices, init_distributed
 
@@ -87,7 +87,7 @@ def _main(argv) -> int:
 
     from_checkpoint = ()
     if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
-        from jax3d.cli import given_flags
+        from jax3d.cli.train_flags import given_flags
         from jax3d.train.checkpoint import adopt_saved_model
         # what the checkpoint set, including values that equal a flag's default
         from jax3d.train.checkpoint_read import check_files, list_steps, read_meta, resolve_step

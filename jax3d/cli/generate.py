@@ -6,7 +6,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jax3d.argparse_util import HelpFormatter, OneLineParser, add_device_flags
+    from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags
 
     p = OneLineParser(prog="launch/generate.py", description="Continue prompts with a jax3d GPT checkpoint (KV cache; "
                       "tensor parallel with --tensor-model-parallel-size).",
@@ -45,7 +45,7 @@ def _bad_input() -> tuple:
 
 
 def main(argv=None) -> int:
-    from jax3d.argparse_util import run_command
+    from jax3d.cli.common import run_command
     return run_command(_main, argv, _bad_input)
 
 
@@ -73,7 +73,7 @@ def _main(argv) -> int:
     sampling = Sampling(greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
     sampling.validate()
 
-    from jax3d.run import setup_devices
+    from jax3d.cli.train import setup_devices
     setup_devices(a)
     import jax.numpy as jnp
 
