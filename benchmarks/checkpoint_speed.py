@@ -38,7 +38,7 @@ def main():
 
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from jax3d.mesh import MeshConfig
-    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
 
     model = ModelConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50304,

@@ -10,7 +10,6 @@ sentence-order loss and accuracy.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 
@@ -173,7 +172,7 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     from jax3d.plan import resolve
     from jax3d.sharding import with_shardings
     from jax3d.config import config_from_dict
-    from jax3d.train.checkpoint_read import restore_arrays, saved_step_meta
+    from jax3d.checkpoint.read import restore_arrays, saved_step_meta
     from jax3d.train.step import build_steps
 
     if bool(data_paths) == bool(text_file):
@@ -196,8 +195,8 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     mesh_cfg = resolve(cfg, dp * pp * tp, checkpoint=load,
                        from_checkpoint=[f.name for f in dataclasses.fields(saved.model)]).mesh
     if tokenizer is None:
-        from jax3d.inference.generate import load_tokenizer
-        tokenizer = load_tokenizer(meta, cfg.model.model_type)
+        from jax3d.checkpoint.tokenizer import checkpoint_tokenizer
+        tokenizer = checkpoint_tokenizer(meta)
     split = saved.data.split if split is None else split  # by default the samples training validated on
     validated = saved.train.eval_iters * saved.train.global_batch_size if which == "valid" else 0
     dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples, validated)
@@ -207,51 +206,3 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     out = evaluate_params(steps, params, dataset, count, progress)
     out.update(step=int(meta["step"]), layout={"data": dp, "stage": pp, "model": tp})
     return out
-
-
-def main(argv=None) -> int:
-    """`launch/evaluate.py`: one JSON line of figures; bad input is one sentence and exit 2."""
-    from jax3d.cli.common import run_command
-    return run_command(_main, argv, lambda: (ConfigError, DataError))
-
-
-def _main(argv) -> int:
-    from jax3d.cli.common import HelpFormatter, OneLineParser
-
-    p = OneLineParser(prog="launch/evaluate.py", description="Loss and perplexity of a checkpoint over a data set.",
-                      formatter_class=HelpFormatter)
-    p.add_argument("--load", required=True, help="checkpoint directory")
-    p.add_argument("--ckpt-step", type=int, default=-1, help="the step to evaluate (default: the latest)")
-    p.add_argument("--data-path", nargs="+", default=[], help="Megatron .bin/.idx prefix (or weights and prefixes) (default: none; pass it or --text-file)")
-    p.add_argument("--text-file", default="", help="a UTF-8 text file (GPT), cut into windows of the model's sequence length "
-                   "(default: none; pass it or --data-path)")
-    p.add_argument("--split", default=None, help="as in training (default: the checkpoint's run)")
-    p.add_argument("--split-name", choices=SPLITS, default="valid", help="which part of --split to evaluate (default: valid)")
-    p.add_argument("--num-samples", type=int, default=0, help="the first N samples (default: all, one epoch)")
-    p.add_argument("--seed", type=int, default=None, help="sample order seed (default: the checkpoint's run)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="samples per device per forward pass")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="devices each layer is split over")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages")
-    p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (default: float32)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--cpu-devices", type=int, default=None, help="emulate N CPU devices (default: 8 without an accelerator)")
-    p.add_argument("--coordinator-address", default="",
-                   help="HOST:PORT of process 0, for several hosts (default: none; SLURM or Open MPI set it)")
-    p.add_argument("--num-processes", type=int, default=0, help="processes in all, for several hosts")
-    p.add_argument("--process-id", type=int, default=-1, help="this process's index, for several hosts")
-    a = p.parse_args(argv)
-    for flag, v in [("--micro-batch-size", a.micro_batch_size), ("--tensor-model-parallel-size",
-                    a.tensor_model_parallel_size), ("--pipeline-model-parallel-size", a.pipeline_model_parallel_size)]:
-        if v < 1:
-            raise ConfigError(f"{flag} {v} must be at least 1")
-    if a.num_samples < 0:
-        raise ConfigError(f"--num-samples {a.num_samples} must not be negative")
-    from jax3d.cli.train import setup_devices
-    setup_devices(a)
-    out = evaluate_checkpoint(a.load, step=a.ckpt_step, data_paths=a.data_path, text_file=a.text_file,
-                              split=a.split, which=a.split_name, num_samples=a.num_samples,
-                              micro_batch_size=a.micro_batch_size, tp=a.tensor_model_parallel_size,
-                              pp=a.pipeline_model_parallel_size, dtype="bfloat16" if a.bf16 else "float32",
-                              seed=a.seed, progress=not a.no_progress)
-    print(json.dumps(out))
-    return 0

@@ -4,7 +4,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jax3d.evaluate import main  # noqa: E402
+from jax3d.cli.evaluate import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,7 +5,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # export restores onto one CPU device; leave accelerators alone
 
-from jax3d.export import main  # noqa: E402
+from jax3d.cli.export import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

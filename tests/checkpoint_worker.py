@@ -22,7 +22,7 @@ def crash(directory):
     emulate_cpu_devices(1)
     import jax
 
-    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
     from tests.helpers import tiny_config
 
@@ -47,7 +47,7 @@ def multiproc(port, pid, load, save, out):
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, int(pid))
     assert jax.device_count() == 8 and jax.local_device_count() == 4
 
-    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
     from tests.test_checkpoint import layout, train
 

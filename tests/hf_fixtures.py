@@ -52,7 +52,7 @@ def jax3d_checkpoint_with_tokenizer(path, model_type, seed=0):
 
     from jax3d.data.tokenizers import build_tokenizer, train_tokenizer
     from jax3d.hf.mapping import padded
-    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
     from tests.helpers import tiny_config
 

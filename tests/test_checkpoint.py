@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jax3d.config import ConfigError
-from jax3d.train.checkpoint import Checkpointer, TrainingInterrupted
-from jax3d.train.checkpoint_read import list_steps, read_meta
+from jax3d.checkpoint.checkpointer import Checkpointer, TrainingInterrupted
+from jax3d.checkpoint.read import list_steps, read_meta
 from jax3d.train.step import build_steps
 from tests.helpers import ROOT, free_port, subprocess_env, tiny_config
 
@@ -215,7 +215,7 @@ def test_a_preset_that_differs_from_the_checkpoint_is_named_before_the_layout_ch
     """--load with --preset gpt-125m: the preset's layer count is what differs (the run blamed the
     checkpoint's --max-position-embeddings, a flag never given, for a layout that could not fit)."""
     from jax3d.cli.train_flags import build_parser, config_from_args
-    from jax3d.train.checkpoint import adopt_saved_model
+    from jax3d.cli.resume import adopt_saved_model
 
     d = small_ckpt[0].train.save
     argv = ["--load", d, "--preset", "gpt-125m"]
@@ -319,7 +319,7 @@ def test_padding_rule_is_free_but_the_padded_vocabulary_is_not():
     checkpoint's shapes hold: another rule giving the same size restores, another size is refused."""
     import dataclasses
 
-    from jax3d.train.checkpoint import check_model_compatible
+    from jax3d.checkpoint.checkpointer import check_model_compatible
     from tests.helpers import tiny_model
 
     saved = dataclasses.asdict(tiny_model(vocab_size=512, make_vocab_size_divisible_by=128))
@@ -397,7 +397,7 @@ def test_a_failed_restore_leaves_no_echoes_and_a_good_one_leaves_no_filters(caps
     import logging
     import warnings
 
-    from jax3d.train.checkpoint_read import _quiet_after_failed_read
+    from jax3d.checkpoint.read import _quiet_after_failed_read
 
     class Raises:
         def __init__(self, e):
@@ -446,7 +446,7 @@ def test_a_failed_restore_leaves_no_echoes_and_a_good_one_leaves_no_filters(caps
 
 def test_a_step_folder_given_as_load_names_the_flags_to_pass(small_ckpt):
     """`--load ck/2` said only that it held no complete checkpoint."""
-    from jax3d.train.checkpoint_read import saved_step_meta
+    from jax3d.checkpoint.read import saved_step_meta
 
     cfg, _, _, steps = small_ckpt
     step_dir = os.path.join(cfg.train.save, "2")
@@ -460,7 +460,7 @@ def test_a_step_folder_given_as_load_names_the_flags_to_pass(small_ckpt):
 def test_the_fields_load_adopts_are_those_no_given_flag_sets():
     """What errors then blame on the checkpoint, also where its value equals the flag's default (a layout
     error named --num-layers 2, the default, as if the user had typed it)."""
-    from jax3d.train.checkpoint import adopted_fields
+    from jax3d.cli.resume import adopted_fields
 
     everything = adopted_fields({"load"})
     assert {"num_layers", "hidden_size", "vocab_size", "activation"} <= everything

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jax3d.config import ConfigError
-from jax3d.export import export, read_safetensors
-from jax3d.train.checkpoint import Checkpointer
+from jax3d.checkpoint.export import export, read_safetensors
+from jax3d.checkpoint.checkpointer import Checkpointer
 from jax3d.train.step import build_steps
 from tests.helpers import ROOT, subprocess_env, tiny_config
 
@@ -72,8 +72,8 @@ def test_orbax_export_is_refused_inside_the_checkpoint_directory(sharded_ckpt, t
     safetensors file, is harmless and allowed; anything inside a step's folder is refused."""
     import shutil
 
-    from jax3d.export import load_params
-    from jax3d.train.checkpoint_read import list_steps
+    from jax3d.checkpoint.export import load_params
+    from jax3d.checkpoint.read import list_steps
     d, _, params = sharded_ckpt
     steps = list_steps(d)
     before = sorted(os.listdir(os.path.join(d, str(steps[-1]))))

@@ -203,7 +203,7 @@ def test_dry_run_reports_the_peak_the_memory_guard_checks(tmp_path, monkeypatch,
 
 
 def test_fields_adopted_from_the_checkpoint_are_blamed_on_it(tmp_path, monkeypatch, capsys):
-    from jax3d.train import checkpoint
+    from jax3d.cli import resume as checkpoint
 
     monkeypatch.setattr(checkpoint, "adopt_saved_model", lambda cfg, *a: (cfg.replace(model={"vocab_size": 128}), {"vocab_size"}))
     assert main([*BASE, "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path)]) == 2
@@ -292,7 +292,7 @@ sys.exit(run_command(main, sys.argv[1:], lambda: (ConfigError,)))
 def test_a_numbered_folder_inside_a_checkpoint_directory_is_refused_and_other_folders_are_not(tmp_path, capsys):
     """`--save ck/99` became step 99 of ck, the latest, which --load then failed on. A run whose --log-dir
     sits inside its --save resumes as before, and numbered run folders outside checkpoints stay allowed."""
-    from jax3d.train.checkpoint_read import list_steps
+    from jax3d.checkpoint.read import list_steps
 
     ck, runs = str(tmp_path / "ck"), tmp_path / "runs"
     one = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--train-iters"]

@@ -85,9 +85,8 @@ def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_pat
     from types import SimpleNamespace
 
     from jax3d.config import Config, ConfigError, DataConfig, ModelConfig
-    from jax3d.inference.generate import load_tokenizer
-    from jax3d.train.checkpoint import check_same_tokenizer, tokenizer_info
-    from jax3d.train.checkpoint_read import read_meta
+    from jax3d.checkpoint.tokenizer import check_same_tokenizer, checkpoint_tokenizer, tokenizer_info
+    from jax3d.checkpoint.read import read_meta
 
     monkeypatch.chdir(tmp_path)
     info = tokenizer_info(Config(data=DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file="tok/vocab.json",
@@ -96,7 +95,7 @@ def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_pat
 
     ck = str(gpt_run / "ckpt")
     meta = read_meta(ck, 3)
-    own = load_tokenizer(meta, "gpt")  # the bundled corpus's
+    own = checkpoint_tokenizer(meta)  # the bundled corpus's
     check_same_tokenizer(ck, -1, own)
     with pytest.raises(ConfigError, match=f"--load {ck} was trained on a tokenizer of {own.vocab_size} tokens and "
                                           "this run's has 1000; .*the bundled corpus's, used without --data-path"):
@@ -110,16 +109,15 @@ def test_the_checkpoint_names_its_tokenizer_and_refuses_another(gpt_run, tmp_pat
     check_same_tokenizer(ck, -1, SimpleNamespace(vocab_size=own.vocab_size + 2))  # added tokens: allowed
     assert "this run's tokenizer has" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="records no tokenizer .*imported without tokenizer files"):
-        load_tokenizer({"tokenizer": {"type": "", "vocab_size": None, "note": "imported without tokenizer files"}},
-                       "gpt")
+        checkpoint_tokenizer({"tokenizer": {"type": "", "vocab_size": None, "note": "imported without tokenizer files"}})
     # a checkpoint saved from code with no tokenizer record (as before this was written): the bundled one
-    assert load_tokenizer({"tokenizer": {"type": "", "vocab_size": None}}, "gpt").vocab_size == own.vocab_size
+    assert checkpoint_tokenizer({"tokenizer": {"type": "", "vocab_size": None}}).vocab_size == own.vocab_size
     assert tokenizer_info(Config())["note"] == "bundled default corpus tokenizer"  # a library run, no tokenizer
     # one on ids of another vocabulary (the README's 512) recorded the bundled tokenizer, whose files export copied
     assert tokenizer_info(Config(model=ModelConfig(vocab_size=512)))["note"] == "imported without tokenizer files"
     gone = {"tokenizer": {"type": "GPT2BPETokenizer", "vocab_file": str(tmp_path / "v.json"), "merge_file": ""}}
     with pytest.raises(ConfigError, match="tokenizer file .*v.json does not exist"):
-        load_tokenizer(gone, "gpt")
+        checkpoint_tokenizer(gone)
 
 
 def test_a_small_validation_split_is_read_past_its_end_as_training_read_it(tmp_path, capsys):

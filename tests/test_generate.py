@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jax3d.config import ConfigError  # noqa: E402
-from jax3d.export import load_params  # noqa: E402
+from jax3d.checkpoint.export import load_params  # noqa: E402
 from jax3d.hf import import_hf  # noqa: E402
 from jax3d.inference import Generator, Sampling, greedy_without_cache  # noqa: E402
 from jax3d.mesh import MeshConfig  # noqa: E402

@@ -11,26 +11,6 @@ import argparse
 import pytest
 
 
-def _parser_of(main):
-    """The parser a command's `main(argv)` builds, for one that has no `build_parser()`: taken from its
-    first `parse_args` call."""
-    class Built(Exception):
-        pass
-
-    def grab(self, *args, **kwargs):
-        raise Built(self)
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(argparse.ArgumentParser, "parse_args", grab)
-    try:
-        main([])
-    except Built as e:
-        return e.args[0]
-    finally:
-        mp.undo()
-    raise AssertionError(f"{main} built no parser")
-
-
 def help_problems(parser: argparse.ArgumentParser, prefix: str = "") -> list[str]:
     """'FLAG: why' for each option of `parser` (and its subcommands) that breaks the rule above."""
     fmt = parser._get_formatter()
@@ -57,19 +37,19 @@ def help_problems(parser: argparse.ArgumentParser, prefix: str = "") -> list[str
 
 
 def _tool_parsers():
-    from jax3d import export
+    from jax3d.cli import convert_hf as convert
     from jax3d.cli import data as data_cli
-    from jax3d.hf import convert
+    from jax3d.cli import export
     from jax3d.cli import generate as generate_cli
-    from jax3d.pipeline import schedules
+    from jax3d.cli import schedules
     return {"launch/preprocess_data.py": data_cli.preprocess_parser, "launch/train_tokenizer.py":
             data_cli.train_tokenizer_parser, "launch/export.py": export.build_parser,
             "launch/generate.py": generate_cli.build_parser, "launch/convert_hf.py": convert.build_parser,
-            "python -m jax3d.pipeline.schedules": schedules.build_parser}
+            "python -m jax3d.cli.schedules": schedules.build_parser}
 
 
 @pytest.mark.parametrize("tool", ["launch/preprocess_data.py", "launch/train_tokenizer.py", "launch/export.py",
-                                  "launch/generate.py", "launch/convert_hf.py", "python -m jax3d.pipeline.schedules"])
+                                  "launch/generate.py", "launch/convert_hf.py", "python -m jax3d.cli.schedules"])
 def test_every_flag_has_help_and_a_default(tool):
     parser = _tool_parsers()[tool]()
     assert help_problems(parser) == []
@@ -95,6 +75,5 @@ def test_train_flags_have_help_and_a_default():
 
 
 def test_evaluate_flags_have_help_and_a_default():
-    from jax3d import evaluate
-    parser = evaluate.build_parser() if hasattr(evaluate, "build_parser") else _parser_of(evaluate._main)
-    assert help_problems(parser) == []
+    from jax3d.cli import evaluate
+    assert help_problems(evaluate.build_parser()) == []

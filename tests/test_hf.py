@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jax3d.config import ConfigError  # noqa: E402
-from jax3d.export import load_params  # noqa: E402
+from jax3d.checkpoint.export import load_params  # noqa: E402
 from jax3d.hf import export_hf, import_hf, read_safetensors_file  # noqa: E402
-from jax3d.hf.convert import main as convert_main  # noqa: E402
+from jax3d.cli.convert_hf import main as convert_main  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.config import config_from_dict  # noqa: E402
 from tests.hf_fixtures import tiny_bert, tiny_gpt2  # noqa: E402
@@ -153,7 +153,7 @@ def test_trained_at_222_exported_matches_transformers(tmp_path):
     """20 steps at (data, stage, model) = (2, 2, 2), saved, exported: transformers' logits equal jax3d's."""
     import jax
 
-    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
     from tests.helpers import random_text, tiny_config
 
@@ -209,15 +209,15 @@ def test_bundled_corpus_checkpoint_keeps_its_tokenizer_files(bundled_run, tmp_pa
     cache gone (another machine, or another Python, whose sources would train another tokenizer), nothing is
     rebuilt and the tokenizer is the one the run trained with."""
     from jax3d.data import default_corpus
-    from jax3d.export import load_params
-    from jax3d.inference.generate import load_tokenizer
+    from jax3d.checkpoint.export import load_params
+    from jax3d.checkpoint.tokenizer import checkpoint_tokenizer
     ck = bundled_run / "ckpt"
     assert sorted(os.listdir(ck / "tokenizer")) == ["merges.txt", "vocab.json"]
     trained = default_corpus(kind="gpt")[1]
     empty = tmp_path / "no-cache"
     empty.mkdir()
     monkeypatch.setenv("JAX3D_CACHE", str(empty))
-    tok = load_tokenizer(load_params(str(ck))[1], "gpt")
+    tok = checkpoint_tokenizer(load_params(str(ck))[1])
     assert os.listdir(empty) == []
     text = "def main(argv=None):\n    return 0\n"
     assert tok.tokenize(text) == trained.tokenize(text) and tok.vocab_size == trained.vocab_size
@@ -226,7 +226,7 @@ def test_bundled_corpus_checkpoint_keeps_its_tokenizer_files(bundled_run, tmp_pa
     shutil.copytree(ck, moved)
     os.rename(ck / "tokenizer", tmp_path / "away")
     try:
-        tok = load_tokenizer(load_params(str(moved))[1], "gpt")
+        tok = checkpoint_tokenizer(load_params(str(moved))[1])
     finally:
         os.rename(tmp_path / "away", ck / "tokenizer")
     assert tok.tokenize(text) == trained.tokenize(text) and os.listdir(empty) == []
@@ -247,7 +247,7 @@ def test_hf_export_files_have_a_plain_writes_mode(bundled_run, tmp_path):
 def test_hf_folders_are_refused_inside_a_checkpoint_directory(bundled_run):
     """An HF folder or an imported checkpoint named by a number directly in a checkpoint directory would be read
     as a step of it, which --load then fails on: refused, and the directory keeps its steps."""
-    from jax3d.train.checkpoint_read import list_steps
+    from jax3d.checkpoint.read import list_steps
     ck = str(bundled_run / "ckpt")
     steps = list_steps(ck)
     with pytest.raises(ConfigError, match="--hf-dir .*98 would be read as step 98 of the checkpoint in"):
@@ -365,7 +365,7 @@ def test_jax3d_bert_exports_to_megatron_bert(tmp_path):
     """jax3d's own pre-LN BERT, saved from (data, stage, model) = (2, 1, 4), is MegatronBertForPreTraining."""
     import jax
 
-    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
     from tests.helpers import tiny_config
 

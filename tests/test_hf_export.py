@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jax3d.config import config_from_dict  # noqa: E402
-from jax3d.export import flat_names, load_params  # noqa: E402
+from jax3d.checkpoint.export import flat_names, load_params  # noqa: E402
 from jax3d.hf import export_hf, import_hf, read_safetensors_file  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from tests.hf_fixtures import jax3d_checkpoint_with_tokenizer  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.pipeline_comm import count_permutes
 from jax3d.pipeline import make_schedule, program
-from jax3d.train.checkpoint import Checkpointer
+from jax3d.checkpoint.checkpointer import Checkpointer
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
 from tests.helpers import random_text, tiny_config
 

@@ -120,7 +120,7 @@ def test_buffer_slots_do_not_grow_with_m():
 
 
 def test_cli_prints_timeline_and_json():
-    out = subprocess.run([sys.executable, "-m", "jax3d.pipeline.schedules", "--stages", "4",
+    out = subprocess.run([sys.executable, "-m", "jax3d.cli.schedules", "--stages", "4",
                           "--microbatches", "8", "--schedule", "zb-h1"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(out) == 5 and out[0].startswith("stage 0: F0 F1")
@@ -130,7 +130,7 @@ def test_cli_prints_timeline_and_json():
 
 
 def test_cli_bad_args_exit_2_without_traceback():
-    r = subprocess.run([sys.executable, "-m", "jax3d.pipeline.schedules", "--stages", "4",
+    r = subprocess.run([sys.executable, "-m", "jax3d.cli.schedules", "--stages", "4",
                         "--microbatches", "6", "--schedule", "interleaved", "--virtual-stages", "2"],
                        capture_output=True, text=True)
     assert r.returncode == 2

@@ -162,7 +162,7 @@ def _restore(ck, **train):
     """The state of checkpoint `ck` restored at (8, 1, 1) as Checkpointer.restore gives it."""
     from jax3d.cli.train_flags import build_parser, config_from_args
     from jax3d.plan import resolve
-    from jax3d.train.checkpoint import Checkpointer
+    from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
 
     argv = [*BASE, "--load", ck, "--vocab-size", "512"]
@@ -232,13 +232,13 @@ def test_a_file_cut_short_is_named_before_the_step_compiles(run4, tmp_path, caps
     assert f"error: checkpoint {ck} step 4 is damaged: {os.path.join('4', rel)} holds {files[rel] // 2:,} bytes " \
            f"where {files[rel]:,} were saved" in err
     with pytest.raises(ConfigError, match="is damaged"):  # every reader checks, generation and export included
-        from jax3d.train.checkpoint_read import restore_arrays
+        from jax3d.checkpoint.read import restore_arrays
         restore_arrays(ck, 4, {})
 
 
 def test_data_of_another_tokenizer_is_refused(corpora, run4, capsys):
     from jax3d.data import build_tokenizer
-    from jax3d.evaluate import main as evaluate
+    from jax3d.cli.evaluate import main as evaluate
     from jax3d.train.inputs import check_tokenized_by
 
     tok_a = build_tokenizer("GPT2BPETokenizer", **corpora["tok_a"])

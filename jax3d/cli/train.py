@@ -75,7 +75,7 @@ def _main(argv) -> int:
     cfg = config_from_args(args)
     setup_devices(args)
     # Reading a directory's steps starts JAX, so this comes after the devices are set up.
-    from jax3d.train.checkpoint_read import check_outside_checkpoint
+    from jax3d.checkpoint.read import check_outside_checkpoint
     for flag, path in (("--save", cfg.train.save), ("--log-dir", cfg.train.log_dir)):
         if path:
             check_outside_checkpoint(flag, path)
@@ -88,15 +88,14 @@ def _main(argv) -> int:
     from_checkpoint = ()
     if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
         from jax3d.cli.train_flags import given_flags
-        from jax3d.train.checkpoint import adopt_saved_model
-        # what the checkpoint set, including values that equal a flag's default
-        from jax3d.train.checkpoint_read import check_files, list_steps, read_meta, resolve_step
-        from jax3d.train.run_record import adopt_saved_run
+        from jax3d.cli.resume import adopt_saved_model, adopt_saved_run
+        from jax3d.checkpoint.read import check_files, list_steps, read_meta, resolve_step
         found = list_steps(args.load)
         step = resolve_step(args.load, found, args.ckpt_step) if found else None
         if found:
             check_files(args.load, step)  # a damaged checkpoint is named before anything else is said
         given = given_flags(argv)
+        # what the checkpoint set, including values that equal a flag's default
         cfg, from_checkpoint = adopt_saved_model(cfg, args.load, args.ckpt_step, given)
         if found:  # resuming: the checkpoint's data, tokenizer, optimizer and seed, unless flags say otherwise
             adopted = adopt_saved_run(cfg, args.load, read_meta(args.load, step), given)
@@ -107,7 +106,7 @@ def _main(argv) -> int:
     # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it.
     tok, paths = tokenizer_and_paths(cfg)
     if args.load:
-        from jax3d.train.checkpoint import check_same_tokenizer
+        from jax3d.checkpoint.tokenizer import check_same_tokenizer
         check_same_tokenizer(args.load, args.ckpt_step, tok)
     plan = resolve(cfg, jax.device_count(), tok.vocab_size, checkpoint=args.load or "",
                    from_checkpoint=from_checkpoint)
@@ -133,10 +132,10 @@ def _main(argv) -> int:
     mesh = mesh_cfg.build()
     checkpointer = None
     if tr.save or tr.load:
-        from jax3d.train.checkpoint import Checkpointer
+        from jax3d.checkpoint.checkpointer import Checkpointer
         checkpointer = Checkpointer(cfg, tokenizer=inputs.tokenizer)
         checkpointer.install_signal_handlers()
-    from jax3d.train.checkpoint import TrainingInterrupted
+    from jax3d.checkpoint.checkpointer import TrainingInterrupted
     from jax3d.train.loop import train
     try:
         last = train(cfg, mesh_cfg, mesh, inputs, progress=not args.no_progress, checkpointer=checkpointer,

@@ -12,12 +12,12 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import numpy as np
 
 from jax3d.file_util import dir_problem
-from jax3d.cli.common import run_command
-from jax3d.config import Config, ConfigError, DataConfig, TrainConfig
+from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, TrainConfig
 from jax3d.hf.mapping import from_hf, hf_config_from_model, model_config_from_hf, to_hf
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
@@ -121,7 +121,7 @@ def load_hf_params(hf_dir: str, divisible_by: int = 128, into: dict | None = Non
     if into is None:
         import jax
 
-        from jax3d.export import abstract_params
+        from jax3d.checkpoint.export import abstract_params
         into = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), abstract_params(cfg))
     return cfg, from_hf(tensors, cfg, into)
 
@@ -148,7 +148,7 @@ def _check_new_dir(flag: str, path: str) -> None:
     problem = dir_problem(path) or ("is not empty" if os.path.isdir(path) and os.listdir(path) else None)
     if problem:
         raise ConfigError(f"{flag} {path} {problem}; pass a new directory you can write")
-    from jax3d.train.checkpoint_read import check_outside_checkpoint
+    from jax3d.checkpoint.read import check_outside_checkpoint
     check_outside_checkpoint(flag, path)
 
 
@@ -164,7 +164,8 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     import jax
 
     from jax3d.mesh import MeshConfig
-    from jax3d.train.checkpoint import NO_TOKENIZER, Checkpointer
+    from jax3d.checkpoint.checkpointer import Checkpointer
+    from jax3d.checkpoint.tokenizer import NO_TOKENIZER
     from jax3d.train.step import build_steps
 
     tok_kw, tok_files = _tokenizer_of(hf_dir, cfg_m.model_type)
@@ -203,14 +204,21 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     tokenizer_config.json and special_tokens_map.json, and a GPT's generation_config.json; returns a summary.
     Nothing is written when the model can't be expressed."""
     from jax3d.config import config_from_dict
-    from jax3d.export import load_params, save_safetensors
+    from jax3d.checkpoint.export import load_params, save_safetensors
     from jax3d.hf import tokenizer as hf_tok
 
     _check_new_dir("--hf-dir", hf_dir)
     params, meta = load_params(load, step)
     cfg = config_from_dict(meta["config"])
-    record = hf_tok.run_tokenizer_record(meta.get("tokenizer") or {}, cfg)
-    tokenizer = hf_tok.build_run_tokenizer(record)
+    from jax3d.checkpoint.tokenizer import BUNDLED_TOKENIZER, checkpoint_tokenizer, tokenizer_record
+
+    record = tokenizer_record(meta)
+    if record.get("note") == BUNDLED_TOKENIZER and not any(record.get(k) for k in TOKENIZER_FILE_KEYS):
+        print("jax3d: the bundled corpus's tokenizer is not in its cache any more, so the export has no tokenizer "
+              "files and no special tokens; rebuild the cache with a short launch/train.py run on the Python "
+              "version that trained it (another version's sources give another tokenizer), with the run's "
+              "--data-cache-path if it had one, and export again", file=sys.stderr)
+    tokenizer = checkpoint_tokenizer(meta, required=False)
     model = dataclasses.replace(cfg.model, unpadded_vocab_size=hf_tok.export_vocab(cfg.model, record, tokenizer))
     specials = hf_tok.special_tokens(tokenizer, model.model_type)
     token_ids = hf_tok.special_token_ids(tokenizer, specials) if specials else {}
@@ -226,49 +234,3 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
         files.append(hf_tok.write_generation_config(hf_dir, token_ids, model))
     return {"hf_dir": hf_dir, "architecture": hf_cfg["architectures"][0], "step": meta["step"],
             "tensors": len(tensors), "vocab_size": hf_cfg["vocab_size"], "files": files}
-
-
-def main(argv=None) -> int:
-    """`launch/convert_hf.py import|export`: one-sentence errors with exit 2."""
-    from jax3d.data.indexed import DataError
-    return run_command(_main, argv, lambda: (ConfigError, DataError))
-
-
-def build_parser():
-    from jax3d.cli.common import HelpFormatter, OneLineParser
-
-    p = OneLineParser(prog="launch/convert_hf.py", formatter_class=HelpFormatter,
-                      description="Convert between Hugging Face GPT-2 / BERT folders and jax3d checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    i = sub.add_parser("import", formatter_class=HelpFormatter,
-                       help="HF folder -> jax3d checkpoint (step 0, fresh optimizer state)",
-                       description="Write a Hugging Face GPT-2 or BERT folder (GPT2LMHeadModel, BertForPreTraining, "
-                                   "BertForMaskedLM, MegatronBertForPreTraining; weights in safetensors) as a jax3d "
-                                   "checkpoint at step 0 with a fresh optimizer state; its tokenizer files go to "
-                                   "SAVE/tokenizer/.")
-    i.add_argument("--hf-dir", required=True, help="folder with config.json and model.safetensors")
-    i.add_argument("--save", required=True, help="new checkpoint directory (pass it to train.py --load)")
-    i.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this (tensor parallelism shards it)")
-    e = sub.add_parser("export", formatter_class=HelpFormatter,
-                       help="jax3d checkpoint -> HF folder (weights, config, tokenizer and generation files)",
-                       description="Write a jax3d GPT or BERT checkpoint as a Hugging Face folder: config.json, "
-                                   "model.safetensors (the vocabulary cut to the tokenizer's size), the run's "
-                                   "tokenizer files with tokenizer_config.json and special_tokens_map.json, and a "
-                                   "GPT's generation_config.json.")
-    e.add_argument("--load", required=True, help="checkpoint directory (a --save of train.py)")
-    e.add_argument("--ckpt-step", type=int, default=-1, help="step to export (default: the latest)")
-    e.add_argument("--hf-dir", required=True, help="new folder to write")
-    return p
-
-
-def _main(argv) -> int:
-    a = build_parser().parse_args(argv)
-    if a.command == "import":
-        if a.make_vocab_size_divisible_by < 1:
-            raise ConfigError(f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by} must be at least 1")
-        summary = import_hf(a.hf_dir, a.save, divisible_by=a.make_vocab_size_divisible_by)
-    else:
-        summary = export_hf(a.load, a.hf_dir, step=a.ckpt_step)
-    print(json.dumps(summary))
-    return 0

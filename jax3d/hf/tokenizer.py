@@ -23,34 +23,6 @@ _HF_NAMES = {"vocab_file": {"gpt": "vocab.json", "bert": "vocab.txt"}, "merge_fi
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # an HF import's, kept beside its files
 
 
-def run_tokenizer_record(record: dict, cfg) -> dict:
-    """The checkpoint's tokenizer record, with the files filled in for a run on the bundled corpus that
-    recorded none (checkpoints saved before the files were kept with them: they live in its cache, under
-    `--data-cache-path` if the run gave one)."""
-    from jax3d.data.default_corpus import tokenizer_files
-    from jax3d.train.checkpoint import BUNDLED_TOKENIZER
-
-    if record.get("note") != BUNDLED_TOKENIZER or any(record.get(k) for k in TOKENIZER_FILE_KEYS):
-        return record
-    files = tokenizer_files(cfg.data.cache_dir or None, cfg.model.model_type)
-    if not files:
-        print("jax3d: the bundled corpus's tokenizer is not in its cache any more, so the export has no tokenizer "
-              "files and no special tokens; rebuild the cache with a short launch/train.py run on the Python "
-              "version that trained it (another version's sources give another tokenizer), with the run's "
-              "--data-cache-path if it had one, and export again", file=sys.stderr)
-    return {**record, **files}
-
-
-def build_run_tokenizer(record: dict):
-    """jax3d's tokenizer of a record, or None when it names no files or one is gone (`copy_tokenizer_files`
-    names it). Unreadable files raise DataError: one sentence, exit 2."""
-    files = {k: record.get(k) or None for k in TOKENIZER_FILE_KEYS}
-    if not record.get("type") or not any(files.values()) or any(f and not os.path.exists(f) for f in files.values()):
-        return None
-    from jax3d.data import build_tokenizer
-    return build_tokenizer(record["type"], **files)
-
-
 def export_vocab(model_cfg, record: dict, tokenizer) -> int:
     """Rows of the exported embedding and head: the tokenizer's size (the record's when its files are gone),
     but never fewer than an imported model's own vocabulary, whose rows came from HF; without a tokenizer,

@@ -12,7 +12,6 @@ and is donated to each step, so decoding updates it in place.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -22,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax3d.config import TOKENIZER_FILE_KEYS, ConfigError, ModelConfig
+from jax3d.config import ConfigError, ModelConfig
 from jax3d.mesh import with_auto_axes
 from jax3d.models import build_model
 from jax3d.sharding import ShardingRules, named_shardings, tree_specs
@@ -258,40 +257,17 @@ def greedy_without_cache(model, params, prompt: list[int], max_new_tokens: int, 
     return [int(t) for t in seq[0, len(prompt):]]
 
 
-def load_tokenizer(meta: dict, kind: str):
-    """The tokenizer a checkpoint was trained (or imported) with (its metadata `meta`)."""
-    from jax3d import data
-    from jax3d.data.tokenizers import TOKENIZER_TYPES
-    from jax3d.train.checkpoint import NO_TOKENIZER
-
-    tok = meta.get("tokenizer") or {}
-    files = [tok[k] for k in TOKENIZER_FILE_KEYS if tok.get(k)]
-    if tok.get("note") == NO_TOKENIZER:
-        raise ConfigError("the checkpoint records no tokenizer (it was imported without tokenizer files, or saved by "
-                          "code that gave Checkpointer none); import it again from a folder that has them (vocab.json "
-                          "and merges.txt, vocab.txt or tokenizer.json), or save it with Checkpointer(cfg, tokenizer)")
-    missing = [f for f in files if not os.path.exists(f)]
-    if missing:
-        raise ConfigError(f"the checkpoint's tokenizer file {missing[0]} does not exist; put it back there, "
-                          "or run from the folder training ran in if the path is relative")
-    if tok.get("type") in TOKENIZER_TYPES and files:
-        return data.build_tokenizer(tok["type"], vocab_file=tok.get("vocab_file") or None,
-                                    merge_file=tok.get("merge_file") or None,
-                                    tokenizer_file=tok.get("tokenizer_file") or None)
-    cache = (meta.get("config", {}).get("data", {}) or {}).get("cache_dir") or None
-    return data.default_corpus(cache_dir=cache, kind=kind)[1]
-
-
 def load_gpt_checkpoint(load: str, step: int = -1):
     """(ModelConfig, numpy fp32 params, tokenizer) of a GPT checkpoint; ConfigError for any other."""
-    from jax3d.export import load_params
+    from jax3d.checkpoint.export import load_params
     from jax3d.config import config_from_dict
 
     params, meta = load_params(load, step)
     cfg = config_from_dict(meta["config"]).model
     if cfg.model_type != "gpt":
         raise ConfigError(f"--load {load} holds a {cfg.model_type} checkpoint; generation needs a GPT one")
-    return cfg, params, load_tokenizer(meta, "gpt")
+    from jax3d.checkpoint.tokenizer import checkpoint_tokenizer
+    return cfg, params, checkpoint_tokenizer(meta)
 
 
 def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,

@@ -1,7 +1,6 @@
 """Pipeline parallelism: schedules as tables, and the shard_map loop that runs any of them.
 
-Exports resolve lazily so that `python -m jax3d.pipeline.schedules` neither imports JAX nor
-imports its own module twice.
+Exports resolve lazily so that `python -m jax3d.cli.schedules` does not import JAX.
 """
 import importlib
 

@@ -26,10 +26,11 @@ import time
 import jax
 import numpy as np
 
-from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError, ModelConfig, as_tuple
+from jax3d.config import Config, ConfigError, ModelConfig, as_tuple
 from jax3d.sharding import with_shardings
-from jax3d.train.checkpoint_read import (check_files, list_steps, manager, no_checkpoint, orbax_checkpoint,
-                                         read_meta, record_files, resolve_step, restore_arrays)
+from jax3d.checkpoint.read import (check_files, list_steps, manager, no_checkpoint, orbax_checkpoint,
+                                   read_meta, record_files, resolve_step, restore_arrays)
+from jax3d.checkpoint.tokenizer import kept_in, tokenizer_info
 
 FORMAT_VERSION = 1
 # Model fields that don't change the parameters and may differ between the saved run and this one.
@@ -37,9 +38,6 @@ FREE_MODEL_FIELDS = frozenset({"hidden_dropout", "attention_dropout", "recompute
                                "attention_impl", "init_method_std", "seq_length",
                                # the padded vocab_size it produced is what the checkpoint's shapes hold
                                "make_vocab_size_divisible_by"})
-# Command-line flags (argparse dests) -> the model fields each one sets explicitly.
-_FLAG_FIELDS = {"preset": ("model_type", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"),
-                "model": ("model_type",), "layernorm_epsilon": ("layernorm_epsilon",)}
 
 
 class TrainingInterrupted(Exception):
@@ -60,104 +58,6 @@ def _flag(field: str) -> str:
     return "--model" if field == "model_type" else "--" + field.replace("_", "-")
 
 
-BUNDLED_TOKENIZER = "bundled default corpus tokenizer"  # a tokenizer record's note for the bundled corpus
-# An import without tokenizer files, or code that gave Checkpointer no tokenizer (the words predate the latter
-# and stay, so that older checkpoints still read as they were written).
-NO_TOKENIZER = "imported without tokenizer files"
-
-
-def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
-    """What a checkpoint records about the tokenizer: type, vocabulary size and its files."""
-    d = cfg.data
-    info = {"type": d.tokenizer_type or (type(tokenizer).__name__ if tokenizer is not None else ""),
-            "vocab_size": int(tokenizer.vocab_size) if tokenizer is not None else None,
-            "padded_vocab_size": cfg.model.vocab_size,
-            # absolute, so generation, evaluation and export find them from any folder
-            **{k: os.path.abspath(v) if v else "" for k, v in (("vocab_file", d.vocab_file),
-                                                              ("merge_file", d.merge_file),
-                                                              ("tokenizer_file", d.tokenizer_file))}}
-    if not d.tokenizer_type and not d.data_path:
-        # The bundled corpus's, when the run passes it or its model has that vocabulary. Code that trained on ids
-        # of its own, of another vocabulary, records none: the bundled files would decode them as other words.
-        from jax3d.data.default_corpus import VOCAB_SIZE
-        bundled = tokenizer is not None or cfg.model.vocab_size == VOCAB_SIZE
-        info["note"] = BUNDLED_TOKENIZER if bundled else NO_TOKENIZER
-        if tokenizer is not None:
-            # Its files, which the first save copies into the checkpoint: a cache rebuilt elsewhere (another
-            # Python's sources) would learn another tokenizer.
-            from jax3d.data.default_corpus import tokenizer_files
-            files = tokenizer_files(d.cache_dir or None, cfg.model.model_type)
-            info.update({k: os.path.abspath(v) for k, v in files.items()})
-    from jax3d.train.run_record import tokenizer_fingerprints
-    info["fingerprints"] = tokenizer_fingerprints(info)
-    return info
-
-
-def _kept_in(save_dir: str, info: dict) -> dict:
-    """The tokenizer record `info` with its files copied into `<save_dir>/tokenizer/`, so that a checkpoint
-    does not depend on files outside it (a fine-tune's tokenizer sat in the base model's folder). Files already
-    in the checkpoint, or whose name there holds other bytes, stay where they are."""
-    import filecmp
-    import shutil
-
-    keep = os.path.join(os.path.abspath(save_dir), "tokenizer")
-    out = dict(info)
-    for key in TOKENIZER_FILE_KEYS:
-        src = info.get(key)
-        if not src or not os.path.isfile(src) or os.path.abspath(src).startswith(os.path.abspath(save_dir) + os.sep):
-            continue
-        dst = os.path.join(keep, os.path.basename(src))
-        if jax.process_index() == 0 and not os.path.exists(dst):
-            os.makedirs(keep, exist_ok=True)
-            shutil.copyfile(src, dst)
-        if os.path.exists(dst) and filecmp.cmp(src, dst, shallow=False):
-            out[key] = dst
-    return out
-
-
-# Text both tokenizers of a fine-tune read, to tell two vocabularies of one size apart: prose and code.
-_PROBE = "The model's 3 layers read text, then code:\n    def main(argv=None):\n        return {'ok': 0}\n"
-
-
-def check_same_tokenizer(load_dir: str, step: int, tokenizer) -> None:
-    """ConfigError when checkpoint `load_dir` (step `step`, -1 the latest) was trained on another tokenizer
-    than `tokenizer`, whose ids would read the wrong embeddings: a smaller vocabulary, or one of the same
-    size that reads a probe text otherwise (when the checkpoint's files are at hand). A larger one (the
-    checkpoint's plus added tokens) is allowed with a note."""
-    found = list_steps(load_dir)
-    if not found or tokenizer is None:
-        return
-    saved = read_meta(load_dir, resolve_step(load_dir, found, step)).get("tokenizer") or {}
-    had, has = int(saved.get("vocab_size") or 0), int(tokenizer.vocab_size)
-    which = ("the bundled corpus's, used without --data-path" if saved.get("note") == BUNDLED_TOKENIZER
-             else saved.get("vocab_file") or saved.get("tokenizer_file") or saved.get("type"))
-    if had and has < had:
-        raise ConfigError(f"--load {load_dir} was trained on a tokenizer of {had} tokens and this run's has {has}; "
-                          f"preprocess the data with the checkpoint's tokenizer ({which})")
-    own = _saved_tokenizer(saved) if had == has and hasattr(tokenizer, "tokenize") else None
-    if own is not None and own.tokenize(_PROBE) != tokenizer.tokenize(_PROBE):
-        raise ConfigError(f"--load {load_dir} was trained on another tokenizer of the same {has} tokens (it reads "
-                          f"text differently from this run's); preprocess the data with the checkpoint's tokenizer "
-                          f"({which}; its files are in {os.path.join(load_dir, 'tokenizer')})")
-    if had and has > had:
-        _log(f"jax3d: this run's tokenizer has {has} tokens, {has - had} more than the checkpoint's; "
-             "their embeddings are the checkpoint's padding rows, as yet untrained")
-
-
-def _saved_tokenizer(record: dict):
-    """The tokenizer a checkpoint's record names, built from its files; None when they are not all at hand."""
-    from jax3d.data.tokenizers import TOKENIZER_TYPES, DataError, build_tokenizer
-
-    files = {k: record.get(k) or None for k in TOKENIZER_FILE_KEYS}
-    if record.get("type") not in TOKENIZER_TYPES or not any(files.values()) or \
-            not all(os.path.isfile(f) for f in files.values() if f):
-        return None
-    try:
-        return build_tokenizer(record["type"], **files)
-    except (DataError, OSError):  # files it can't read: the size check above is all there is
-        return None
-
-
 def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> None:
     """Raises ConfigError naming the first shape-defining model field that differs from the checkpoint."""
     cur = dataclasses.asdict(current)
@@ -171,38 +71,6 @@ def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> Non
                     f"{saved[field]} to match the checkpoint)")
         raise ConfigError(f"checkpoint {where} was saved with {_flag(field)} {saved[field]} but this run has "
                           f"{_flag(field)} {value}{hint}; use the checkpoint's model shape or another --load")
-
-
-def adopted_fields(given_flags: set[str]) -> set[str]:
-    """The model fields `--load` takes from its checkpoint: every one that no flag given sets."""
-    explicit = set(FREE_MODEL_FIELDS)
-    for flag in given_flags:
-        explicit.update(_FLAG_FIELDS.get(flag, (flag,)))
-    return {f.name for f in dataclasses.fields(ModelConfig)} - explicit
-
-
-def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[str]) -> tuple[Config, set[str]]:
-    """(`cfg` with the model of checkpoint `load_dir` wherever the command line did not set that field, the
-    fields it took), or (`cfg`, none) when `load_dir` holds no checkpoint yet.
-
-    So `train.py --load CKPT` fine-tunes an imported model without restating its shape (and fields such
-    as `activation` that have no flag); a flag given explicitly still has to match the checkpoint.
-    """
-    found = list_steps(load_dir)
-    if not found:
-        return cfg, set()
-    saved = read_meta(load_dir, resolve_step(load_dir, found, step))["config"]["model"]
-    adopted = adopted_fields(given_flags)
-    kw = {k: as_tuple(v) for k, v in saved.items() if k in adopted}
-    model = dataclasses.replace(cfg.model, **kw)
-    # A shape a flag or --preset gave must be the checkpoint's; said now, before a layout or memory check
-    # could blame a field the checkpoint supplied (a vocabulary still to come from the tokenizer is left out).
-    check_model_compatible(saved, model if model.vocab_size else dataclasses.replace(
-        model, vocab_size=saved.get("vocab_size", 0)), load_dir)
-    if "seq_length" not in given_flags and "preset" not in given_flags:
-        model = dataclasses.replace(model, seq_length=min(saved.get("seq_length", model.seq_length),
-                                                          model.max_position_embeddings))
-    return dataclasses.replace(cfg, model=model), set(kw)
 
 
 def _same_dir(a: str, b: str) -> bool:
@@ -224,7 +92,7 @@ class Checkpointer:
         self.save_dir = tr.save
         self.load_dir = tr.load
         self.tokenizer = tokenizer_info(cfg, tokenizer)
-        from jax3d.train.run_record import data_record
+        from jax3d.checkpoint.record import data_record
         self.data = data_record(cfg.data)
         self._writing = None  # (step, start time) of the save being written
         self.async_save = async_save
@@ -308,7 +176,7 @@ class Checkpointer:
 
     def _meta(self, step: int, loader_state: dict, mesh) -> dict:
         import jax3d
-        self.tokenizer = _kept_in(self.save_dir, self.tokenizer)
+        self.tokenizer = kept_in(self.save_dir, self.tokenizer)
         return {"format": "jax3d", "format_version": FORMAT_VERSION, "jax3d_version": jax3d.__version__,
                 "step": int(step), "loader": {k: int(v) for k, v in loader_state.items()},
                 "config": self.cfg.to_dict(), "tokenizer": self.tokenizer, "data": self.data,

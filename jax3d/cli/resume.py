@@ -1,5 +1,5 @@
-"""What a checkpoint remembers of its run besides the model: its data, tokenizer, optimizer settings, batch
-sizes, precision and seed, and what a resumed run takes from that record.
+"""What `--load` takes from a checkpoint where no flag says otherwise: its model, and when the run resumes, its
+data, tokenizer, optimizer settings, batch sizes, precision and seed.
 
 A run resumed with `--load` continues the run it loads: where the command line leaves one of those flags out,
 the checkpoint's value is taken, and a data or tokenizer flag that names other
@@ -9,52 +9,53 @@ Files are compared by fingerprint, not path, so data or tokenizer files that mov
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 
-from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, OptimConfig, config_from_dict
+from jax3d.checkpoint.checkpointer import FREE_MODEL_FIELDS, check_model_compatible
+from jax3d.checkpoint.read import list_steps, read_meta, resolve_step
+from jax3d.checkpoint.record import file_fingerprint, idx_fingerprint
+from jax3d.config import (TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, ModelConfig, OptimConfig, as_tuple,
+                          config_from_dict)
 
 # The data flags a resumed run adopts or checks (argparse dests, which are DataConfig's field names).
 DATA_FIELDS = ("data_path", "split", "tokenizer_type", *TOKENIZER_FILE_KEYS)
-_EDGE = 1 << 20  # bytes read at each end of an .idx for its fingerprint
 
 
-def file_fingerprint(path: str, whole: bool = True) -> str:
-    """sha256 of a file's size and bytes; with `whole` False, of its size and first and last MiB only (an .idx
-    holds every document's size and offset, so its ends and length tell two corpora apart)."""
-    h = hashlib.sha256()
-    size = os.path.getsize(path)
-    h.update(str(size).encode())
-    with open(path, "rb") as f:
-        if whole or size <= 2 * _EDGE:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        else:
-            h.update(f.read(_EDGE))
-            f.seek(size - _EDGE)
-            h.update(f.read(_EDGE))
-    return h.hexdigest()[:24]
+# Command-line flags (argparse dests) -> the model fields each one sets explicitly.
+_FLAG_FIELDS = {"preset": ("model_type", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"),
+                "model": ("model_type",), "layernorm_epsilon": ("layernorm_epsilon",)}
 
 
-def _idx_fingerprint(prefix: str) -> str | None:
-    path = prefix + ".idx"
-    return file_fingerprint(path, whole=False) if os.path.isfile(path) else None
+def adopted_fields(given_flags: set[str]) -> set[str]:
+    """The model fields `--load` takes from its checkpoint: every one that no flag given sets."""
+    explicit = set(FREE_MODEL_FIELDS)
+    for flag in given_flags:
+        explicit.update(_FLAG_FIELDS.get(flag, (flag,)))
+    return {f.name for f in dataclasses.fields(ModelConfig)} - explicit
 
 
-def data_record(d: DataConfig) -> dict:
-    """The checkpoint's record of a run's data: `--data-path` as given and absolute, each prefix's .idx
-    fingerprint, the split and the sample-index cache."""
-    from jax3d.data.sampling import parse_data_paths
+def adopt_saved_model(cfg: Config, load_dir: str, step: int, given_flags: set[str]) -> tuple[Config, set[str]]:
+    """(`cfg` with the model of checkpoint `load_dir` wherever the command line did not set that field, the
+    fields it took), or (`cfg`, none) when `load_dir` holds no checkpoint yet.
 
-    prefixes = parse_data_paths(list(d.data_path))[1] if d.data_path else []
-    return {"data_path": list(d.data_path), "split": d.split, "cache_dir": os.path.abspath(d.cache_dir) if d.cache_dir else "",
-            "prefixes": [os.path.abspath(p) for p in prefixes],
-            "idx_fingerprints": [_idx_fingerprint(p) for p in prefixes]}
-
-
-def tokenizer_fingerprints(info: dict) -> dict:
-    """{file key: fingerprint} of a tokenizer record's files that exist."""
-    return {k: file_fingerprint(info[k]) for k in TOKENIZER_FILE_KEYS if info.get(k) and os.path.isfile(info[k])}
+    So `train.py --load CKPT` fine-tunes an imported model without restating its shape (and fields such
+    as `activation` that have no flag); a flag given explicitly still has to match the checkpoint.
+    """
+    found = list_steps(load_dir)
+    if not found:
+        return cfg, set()
+    saved = read_meta(load_dir, resolve_step(load_dir, found, step))["config"]["model"]
+    adopted = adopted_fields(given_flags)
+    kw = {k: as_tuple(v) for k, v in saved.items() if k in adopted}
+    model = dataclasses.replace(cfg.model, **kw)
+    # A shape a flag or --preset gave must be the checkpoint's; said now, before a layout or memory check
+    # could blame a field the checkpoint supplied (a vocabulary still to come from the tokenizer is left out).
+    check_model_compatible(saved, model if model.vocab_size else dataclasses.replace(
+        model, vocab_size=saved.get("vocab_size", 0)), load_dir)
+    if "seq_length" not in given_flags and "preset" not in given_flags:
+        model = dataclasses.replace(model, seq_length=min(saved.get("seq_length", model.seq_length),
+                                                          model.max_position_embeddings))
+    return dataclasses.replace(cfg, model=model), set(kw)
 
 
 @dataclasses.dataclass
@@ -70,9 +71,9 @@ def adopt_saved_run(cfg: Config, load_dir: str, meta: dict, given: set[str]) -> 
     tokenizer, optimizer settings, batch sizes, precision and seed wherever no flag in `given` (argparse dests)
     set them; ConfigError
     when a data or tokenizer flag names other data than the checkpoint's and neither --override-data nor
-    --finetune says that is meant. A fine-tune (--finetune) takes none of them, and a checkpoint at step 0 (an
-    import, or a run saved before its first step) has trained on no data to keep."""
-    if cfg.train.finetune:
+    --finetune says that is meant. A fine-tune (--finetune) takes none of them, nor does a run from a checkpoint
+    at step 0 (an import: it has trained on no data and its settings are the import tool's)."""
+    if cfg.train.finetune or int(meta.get("step", 0)) == 0:
         return Adopted(cfg, [])
     saved = config_from_dict(meta["config"])
     notes = []
@@ -80,7 +81,7 @@ def adopt_saved_run(cfg: Config, load_dir: str, meta: dict, given: set[str]) -> 
     train = dataclasses.replace(cfg.train, **_unless_given(saved.train, _TRAIN_FIELDS, given))
     precision = dataclasses.replace(cfg.precision, **_unless_given(saved.precision, _PRECISION_FIELDS, given))
     data = cfg.data
-    if int(meta.get("step", 0)) > 0 and not cfg.train.override_data:
+    if not cfg.train.override_data:
         data = _adopt_data(cfg.data, saved.data, meta, load_dir, given, notes)
     cfg = dataclasses.replace(cfg, optim=optim, data=data, train=train, precision=precision)
     return Adopted(cfg, notes)
@@ -163,7 +164,7 @@ def _check_data_paths(d: DataConfig, record: dict, load_dir: str, given: bool) -
         found = []
         for absolute, as_given, fp in zip(recorded, parse_data_paths(record["data_path"])[1] if recorded else [],
                                           record["idx_fingerprints"]):
-            here = next((p for p in (absolute, as_given) if _idx_fingerprint(p) == fp), None)
+            here = next((p for p in (absolute, as_given) if idx_fingerprint(p) == fp), None)
             if here is None:
                 raise ConfigError(f"--load {load_dir} was trained on --data-path {as_given}, and {absolute}.idx is "
                                   "gone or holds another corpus; pass --data-path where that corpus is now")
@@ -176,7 +177,7 @@ def _check_data_paths(d: DataConfig, record: dict, load_dir: str, given: bool) -
     weights, prefixes = parse_data_paths(list(d.data_path)) if d.data_path else ([], [])
     rec_weights = parse_data_paths(record["data_path"])[0] if record["data_path"] else []
     if len(prefixes) != len(recorded) or any(abs(a - b) > 1e-9 for a, b in zip(weights, rec_weights)) or \
-            any(_idx_fingerprint(p) != fp for p, fp in zip(prefixes, record["idx_fingerprints"])):
+            any(idx_fingerprint(p) != fp for p, fp in zip(prefixes, record["idx_fingerprints"])):
         _refuse(load_dir, f"--data-path {shown}", f"--data-path {was}")
     return d
 

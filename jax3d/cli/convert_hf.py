@@ -1,0 +1,52 @@
+"""`launch/convert_hf.py import|export`: Hugging Face folders <-> jax3d checkpoints (jax3d.hf does the work)."""
+from __future__ import annotations
+
+import json
+
+from jax3d.cli.common import HelpFormatter, OneLineParser, run_command
+from jax3d.config import ConfigError
+from jax3d.hf.convert import export_hf, import_hf
+
+
+def main(argv=None) -> int:
+    """`launch/convert_hf.py import|export`: one-sentence errors with exit 2."""
+    from jax3d.data.indexed import DataError
+    return run_command(_main, argv, lambda: (ConfigError, DataError))
+
+
+def build_parser():
+    p = OneLineParser(prog="launch/convert_hf.py", formatter_class=HelpFormatter,
+                      description="Convert between Hugging Face GPT-2 / BERT folders and jax3d checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    i = sub.add_parser("import", formatter_class=HelpFormatter,
+                       help="HF folder -> jax3d checkpoint (step 0, fresh optimizer state)",
+                       description="Write a Hugging Face GPT-2 or BERT folder (GPT2LMHeadModel, BertForPreTraining, "
+                                   "BertForMaskedLM, MegatronBertForPreTraining; weights in safetensors) as a jax3d "
+                                   "checkpoint at step 0 with a fresh optimizer state; its tokenizer files go to "
+                                   "SAVE/tokenizer/.")
+    i.add_argument("--hf-dir", required=True, help="folder with config.json and model.safetensors")
+    i.add_argument("--save", required=True, help="new checkpoint directory (pass it to train.py --load)")
+    i.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this (tensor parallelism shards it)")
+    e = sub.add_parser("export", formatter_class=HelpFormatter,
+                       help="jax3d checkpoint -> HF folder (weights, config, tokenizer and generation files)",
+                       description="Write a jax3d GPT or BERT checkpoint as a Hugging Face folder: config.json, "
+                                   "model.safetensors (the vocabulary cut to the tokenizer's size), the run's "
+                                   "tokenizer files with tokenizer_config.json and special_tokens_map.json, and a "
+                                   "GPT's generation_config.json.")
+    e.add_argument("--load", required=True, help="checkpoint directory (a --save of train.py)")
+    e.add_argument("--ckpt-step", type=int, default=-1, help="step to export (default: the latest)")
+    e.add_argument("--hf-dir", required=True, help="new folder to write")
+    return p
+
+
+def _main(argv) -> int:
+    a = build_parser().parse_args(argv)
+    if a.command == "import":
+        if a.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by} must be at least 1")
+        summary = import_hf(a.hf_dir, a.save, divisible_by=a.make_vocab_size_divisible_by)
+    else:
+        summary = export_hf(a.load, a.hf_dir, step=a.ckpt_step)
+    print(json.dumps(summary))
+    return 0
