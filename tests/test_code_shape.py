@@ -107,3 +107,32 @@ def test_help_prints_a_default_of_zero_and_says_how_the_automatic_layout_is_chos
     assert fmt._get_help_string(actions["scan_layers"]).count("default") == 1  # None and a flag pair: no second
     tp_help = fmt._get_help_string(actions["tensor_model_parallel_size"])
     assert ", ".join(f"({tp}, {pp})" for tp, pp in AUTO_LAYOUTS) in tp_help and "jax3d.plan.resolve" in tp_help
+
+
+def _grep(pattern: str, *paths: str, skip: tuple = ()) -> list[str]:
+    """'file:line: text' of every line matching `pattern` in the .py files under `paths` (relative to the
+    checkout), except those under `skip`."""
+    import re
+
+    found = []
+    for top in paths:
+        top = os.path.join(ROOT, top)
+        files = [top] if top.endswith(".py") else [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs
+                                                   if f.endswith(".py")]
+        for path in sorted(files):
+            rel = os.path.relpath(path, ROOT)
+            if rel.startswith(skip):
+                continue
+            for n, line in enumerate(open(path), 1):
+                if re.search(pattern, line):
+                    found.append(f"{rel}:{n}: {line.strip()}")
+    return found
+
+
+def test_command_lines_live_only_in_jax3d_cli():
+    assert _grep(r"ArgumentParser|add_argument", "jax3d", skip=("jax3d/cli/",)) == []
+    assert _grep(r"ArgumentParser|add_argument", "jax3d/cli")  # the grep sees them where they are
+
+
+def test_model_code_carries_no_benchmark_switches():
+    assert _grep(r"optimised\(|ablate|kernel_tunings", "jax3d/models", "jax3d/config.py") == []

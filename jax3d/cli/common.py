@@ -90,6 +90,16 @@ def add_device_flags(p) -> None:
                         "process, or SLURM's or Open MPI's rank)")
 
 
+def add_model_parallel_flags(p, pipeline: bool = True) -> None:
+    """The tensor (and pipeline) sizes of a command that runs a trained model on a layout of its own: any
+    layout reads any checkpoint. Training chooses its layout otherwise (`train_flags`)."""
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
+                   help="devices each layer's heads, MLP and vocabulary are split over (mesh axis `model`)")
+    if pipeline:
+        p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="N",
+                       help="pipeline stages the layers are divided into (mesh axis `stage`)")
+
+
 def layer_counts(text: str, flag: str) -> tuple[int, ...]:
     """A pipeline layout flag's comma-separated layer counts ('3,5,5,3'); ValueError names the flag."""
     try:

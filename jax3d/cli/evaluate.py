@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from jax3d.cli.common import HelpFormatter, OneLineParser, run_command
+from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, add_model_parallel_flags, run_command
 from jax3d.config import ConfigError
 from jax3d.data.indexed import DataError
 from jax3d.evaluate import SPLITS, evaluate_checkpoint
@@ -27,15 +27,10 @@ def build_parser():
     p.add_argument("--num-samples", type=int, default=0, help="the first N samples (default: all, one epoch)")
     p.add_argument("--seed", type=int, default=None, help="sample order seed (default: the checkpoint's run)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="samples per device per forward pass")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="devices each layer is split over")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages")
+    add_model_parallel_flags(p)
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (default: float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--cpu-devices", type=int, default=None, help="emulate N CPU devices (default: 8 without an accelerator)")
-    p.add_argument("--coordinator-address", default="",
-                   help="HOST:PORT of process 0, for several hosts (default: none; SLURM or Open MPI set it)")
-    p.add_argument("--num-processes", type=int, default=0, help="processes in all, for several hosts")
-    p.add_argument("--process-id", type=int, default=-1, help="this process's index, for several hosts")
+    add_device_flags(p)
     return p
 
 

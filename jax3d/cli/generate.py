@@ -6,7 +6,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags
+    from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, add_model_parallel_flags
 
     p = OneLineParser(prog="launch/generate.py", description="Continue prompts with a jax3d GPT checkpoint (KV cache; "
                       "tensor parallel with --tensor-model-parallel-size).",
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16")
     p.add_argument("--ignore-eod", action="store_true", help="keep going past the end-of-document token")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="shard heads / MLP / vocab over this many devices")
+    add_model_parallel_flags(p, pipeline=False)
     add_device_flags(p)
     return p
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from jax3d.file_util import dir_problem
-from jax3d.cli.common import HelpFormatter, OneLineParser, layer_counts
+from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, layer_counts
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
@@ -145,12 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "Adam); loading one starts fresh moments")
     g.add_argument("--no-save-rng", action="store_true", help="leave the RNG out of saved checkpoints")
 
-    g = p.add_argument_group("devices")
-    g.add_argument("--cpu-devices", type=int, default=None,
-                   help="emulate N CPU devices (default: 8 when no accelerator is present)")
-    g.add_argument("--coordinator-address", default="", help="HOST:PORT of process 0, for several hosts (default: none; SLURM or Open MPI set it)")
-    g.add_argument("--num-processes", type=int, default=0, help="processes in a multi-host run")
-    g.add_argument("--process-id", type=int, default=-1, help="this process's index in a multi-host run")
+    add_device_flags(p.add_argument_group("devices"))
     return p
 
 
