@@ -5,8 +5,8 @@ Hugging Face `gpt2/` folder, a `notes.txt`), made tiny here. Commands run as wri
 training gets `--train-iters 2`, and the GPU-only ones run the same flags on tiny shapes: the 1.3B
 command as a `--dry-run` of two layers, the benchmarks on their `tiny` shape without the peer. Each
 throughput run compiles its own step in its own process, so two benchmark commands are cut to what they
-add: `--ablate all` (a run per optimisation, each with that one off) runs as `--ablate together` (one run
-with every one off; tests/test_optimisations.py checks each alone), and the plain throughput command,
+add: `--ablate all` (a run per Pallas kernel, each with that one left out) runs as `--ablate together` (one run
+with every one left out; the tests/test_fused_*.py files check each alone), and the plain throughput command,
 whose one run at the tiny shape is the first run of the ablation command, is not run twice.
 """
 import json
@@ -52,7 +52,7 @@ def adapt(command: str) -> list[str] | None:
     argv = shlex.split(command)
     assert argv[0] == "python", command
     argv[0] = sys.executable
-    script = argv[1] if argv[1] != "-m" else argv[2]
+    script = _script(command)
     if script == "launch/train.py" and "--dry-run" not in argv:
         if "--bf16" in argv:  # the GPU command: the same flags, compiled for two layers on the CPU
             return argv + ["--dry-run", "--num-layers", "2"]
@@ -69,6 +69,12 @@ def adapt(command: str) -> list[str] | None:
         argv[i:j] = ["--shape", "tiny"]
         return argv + (["--dtype", "float32"] if script.endswith("throughput.py") else []) + ["--steps", "1"]
     return argv
+
+
+def _script(command: str) -> str:
+    """The file a README command runs: `python X.py ...` or `python -m a.b ...` (as a/b.py)."""
+    argv = shlex.split(command)
+    return argv[2].replace(".", "/") + ".py" if argv[1] == "-m" else argv[1]
 
 
 def _user_files(tmp):
@@ -99,7 +105,7 @@ def test_readme_commands_are_all_covered():
     assert any(c.startswith("python launch/convert_hf.py import") for c in commands)
     assert all(adapt(c) is None or adapt(c)[0] == sys.executable for c in commands)
     skipped = [c for c in commands if adapt(c) is None]
-    assert [c.split()[1] for c in skipped] == ["install", "benchmarks/throughput.py"], skipped
+    assert [_script(c) for c in skipped] == ["install", "benchmarks/throughput.py"], skipped
     ablation = [adapt(c) for c in commands if "--ablate" in c]
     assert len(ablation) == 1 and ablation[0][-6:] == ["--ablate", "together", "--dtype", "float32", "--steps", "1"]
 
