@@ -159,3 +159,23 @@ def test_cli_streams_the_greedy_text_with_tp2_and_rejects_bad_input(tmp_path):
         r = subprocess.run([*gen, *argv], capture_output=True, text=True, env=subprocess_env(), timeout=300)
         assert r.returncode == 2 and r.stdout == "", (argv, r.stderr[-500:])
         assert r.stderr.startswith("error: ") and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_train_py_checkpoint_never_generates_its_padding_ids(imported):
+    """A train.py run records no unpadded vocabulary (0): its rows past the tokenizer's are padding, which
+    generation must never pick, even where their logits are the largest."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from jax3d.inference.generate import generator_for
+
+    _, params, cfg = imported
+    cfg = dataclasses.replace(cfg, unpadded_vocab_size=0)  # 1024 rows, as train.py pads a 1000-token vocabulary
+    wte = np.array(params["embed"]["word"])
+    wte[1000:] = 100 * np.abs(wte[:24]).max()  # the padding rows win every argmax
+    params = {**params, "embed": {**params["embed"], "word": wte}}
+    assert max(_gen(cfg, params, batch=1).generate([PROMPTS[0]], 4)[0]) >= 1000  # the unguarded generator picks them
+    gen = generator_for(cfg, params, SimpleNamespace(vocab_size=1000, eod=None), [PROMPTS[0]], 4)
+    assert all(t < 1000 for t in gen.generate([PROMPTS[0]], 4)[0])

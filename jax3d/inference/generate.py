@@ -288,6 +288,9 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ConfigError(f"the longest prompt is {longest} tokens; with --max-new-tokens {max_new_tokens} that "
                           f"exceeds the model's {cfg.max_position_embeddings} positions, so shorten it or ask for fewer")
+    size = getattr(tokenizer, "vocab_size", 0)
+    if size and not cfg.unpadded_vocab_size and size < cfg.vocab_size:  # a train.py run: the rest is padding
+        cfg = dataclasses.replace(cfg, unpadded_vocab_size=size)
     return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=len(prompts), dtype=dtype,
                      max_len=min(cfg.max_position_embeddings, longest + max_new_tokens + PROMPT_BUCKET),
                      eod=getattr(tokenizer, "eod", None))
