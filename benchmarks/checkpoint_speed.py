@@ -30,14 +30,14 @@ def main():
     p.add_argument("--dir", default="/tmp/jax3d_ckpt_bench")
     a = p.parse_args()
 
-    from jax3d.mesh import emulate_cpu_devices
+    from jax3d.parallel.mesh import emulate_cpu_devices
     emulate_cpu_devices(a.devices)
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from jax3d.mesh import MeshConfig
+    from jax3d.parallel.mesh import MeshConfig
     from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
 

@@ -64,7 +64,7 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype) -> dict:
     import jax
 
     from jax3d.inference import Generator
-    from jax3d.mesh import MeshConfig
+    from jax3d.parallel.mesh import MeshConfig
 
     b = prompts.shape[0]
     gen = Generator(cfg, params, MeshConfig(1, 1, 1).build(jax.devices()[:1]), batch=b,

@@ -137,7 +137,7 @@ def build(run: Run):
 def _steps_for(cfg, num_devices: int):
     import jax
 
-    from jax3d.plan import resolve
+    from jax3d.parallel.plan import resolve
     from jax3d.train.step import build_steps
 
     plan = resolve(cfg, num_devices)

@@ -68,7 +68,7 @@ def step_fingerprint(shape: str = "1.3b-b16", ablate: tuple[str, ...] = (), laye
     import dataclasses
     from unittest import mock
 
-    from jax3d.plan import resolve
+    from jax3d.parallel.plan import resolve
     from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
     run = Run(shape, ablate=ablate, tunings=tunings)

@@ -15,7 +15,7 @@ import json
 import re
 
 from jax3d.cli.common import OneLineParser, layer_counts
-from jax3d.mesh import emulate_cpu_devices
+from jax3d.parallel.mesh import emulate_cpu_devices
 
 
 def _computations(text):
@@ -72,7 +72,7 @@ def _gpt_step_hlo(stages, m, schedule, virtual, counts=()):
     import jax
 
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from jax3d.plan import resolve
+    from jax3d.parallel.plan import resolve
     from jax3d.train.step import abstract_batch, build_steps
     cfg = Config(model=ModelConfig(num_layers=sum(counts) or 2 * stages, hidden_size=64, num_attention_heads=4,
                                    seq_length=16, vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0),

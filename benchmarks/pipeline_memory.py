@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import json
 
-from jax3d.mesh import emulate_cpu_devices
+from jax3d.parallel.mesh import emulate_cpu_devices
 
 
 def main(argv=None) -> int:
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     emulate_cpu_devices(data * stage * model)
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from jax3d.models import get_preset
-    from jax3d.plan import resolve
+    from jax3d.parallel.plan import resolve
     from jax3d.train.dry_run import dry_run
 
     if a.preset:

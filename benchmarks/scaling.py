@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-devices", type=int, default=None, help="emulate N CPU devices")
     a = p.parse_args(argv)
     if a.cpu_devices:
-        from jax3d.mesh import emulate_cpu_devices
+        from jax3d.parallel.mesh import emulate_cpu_devices
         emulate_cpu_devices(a.cpu_devices)
     from jax3d.config import Config, PrecisionConfig, TrainConfig
     from jax3d.models.presets import get_preset

@@ -22,7 +22,7 @@ class ModelConfig:
     hidden_size: int = 128
     num_attention_heads: int = 4
     ffn_hidden_size: int = 0
-    vocab_size: int = 4096  # 0: the tokenizer's, padded (jax3d.plan.resolve)
+    vocab_size: int = 4096  # 0: the tokenizer's, padded (jax3d.parallel.plan.resolve)
     make_vocab_size_divisible_by: int = 128
     seq_length: int = 128
     max_position_embeddings: int = 0
@@ -32,7 +32,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     num_tokentypes: int = 2  # BERT only
     recompute: str = "none"  # none | selective | full
-    scan_layers: bool | None = None  # None: from jax3d.plan.SCAN_LAYERS_FROM layers up on CPUs (plan.resolve)
+    scan_layers: bool | None = None  # None: from jax3d.parallel.plan.SCAN_LAYERS_FROM layers up on CPUs (plan.resolve)
     attention_impl: str = "auto"  # auto | xla | cudnn
     # Architecture variants that reproduce imported models exactly (jax3d.hf); defaults are GPT-2 / Megatron.
     activation: str = "gelu_tanh"  # gelu_tanh | gelu_erf
@@ -71,7 +71,7 @@ class ModelConfig:
 class ParallelConfig:
     """The (data, stage, model) layout and how the optimizer state is spread over `data`."""
 
-    # None in both: the most parallel layout that fits (jax3d.plan.resolve); None in one: 1.
+    # None in both: the most parallel layout that fits (jax3d.parallel.plan.resolve); None in one: 1.
     tensor_parallel: int | None = 1
     pipeline_parallel: int | None = 1
     data_parallel: int = 0  # 0: devices / (tp * pp)

@@ -169,8 +169,8 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                         pp: int = 1, dp: int = 0, dtype: str = "float32", seed: int | None = None,
                         tokenizer=None, progress: bool = True) -> dict:
     """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices."""
-    from jax3d.plan import resolve
-    from jax3d.sharding import with_shardings
+    from jax3d.parallel.plan import resolve
+    from jax3d.parallel import with_shardings
     from jax3d.config import config_from_dict
     from jax3d.checkpoint.read import restore_arrays, saved_step_meta
     from jax3d.train.step import build_steps

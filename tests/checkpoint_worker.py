@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jax3d.mesh import emulate_cpu_devices  # noqa: E402  (imports no JAX backend)
+from jax3d.parallel.mesh import emulate_cpu_devices  # noqa: E402  (imports no JAX backend)
 
 
 def crash(directory):

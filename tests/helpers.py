@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from jax3d.plan import resolve
+from jax3d.parallel.plan import resolve
 
 
 def tiny_model(**kw) -> ModelConfig:

@@ -221,7 +221,7 @@ def test_fields_adopted_from_the_checkpoint_are_blamed_on_it(tmp_path, monkeypat
 def test_one_process_flags_and_launchers_still_run(monkeypatch):
     """--num-processes 1 --process-id 0 (a launcher at one process) is one process, and under SLURM a
     --process-id alone leaves the rest to SLURM's environment; neither is refused."""
-    from jax3d.mesh import init_distributed
+    from jax3d.parallel.mesh import init_distributed
 
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)

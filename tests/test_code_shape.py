@@ -99,14 +99,14 @@ def test_help_has_a_line_for_every_flag_and_each_default_once():
 
 
 def test_help_prints_a_default_of_zero_and_says_how_the_automatic_layout_is_chosen():
-    from jax3d.plan import AUTO_LAYOUTS
+    from jax3d.parallel.plan import AUTO_LAYOUTS
 
     actions = {a.dest: a for a in build_parser()._actions}
     fmt = HelpFormatter("launch/train.py")
     assert fmt._get_help_string(actions["lr_warmup_iters"]) == "linear warm-up steps (default: 0)"
     assert fmt._get_help_string(actions["scan_layers"]).count("default") == 1  # None and a flag pair: no second
     tp_help = fmt._get_help_string(actions["tensor_model_parallel_size"])
-    assert ", ".join(f"({tp}, {pp})" for tp, pp in AUTO_LAYOUTS) in tp_help and "jax3d.plan.resolve" in tp_help
+    assert ", ".join(f"({tp}, {pp})" for tp, pp in AUTO_LAYOUTS) in tp_help and "jax3d.parallel.plan.resolve" in tp_help
 
 
 def _grep(pattern: str, *paths: str, skip: tuple = ()) -> list[str]:

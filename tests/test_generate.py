@@ -10,7 +10,7 @@ from jax3d.config import ConfigError  # noqa: E402
 from jax3d.checkpoint.export import load_params  # noqa: E402
 from jax3d.hf import import_hf  # noqa: E402
 from jax3d.inference import Generator, Sampling, greedy_without_cache  # noqa: E402
-from jax3d.mesh import MeshConfig  # noqa: E402
+from jax3d.parallel.mesh import MeshConfig  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.config import config_from_dict  # noqa: E402
 from tests.hf_fixtures import tiny_gpt2  # noqa: E402

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax3d.models import Block, Embedding
-from jax3d.sharding import ShardingRules
+from jax3d.parallel import ShardingRules
 from tests.helpers import tiny_model
 
 

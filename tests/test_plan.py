@@ -1,9 +1,9 @@
-"""jax3d.plan.resolve and the layout rules it checks: what it fills in, and what it refuses in one sentence."""
+"""jax3d.parallel.plan.resolve and the layout rules it checks: what it fills in, and what it refuses in one sentence."""
 import pytest
 
 from jax3d.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from jax3d.mesh import MeshConfig, layout_errors
-from jax3d.plan import SCAN_LAYERS_FROM, resolve
+from jax3d.parallel.mesh import MeshConfig, layout_errors
+from jax3d.parallel.plan import SCAN_LAYERS_FROM, resolve
 
 
 def _cfg(num_layers=4, vocab_size=256, train=None, **parallel):
@@ -38,7 +38,7 @@ def test_an_automatic_layout_with_the_interleaved_schedule_keeps_a_pipeline():
 
 
 def test_mesh_from_automatic_sizes_asks_for_resolve():
-    with pytest.raises(ConfigError, match="pass it through jax3d.plan.resolve"):
+    with pytest.raises(ConfigError, match="pass it through jax3d.parallel.plan.resolve"):
         MeshConfig.from_parallel(ParallelConfig(tensor_parallel=None, pipeline_parallel=None), 8)
     with pytest.raises(ConfigError, match="automatic"):
         MeshConfig.from_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=None), 8)

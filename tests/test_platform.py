@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax3d.models.layers import attention_impl
-from jax3d.sharding.rules import traced_platform
+from jax3d.parallel.rules import traced_platform
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, tiny_config
 

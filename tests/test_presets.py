@@ -12,7 +12,7 @@ import pytest
 
 from jax3d.cli.train_flags import build_parser, config_from_args
 from jax3d.models.presets import PRESETS, preset_names
-from jax3d.plan import resolve
+from jax3d.parallel.plan import resolve
 from jax3d.cli.train import header, main
 from jax3d.train.dry_run import per_device_bytes
 from jax3d.train.step import abstract_batch, abstract_state, build_steps

@@ -161,7 +161,7 @@ def test_a_checkpoint_past_train_iters_is_refused_and_one_at_it_is_done(run4, ca
 def _restore(ck, **train):
     """The state of checkpoint `ck` restored at (8, 1, 1) as Checkpointer.restore gives it."""
     from jax3d.cli.train_flags import build_parser, config_from_args
-    from jax3d.plan import resolve
+    from jax3d.parallel.plan import resolve
     from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
 

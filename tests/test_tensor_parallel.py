@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
-from jax3d.mesh import MeshConfig
+from jax3d.parallel.mesh import MeshConfig
 from jax3d.models import GPT, layers
-from jax3d.sharding import ShardingRules, named_shardings, tree_specs
+from jax3d.parallel import ShardingRules, named_shardings, tree_specs
 from tests.helpers import random_text, rel_err, tiny_model
 
 

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from jax3d.config import Config, ConfigError, ModelConfig, as_tuple
-from jax3d.sharding import with_shardings
+from jax3d.parallel import with_shardings
 from jax3d.checkpoint.read import (check_files, list_steps, manager, no_checkpoint, orbax_checkpoint,
                                    read_meta, record_files, resolve_step, restore_arrays)
 from jax3d.checkpoint.tokenizer import kept_in, tokenizer_info

@@ -9,7 +9,7 @@ import sys
 from jax3d.cli.common import run_command
 from jax3d.cli.train_flags import build_parser, config_from_args
 from jax3d.config import ConfigError
-from jax3d.mesh import emulate_cpu_devices, init_distributed
+from jax3d.parallel.mesh import emulate_cpu_devices, init_distributed
 
 
 def _accelerator_installed() -> bool:
@@ -82,7 +82,7 @@ def _main(argv) -> int:
     import jax
 
     from jax3d.models import build_model
-    from jax3d.plan import resolve
+    from jax3d.parallel.plan import resolve
     from jax3d.train.inputs import build_inputs, tokenizer_and_paths
 
     from_checkpoint = ()

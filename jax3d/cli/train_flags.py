@@ -11,7 +11,7 @@ from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, Parallel
                           TrainConfig)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
 from jax3d.models.presets import get_preset, preset_names
-from jax3d.plan import AUTO_LAYOUTS, SCAN_LAYERS_FROM
+from jax3d.parallel.plan import AUTO_LAYOUTS, SCAN_LAYERS_FROM
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mesh axis `model` (default: when neither this nor --pipeline-model-parallel-size is "
                         "given, the first (tensor, pipeline) pair of "
                         f"{', '.join(f'({tp}, {pp})' for tp, pp in AUTO_LAYOUTS)} that divides the devices and "
-                        "passes every layout rule, as jax3d.plan.resolve picks it; 1 when only the pipeline "
+                        "passes every layout rule, as jax3d.parallel.plan.resolve picks it; 1 when only the pipeline "
                         "size is given)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
                    help="mesh axis `stage` (default: chosen with the tensor size, see "
@@ -167,7 +167,7 @@ def _override(base, **kw):
 
 
 def config_from_args(a: argparse.Namespace) -> Config:
-    """The Config a parsed command line describes; fields it leaves to `jax3d.plan.resolve` are None or 0."""
+    """The Config a parsed command line describes; fields it leaves to `jax3d.parallel.plan.resolve` are None or 0."""
     preset = a.preset or ("bert-tiny" if a.model == "bert" else "gpt-tiny")
     model, batch = get_preset(preset)
     if a.model and a.model != model.model_type:
@@ -190,7 +190,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                       scan_layers=a.scan_layers, attention_impl=a.attention_impl)
     model = dataclasses.replace(model, ffn_hidden_size=a.ffn_hidden_size or 4 * model.hidden_size,
                                 max_position_embeddings=a.max_position_embeddings or model.seq_length)
-    # 0: the tokenizer's vocabulary, padded (jax3d.plan.resolve)
+    # 0: the tokenizer's vocabulary, padded (jax3d.parallel.plan.resolve)
     model = dataclasses.replace(model, vocab_size=a.vocab_size, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     try:
         layout = layer_counts(a.pipeline_model_parallel_layout, "--pipeline-model-parallel-layout")

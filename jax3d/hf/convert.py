@@ -163,7 +163,7 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
 
     import jax
 
-    from jax3d.mesh import MeshConfig
+    from jax3d.parallel.mesh import MeshConfig
     from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.checkpoint.tokenizer import NO_TOKENIZER
     from jax3d.train.step import build_steps

@@ -22,9 +22,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax3d.config import ConfigError, ModelConfig
-from jax3d.mesh import with_auto_axes
+from jax3d.parallel.mesh import with_auto_axes
 from jax3d.models import build_model
-from jax3d.sharding import ShardingRules, named_shardings, tree_specs
+from jax3d.parallel import ShardingRules, named_shardings, tree_specs
 
 _CACHE_AXES = ("batch", "seq", "heads", "kv")
 PROMPT_BUCKET = 16
@@ -275,7 +275,7 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
     """A Generator sized for these token prompts, tensor parallel over the first `tp` devices. `checkpoint`
     is the --load directory `cfg` came from, for errors to name."""
     from jax3d.config import Config, ParallelConfig, TrainConfig
-    from jax3d.plan import resolve
+    from jax3d.parallel.plan import resolve
 
     if tp < 1 or tp > jax.device_count():
         raise ConfigError(f"--tensor-model-parallel-size {tp} must be between 1 and the {jax.device_count()} devices")

@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
 from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
-from jax3d.sharding.rules import ShardingRules, traced_platform
+from jax3d.parallel.rules import ShardingRules, traced_platform
 
 
 def _param(module: nn.Module, name: str, axes: tuple, shape: tuple, init):

@@ -8,7 +8,7 @@ import dataclasses
 
 from jax.experimental.pallas import triton as pltriton
 
-from jax3d.sharding.rules import ShardingRules, traced_platform
+from jax3d.parallel.rules import ShardingRules, traced_platform
 
 # The kernel modules of jax3d.models, each with a `Tuning` of block shapes and warps and its `DEFAULT`.
 KERNELS = ("fused_gelu", "fused_norm", "fused_qkv", "fused_xent")

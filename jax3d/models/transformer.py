@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
 from jax3d.models.layers import Block
-from jax3d.sharding.rules import ShardingRules
+from jax3d.parallel.rules import ShardingRules
 
 _POLICIES = {
     "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

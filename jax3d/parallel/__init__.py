@@ -1,6 +1,30 @@
-"""Logical-to-mesh sharding rules and ZeRO transforms."""
-from jax3d.sharding.rules import BASE_RULES, ShardingRules, constrain_tree, named_shardings, tree_specs, with_shardings
-from jax3d.sharding.zero import add_data_axis, cast_for_compute, state_specs, zero_specs
+"""The parallel plan: the (data, stage, model) mesh, every layout rule, the logical-axis table and ZeRO.
 
-__all__ = ["BASE_RULES", "ShardingRules", "constrain_tree", "named_shardings", "tree_specs", "with_shardings", "add_data_axis",
-           "cast_for_compute", "state_specs", "zero_specs"]
+    mesh.py           the mesh axes, their sizes (MeshConfig), CPU emulation, multi-host start, layout_errors
+    plan.py           resolve: a Config and a device count -> a validated Plan, automatic fields filled in
+    zero.py           ZeRO as sharding transforms
+    rules.py          logical axis names -> mesh axes, the one table of tensor, sequence and pipeline parallelism
+
+Exports resolve lazily: importing one module of the package imports no other.
+"""
+import importlib
+
+_EXPORTS = {
+    "AXES": "mesh", "MeshConfig": "mesh", "emulate_cpu_devices": "mesh", "init_distributed": "mesh",
+    "layout_errors": "mesh", "with_auto_axes": "mesh",
+    "Plan": "plan", "resolve": "plan",
+    "add_data_axis": "zero", "cast_for_compute": "zero", "state_specs": "zero",
+    "zero_specs": "zero",
+    "BASE_RULES": "rules", "ShardingRules": "rules", "constrain_tree": "rules", "named_shardings": "rules",
+    "tree_specs": "rules", "with_shardings": "rules",
+}
+_MODULES = ("mesh", "plan", "zero", "rules")
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"jax3d.parallel.{_EXPORTS[name]}"), name)
+    if name in _MODULES:
+        return importlib.import_module(f"jax3d.parallel.{name}")
+    raise AttributeError(f"module 'jax3d.parallel' has no attribute {name!r}")

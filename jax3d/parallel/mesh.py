@@ -23,7 +23,7 @@ def emulate_cpu_devices(n: int) -> None:
         if jax.device_count() != n or jax.default_backend() != "cpu":
             raise ConfigError(
                 f"--cpu-devices {n} must be set before JAX starts; call "
-                "jax3d.mesh.emulate_cpu_devices first thing in the process") from e
+                "jax3d.parallel.mesh.emulate_cpu_devices first thing in the process") from e
 
 
 def init_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> None:
@@ -73,7 +73,7 @@ class MeshConfig:
         tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
         if tp is None or pp is None:
             raise ConfigError("the tensor and pipeline sizes are automatic (None) in this config; pass it "
-                              "through jax3d.plan.resolve, which chooses them and validates the layout")
+                              "through jax3d.parallel.plan.resolve, which chooses them and validates the layout")
         if tp < 1 or pp < 1:
             raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
         if num_devices % (tp * pp):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import jax
 
 from jax3d.config import Config, ConfigError
-from jax3d.mesh import MeshConfig, layout_errors
+from jax3d.parallel.mesh import MeshConfig, layout_errors
 
 # (tensor, pipeline) sizes an automatic layout tries, most parallel first: (2, 2, 2) on 8 devices.
 AUTO_LAYOUTS = ((2, 2), (2, 1), (1, 2), (1, 1))

@@ -42,5 +42,5 @@ def state_specs(param_specs, abstract_params, data_size: int, zero_stage: int) -
 
 def cast_for_compute(params32, dtype, specs):
     """Compute-dtype copy of the parameters, gathered to their compute specs (the ZeRO-3 all-gather)."""
-    from jax3d.sharding.rules import constrain_tree
+    from jax3d.parallel.rules import constrain_tree
     return constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params32), specs["compute"])

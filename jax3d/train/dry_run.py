@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jax3d.config import Config
-from jax3d.mesh import MeshConfig
-from jax3d.sharding import named_shardings
+from jax3d.parallel.mesh import MeshConfig
+from jax3d.parallel import named_shardings
 from jax3d.train.metrics import model_flops_per_token
 from jax3d.train.memory import step_peak_bytes
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
@@ -31,8 +31,8 @@ def per_device_bytes(abstract_tree, shardings) -> int:
 def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     """Per-device bytes of params, opt_state, grads, temp and peak, and the step's FLOPs.
 
-    `cfg` is compiled as given, so that it reports what the real run compiles from the same `jax3d.plan.resolve`
-    output (whether the layers are scanned included).
+    `cfg` is compiled as given, so that it reports what the real run compiles from the same
+    `jax3d.parallel.plan.resolve` output (whether the layers are scanned included).
     """
     steps = build_steps(cfg, mesh_cfg, mesh)
     state = abstract_state(steps)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jax3d.config import Config, ConfigError
-from jax3d.mesh import MeshConfig
+from jax3d.parallel.mesh import MeshConfig
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, peak_tflops
 from jax3d.train.memory import STATE_FIXES, check_fits
 from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps

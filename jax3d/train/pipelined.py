@@ -21,7 +21,7 @@ from jax3d.config import Config
 from jax3d.pipeline import make_schedule
 from jax3d.pipeline.loop import pipeline_value_and_grad
 from jax3d.pipeline.schedules import summary
-from jax3d.sharding import cast_for_compute, constrain_tree
+from jax3d.parallel import cast_for_compute, constrain_tree
 from jax3d.train.layer_order import state_layout
 
 

@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax3d import dropout_keys
 from jax3d.config import Config, ConfigError
-from jax3d.mesh import MeshConfig, with_auto_axes
+from jax3d.parallel.mesh import MeshConfig, with_auto_axes
 from jax3d.models import build_model
-from jax3d.sharding import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
+from jax3d.parallel import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
                             tree_specs, with_shardings)
 from jax3d.train.layer_order import LayerOrder, state_layout
 from jax3d.train.optimizer import lr_schedule, make_optimizer
