@@ -94,6 +94,8 @@ def _main(argv) -> int:
         step = resolve_step(args.load, found, args.ckpt_step) if found else None
         if found:
             check_files(args.load, step)  # a damaged checkpoint is named before anything else is said
+            from jax3d.train.loop import check_not_past_end
+            check_not_past_end(step, cfg.train)
         given = given_flags(argv)
         # what the checkpoint set, including values that equal a flag's default
         cfg, from_checkpoint = adopt_saved_model(cfg, args.load, args.ckpt_step, given)

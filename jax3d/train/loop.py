@@ -60,6 +60,14 @@ def evaluate(steps: Steps, params, valid, eval_iters: int) -> dict:
     return out
 
 
+def check_not_past_end(saved: int, tr) -> None:
+    """ConfigError when a run would resume checkpoint step `saved` past its --train-iters (a fine-tune, which
+    starts at step 0, excepted): that asks for a fine-tune or a longer run, not for nothing."""
+    if saved > tr.train_iters and not tr.finetune:
+        raise ConfigError(f"--load {tr.load} is at step {saved}, past --train-iters {tr.train_iters}; raise "
+                          "--train-iters to train on, or add --finetune to train its weights from step 0")
+
+
 def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None,
           memory_check: bool = True) -> dict:
     """Runs `cfg.train.train_iters` steps (or until `--exit-interval`); returns the last logged record.
@@ -72,10 +80,9 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     tr = cfg.train
     chief = jax.process_index() == 0
     saved = checkpointer.step_to_restore() if checkpointer is not None else None
-    if saved is not None and not tr.finetune and saved >= tr.train_iters:  # said before compiling
-        if saved > tr.train_iters:
-            raise ConfigError(f"--load {tr.load} is at step {saved}, past --train-iters {tr.train_iters}; raise "
-                              "--train-iters to train on, or add --finetune to train its weights from step 0")
+    if saved is not None:  # said before compiling
+        check_not_past_end(saved, tr)
+    if saved is not None and not tr.finetune and saved >= tr.train_iters:
         print(f"jax3d: nothing to do: the checkpoint is already at step {saved} of {tr.train_iters}", file=sys.stderr)
         return {}
     steps = build_steps(cfg, mesh_cfg, mesh)
