@@ -1,5 +1,5 @@
 """What `--load` takes from a checkpoint where no flag says otherwise: its model, and when the run resumes, its
-data, tokenizer, optimizer settings, batch sizes, precision and seed.
+data, tokenizer, optimizer settings, global batch size, precision and seed.
 
 A run resumed with `--load` continues the run it loads: where the command line leaves one of those flags out,
 the checkpoint's value is taken, and a data or tokenizer flag that names other
@@ -68,9 +68,8 @@ class Adopted:
 
 def adopt_saved_run(cfg: Config, load_dir: str, meta: dict, given: set[str]) -> Adopted:
     """`cfg` as a run resuming checkpoint `load_dir` (whose metadata is `meta`) trains: the checkpoint's data,
-    tokenizer, optimizer settings, batch sizes, precision and seed wherever no flag in `given` (argparse dests)
-    set them; ConfigError
-    when a data or tokenizer flag names other data than the checkpoint's and neither --override-data nor
+    tokenizer, optimizer settings, global batch size, precision and seed wherever no flag in `given` (argparse
+    dests) set them; ConfigError when a data or tokenizer flag names other data than the checkpoint's and neither --override-data nor
     --finetune says that is meant. A fine-tune (--finetune) takes none of them, nor does a run from a checkpoint
     at step 0 (an import: it has trained on no data and its settings are the import tool's)."""
     if cfg.train.finetune or int(meta.get("step", 0)) == 0:
@@ -83,13 +82,20 @@ def adopt_saved_run(cfg: Config, load_dir: str, meta: dict, given: set[str]) -> 
     data = cfg.data
     if not cfg.train.override_data:
         data = _adopt_data(cfg.data, saved.data, meta, load_dir, given, notes)
-    cfg = dataclasses.replace(cfg, optim=optim, data=data, train=train, precision=precision)
-    return Adopted(cfg, notes)
+    new = dataclasses.replace(cfg, optim=optim, data=data, train=train, precision=precision)
+    taken = [f"--{f.replace('_', '-')} {getattr(getattr(new, group), f)}"
+             for group, fields in (("train", _TRAIN_FIELDS), ("precision", _PRECISION_FIELDS),
+                                   ("optim", {f.name: () for f in dataclasses.fields(OptimConfig)}))
+             for f in fields if f != "lr_decay_iters"
+             and getattr(getattr(new, group), f) != getattr(getattr(cfg, group), f)]
+    if taken:
+        notes.insert(0, f"the run's own settings where no flag gave them: {', '.join(taken)}")
+    return Adopted(new, notes)
 
 
-# Fields a resumed run takes from its checkpoint unless one of the flags (argparse dests) listed sets them.
-_TRAIN_FIELDS = {"seed": ("seed",), "global_batch_size": ("global_batch_size", "preset"),
-                 "micro_batch_size": ("micro_batch_size", "preset")}
+# Fields a resumed run takes from its checkpoint unless one of the flags (argparse dests) listed sets them. The
+# micro-batch size is not one: it changes memory, not the loss curve, and a new layout may need another.
+_TRAIN_FIELDS = {"seed": ("seed",), "global_batch_size": ("global_batch_size", "preset")}
 _PRECISION_FIELDS = {"dtype": ("bf16", "fp16"), "loss_scale": ("loss_scale",),
                      "initial_loss_scale": ("initial_loss_scale",), "loss_scale_window": ("loss_scale_window",),
                      "hysteresis": ("hysteresis",), "min_loss_scale": ("min_loss_scale",)}

@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default="", help="checkpoint directory to write (default: none, nothing is saved)")
     g.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--load", default="", help="checkpoint directory to resume or fine-tune from; a resumed run keeps its data, tokenizer, "
-                        "optimizer settings, batch sizes, precision and seed unless flags set them (default: none)")
+                        "optimizer settings, global batch size, precision and seed unless flags set them (default: none)")
     g.add_argument("--ckpt-step", type=int, default=-1, help="step to load (default: the latest)")
     g.add_argument("--keep-checkpoints", type=int, default=0, help="keep only the newest N (0: all)")
     g.add_argument("--finetune", action="store_true",
