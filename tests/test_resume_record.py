@@ -250,3 +250,12 @@ def test_data_of_another_tokenizer_is_refused(corpora, run4, capsys):
     assert f"error: --data-path {corpora['c']} was tokenized by another tokenizer than the checkpoint's" in \
         capsys.readouterr().err
     assert main([*BASE, *_data(corpora, "c", "tok_a"), "--train-iters", "1"]) == 2
+
+
+def test_evaluate_reads_the_checkpoints_own_data_by_default(corpora, run4, capsys):
+    from jax3d.cli.evaluate import main as evaluate
+
+    assert evaluate(["--load", run4[0], "--no-progress"]) == 0
+    own = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluate(["--load", run4[0], "--no-progress", "--data-path", corpora["a"]]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == own

@@ -19,9 +19,10 @@ def build_parser():
                       formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory")
     p.add_argument("--ckpt-step", type=int, default=-1, help="the step to evaluate (default: the latest)")
-    p.add_argument("--data-path", nargs="+", default=[], help="Megatron .bin/.idx prefix (or weights and prefixes) (default: none; pass it or --text-file)")
+    p.add_argument("--data-path", nargs="+", default=[], help="Megatron .bin/.idx prefix (or weights and prefixes) (default: the data the checkpoint was "
+                   "trained on, found by its fingerprint, unless --text-file is given)")
     p.add_argument("--text-file", default="", help="a UTF-8 text file (GPT), cut into windows of the model's sequence length "
-                   "(default: none; pass it or --data-path)")
+                   "(default: none)")
     p.add_argument("--split", default=None, help="as in training (default: the checkpoint's run)")
     p.add_argument("--split-name", choices=SPLITS, default="valid", help="which part of --split to evaluate (default: valid)")
     p.add_argument("--num-samples", type=int, default=0, help="the first N samples (default: all, one epoch)")
@@ -44,6 +45,9 @@ def _main(argv) -> int:
         raise ConfigError(f"--num-samples {a.num_samples} must not be negative")
     from jax3d.cli.train import setup_devices
     setup_devices(a)
+    if not a.data_path and not a.text_file:  # the checkpoint's own data, where it is now
+        from jax3d.cli.resume import checkpoint_data_path
+        a.data_path = checkpoint_data_path(a.load, a.ckpt_step)
     out = evaluate_checkpoint(a.load, step=a.ckpt_step, data_paths=a.data_path, text_file=a.text_file,
                               split=a.split, which=a.split_name, num_samples=a.num_samples,
                               micro_batch_size=a.micro_batch_size, tp=a.tensor_model_parallel_size,

@@ -213,3 +213,22 @@ def _check_tokenizer(d: DataConfig, saved: DataConfig, tok_record: dict, load_di
                               f"the checkpoint keeps no copy; pass {flag} with the original file")
         kw[key] = here
     return dataclasses.replace(d, **kw)
+
+
+def checkpoint_data_path(load_dir: str, step: int = -1) -> list[str]:
+    """The `--data-path` checkpoint `load_dir` (step `step`, -1 the latest) was trained on, each corpus found by
+    its fingerprint where it is now, or the bundled corpus's prefix; ConfigError when it recorded no data (an
+    import) or a corpus is gone."""
+    from jax3d.checkpoint.read import saved_step_meta
+    from jax3d.config import DataConfig
+
+    step, meta = saved_step_meta(load_dir, step)
+    saved = config_from_dict(meta["config"])
+    record = meta.get("data")
+    if record is None or int(meta.get("step", 0)) == 0:
+        raise ConfigError(f"--load {load_dir} records no data it was trained on; pass --data-path or --text-file")
+    if not record["prefixes"]:
+        from jax3d.data import default_corpus
+        return [default_corpus(cache_dir=saved.data.cache_dir or None, kind=saved.model.model_type)[0]]
+    found = _check_data_paths(DataConfig(data_path=tuple(saved.data.data_path)), record, load_dir, given=False)
+    return list(found.data_path)
