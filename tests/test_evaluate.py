@@ -7,7 +7,8 @@ import os
 import pytest
 
 from jax3d.data import default_corpus
-from jax3d.evaluate import evaluate_checkpoint, main as evaluate_main
+from jax3d.cli.evaluate import main as evaluate_main
+from jax3d.evaluate import evaluate_checkpoint
 from jax3d.cli.train import main as train_main
 
 ARGS = ["--seed", "3", "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "2", "--global-batch-size", "16",
@@ -51,7 +52,7 @@ def test_text_file_and_partial_last_batch(gpt_run, tmp_path):
 
 def test_bad_input(gpt_run, tmp_path, capsys):
     ck = str(gpt_run / "ckpt")
-    for argv, words in [(["--load", ck], "exactly one of"),
+    for argv, words in [(["--load", ck, "--data-path", "d", "--text-file", "t"], "exactly one of"),
                         (["--load", str(tmp_path / "no"), "--text-file", "x"], "holds no complete checkpoint"),
                         (["--load", ck, "--text-file", str(tmp_path / "missing.txt")], "is unreadable"),
                         (["--load", ck, "--text-file", "x", "--pipeline-model-parallel-size", "3"],
