@@ -97,6 +97,14 @@ class OptimConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    # Megatron's schedule counted in samples or tokens (0: not used); where set they replace the step counts.
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int = 0
+    lr_warmup_tokens: int = 0
+    lr_decay_tokens: int = 0
+    # What one update counts for such a schedule: (global batch, sequence length[, ramp start, increment, ramp
+    # samples]), from the train and model config (jax3d.train.counts.settle).
+    counted_batch: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ class PrecisionConfig:
 
 
 # DataConfig's tokenizer files, as Megatron's flags name them; a checkpoint's tokenizer record uses the same keys.
-TOKENIZER_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_file")
+TOKENIZER_FILE_KEYS = ("vocab_file", "merge_file", "tokenizer_file", "tokenizer_model")
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,7 @@ class DataConfig:
     vocab_file: str = ""
     merge_file: str = ""
     tokenizer_file: str = ""
+    tokenizer_model: str = ""  # a SentencePiece model (GPTSentencePieceTokenizer)
     cache_dir: str = ""
 
 
@@ -154,6 +163,16 @@ class TrainConfig:
     no_load_rng: bool = False
     no_save_optim: bool = False
     no_save_rng: bool = False
+    # Megatron's counts of a run (jax3d.train.counts): its length in samples (0: train_iters counts it), a stop
+    # in tokens, and the global batch's ramp (start, increment, samples).
+    train_samples: int = 0
+    train_tokens: int = 0
+    rampup_batch_size: tuple[int, ...] = ()
+    exit_duration_in_mins: float = 0.0  # save and stop before this much training time (0: no limit)
+    # TensorBoard events there (not in log_dir), with Megatron's choice of scalars plus the groups named
+    # (timers, batch_size, validation_ppl, optimizer_states, memory).
+    tensorboard_dir: str = ""
+    tensorboard_log: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,7 @@ def tokenizer_info(cfg: Config, tokenizer=None) -> dict:
             "vocab_size": int(tokenizer.vocab_size) if tokenizer is not None else None,
             "padded_vocab_size": cfg.model.vocab_size,
             # absolute, so generation, evaluation and export find them from any folder
-            **{k: os.path.abspath(v) if v else "" for k, v in (("vocab_file", d.vocab_file),
-                                                              ("merge_file", d.merge_file),
-                                                              ("tokenizer_file", d.tokenizer_file))}}
+            **{k: os.path.abspath(getattr(d, k)) if getattr(d, k) else "" for k in TOKENIZER_FILE_KEYS}}
     if not d.tokenizer_type and not d.data_path:
         # The bundled corpus's, when the run passes it or its model has that vocabulary. Code that trained on ids
         # of its own, of another vocabulary, records none: the bundled files would decode them as other words.

@@ -30,11 +30,14 @@ Tokenize a loose-JSON corpus (one JSON object a line) into Megatron .bin/.idx fi
     p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
                    help="GPT2BPETokenizer: byte-level BPE (--vocab-file vocab.json, --merge-file merges.txt); "
                         "BertWordPieceLowerCase / BertWordPieceCase: WordPiece (--vocab-file vocab.txt); "
-                        "HFTokenizer: any Hugging Face tokenizer.json (--tokenizer-file)")
+                        "HFTokenizer: any Hugging Face tokenizer.json (--tokenizer-file); GPTSentencePieceTokenizer: "
+                        "a SentencePiece model such as Llama's tokenizer.model (--tokenizer-model)")
     p.add_argument("--vocab-file", help="vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*) "
                    "(default: none; those types need it)")
     p.add_argument("--merge-file", help="merges.txt of a GPT2BPETokenizer (default: none; that type needs it)")
     p.add_argument("--tokenizer-file", help="tokenizer.json of an HFTokenizer (default: none; that type needs it)")
+    p.add_argument("--tokenizer-model", help="SentencePiece model of a GPTSentencePieceTokenizer (default: none; that "
+                   "type needs it)")
     p.add_argument("--append-eod", action="store_true",
                    help="end each document with the end-of-document token (GPT training needs it)")
     p.add_argument("--split-sentences", action="store_true",
@@ -58,7 +61,8 @@ def _preprocess(argv) -> int:
     from jax3d.data.preprocess import TokenizerSpec, preprocess_jsonl
 
     args = preprocess_parser().parse_args(argv)
-    spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_file)
+    spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_file,
+                         args.tokenizer_model)
     new_dirs = []  # the output folders this run would create, deepest first
     d = os.path.dirname(os.path.abspath(args.output_prefix))
     while not os.path.exists(d):

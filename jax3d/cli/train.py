@@ -113,8 +113,12 @@ def _main(argv) -> int:
     plan = resolve(cfg, jax.device_count(), tok.vocab_size, checkpoint=args.load or "",
                    from_checkpoint=from_checkpoint)
     cfg, mesh_cfg = plan.cfg, plan.mesh
+    from jax3d.cli.megatron import after_plan, header_notes
+    cfg = after_plan(args, cfg, mesh_cfg.data)  # counts in samples and tokens, on the final batch and sequence
     if jax.process_index() == 0:
         print(header(plan, build_model(cfg.model).num_params()), file=sys.stderr)
+        for note in header_notes(args, cfg):
+            print(note, file=sys.stderr)
         if cfg.parallel.sequence_parallel and mesh_cfg.model == 1:
             print("jax3d: --sequence-parallel shards activations over tensor parallelism, which is 1 here, so it "
                   "changes nothing", file=sys.stderr)

@@ -7,6 +7,7 @@ import os
 
 from jax3d.file_util import dir_problem
 from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, layer_counts
+from jax3d.cli.megatron import add_megatron_flags, implied_given, megatron_config
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the preset's)")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per step = micro x accumulation x data (default: the preset's)")
-    g.add_argument("--train-iters", type=int, default=200, help="train steps")
+    g.add_argument("--train-iters", type=int, default=None, help="train steps (default: 200, unless --train-samples "
+                   "counts the run)")
     g.add_argument("--exit-interval", type=int, default=0, help="stop at the next multiple of this many iterations")
     g.add_argument("--seed", type=int, default=1234, help="seed of the init, data order and dropout")
     g.add_argument("--log-interval", type=int, default=10, help="steps between metric lines")
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-save-rng", action="store_true", help="leave the RNG out of saved checkpoints")
 
     add_device_flags(p.add_argument_group("devices"))
+    add_megatron_flags(p)
     return p
 
 
@@ -154,7 +157,8 @@ def given_flags(argv) -> set[str]:
     p = build_parser()
     for action in p._actions:
         action.default = argparse.SUPPRESS
-    return set(vars(p.parse_args(argv)))
+    given = p.parse_args(argv)
+    return set(vars(given)) | implied_given(given)
 
 
 def _given(value, default):
@@ -180,7 +184,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if len(set(asked.values())) > 1:
         raise ConfigError(f"{' and '.join(asked)} ask for different recomputation; pass one of them")
     recompute = next(iter(asked.values()), None)
-    if a.loss_scale and not a.fp16:
+    if a.loss_scale and not a.fp16 and not a.deepspeed:  # under --deepspeed its JSON scales (jax3d.cli.deepspeed)
         raise ConfigError(f"--loss-scale {a.loss_scale} scales fp16 gradients and this run is not --fp16; drop it "
                           "or add --fp16")
     model = _override(model, num_layers=a.num_layers, hidden_size=a.hidden_size,
@@ -218,7 +222,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                       cache_dir=a.data_cache_path)
     train = TrainConfig(micro_batch_size=_given(a.micro_batch_size, batch["micro_batch_size"]),
                         global_batch_size=_given(a.global_batch_size, batch["global_batch_size"]),
-                        train_iters=a.train_iters, exit_interval=a.exit_interval, seed=a.seed,
+                        train_iters=_given(a.train_iters, 200), exit_interval=a.exit_interval, seed=a.seed,
                         log_interval=a.log_interval, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
                         ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops,
@@ -226,7 +230,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         no_load_rng=a.no_load_rng, no_save_optim=a.no_save_optim, no_save_rng=a.no_save_rng)
     _refuse_bad_values(a, model, optim, train)
     tok_flags = [f for f, v in (("--tokenizer-type", a.tokenizer_type), ("--vocab-file", a.vocab_file),
-                                ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file)) if v]
+                                ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file),
+                                ("--tokenizer-model", a.tokenizer_model)) if v]
     loading = [f"--{k.replace('_', '-')}" for k in ("finetune", "override_data", "no_load_optim", "no_load_rng")
                if getattr(a, k)]
     if loading and not a.load:
@@ -240,12 +245,13 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if tok_flags and not a.data_path:
         raise ConfigError(f"--data-path is not given, so {', '.join(tok_flags)} would go unused (the bundled "
                           "corpus has its own tokenizer); add --data-path or drop them")
-    return Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data, train=train)
+    return megatron_config(a, Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data,
+                                     train=train))
 
 
 def _refuse_bad_values(a: argparse.Namespace, model, optim, train) -> None:
     """Range and directory checks, each failure one ConfigError sentence naming the flag."""
-    at_least_1 = [("--train-iters", a.train_iters), ("--log-interval", a.log_interval),
+    at_least_1 = [("--train-iters", train.train_iters), ("--log-interval", a.log_interval),
                   ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
                   ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by),
                   ("--loss-scale-window", a.loss_scale_window), ("--hysteresis", a.hysteresis)]

@@ -36,10 +36,11 @@ class TokenizerSpec:
     vocab_file: str | None = None
     merge_file: str | None = None
     tokenizer_file: str | None = None
+    tokenizer_model: str | None = None
 
     def build(self):
         return build_tokenizer(self.tokenizer_type, self.vocab_file, self.merge_file,
-                               self.tokenizer_file)
+                               self.tokenizer_file, self.tokenizer_model)
 
 
 @dataclass

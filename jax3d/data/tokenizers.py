@@ -1,4 +1,5 @@
-"""Tokenizers by Megatron's names, all backed by HF `tokenizers`, plus training small vocabularies.
+"""Tokenizers by Megatron's names, backed by HF `tokenizers` (SentencePiece models by `sentencepiece`), plus
+training small vocabularies.
 
 Every tokenizer exposes `vocab_size`, `tokenize(text) -> list[int]`, `detokenize(ids)`, `eod`;
 the BERT ones also `cls`, `sep`, `mask`, `pad`.
@@ -16,7 +17,8 @@ from jax3d.data.indexed import DataError
 
 GPT2_EOD = "<|endoftext|>"
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "HFTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "HFTokenizer",
+                   "GPTSentencePieceTokenizer")
 
 
 def _need_file(path, flag, hint="pass an existing file or train one with launch/train_tokenizer.py"):
@@ -118,21 +120,49 @@ class HFTokenizer(_HFBacked):
             setattr(self, name, vocab.get(t))
 
 
-def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None,
-                    merge_file: str | None = None, tokenizer_file: str | None = None):
+class GPTSentencePieceTokenizer:
+    """A SentencePiece model (Llama's `tokenizer.model`) as Megatron's GPTSentencePieceTokenizer reads it: ids
+    are the model's pieces, nothing added; `eod` is its end-of-sentence id."""
+
+    def __init__(self, tokenizer_model: str):
+        import sentencepiece
+
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        self.eod = self.sp.eos_id()
+        if self.eod < 0:
+            raise DataError(f"--tokenizer-model {tokenizer_model} has no end-of-sentence piece, which GPT "
+                            "documents end with; train it with one (sentencepiece's eos_id)")
+        self.pad, self.bos = self.sp.pad_id(), self.sp.bos_id()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.sp.encode_as_ids(text)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode_as_ids(texts)
+
+    def detokenize(self, ids) -> str:
+        return self.sp.decode_ids([int(i) for i in ids])
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
+                    tokenizer_file: str | None = None, tokenizer_model: str | None = None):
     """Build a tokenizer by Megatron's `--tokenizer-type` name from its vocabulary files."""
     try:
-        return _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_file)
+        return _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_file, tokenizer_model)
     except (DataError, OSError):
         raise
-    except Exception as e:  # the tokenizers library raises plain Exceptions for files it cannot parse
-        files = " and ".join(f for f in (vocab_file, merge_file, tokenizer_file) if f)
+    except Exception as e:  # tokenizers and sentencepiece raise plain Exceptions for files they cannot parse
+        files = " and ".join(f for f in (vocab_file, merge_file, tokenizer_file, tokenizer_model) if f)
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"{files} could not be read as {tokenizer_type} files ({reason}); pass the files "
                         "of that tokenizer type or train them with launch/train_tokenizer.py.") from None
 
 
-def _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_file):
+def _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_file, tokenizer_model):
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_need_file(vocab_file, "--vocab-file"),
                                 _need_file(merge_file, "--merge-file"))
@@ -142,6 +172,9 @@ def _build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_file):
         return BertWordPieceCase(_need_file(vocab_file, "--vocab-file"))
     if tokenizer_type == "HFTokenizer":
         return HFTokenizer(_need_file(tokenizer_file, "--tokenizer-file"))
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(_need_file(tokenizer_model, "--tokenizer-model",
+                                                    "pass an existing SentencePiece model (tokenizer.model)"))
     raise DataError(f"--tokenizer-type {tokenizer_type} is not supported; choose one of "
                     f"{', '.join(TOKENIZER_TYPES)}.")
 

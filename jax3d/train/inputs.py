@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from jax3d.config import Config, ConfigError
+from jax3d.config import TOKENIZER_FILE_KEYS, Config, ConfigError
 
 
 @dataclass
@@ -24,9 +24,8 @@ def tokenizer_and_paths(cfg: Config):
     if d.data_path:
         if not d.tokenizer_type:
             raise ConfigError("--data-path needs --tokenizer-type (and its --vocab-file / --merge-file / "
-                              "--tokenizer-file) to know the vocabulary")
-        tok = data.build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file or None,
-                                   merge_file=d.merge_file or None, tokenizer_file=d.tokenizer_file or None)
+                              "--tokenizer-file / --tokenizer-model) to know the vocabulary")
+        tok = data.build_tokenizer(d.tokenizer_type, **{k: getattr(d, k) or None for k in TOKENIZER_FILE_KEYS})
         check_token_ids(d.data_path, tok.vocab_size)
         check_tokenized_by(d.data_path, tok)
         return tok, list(d.data_path)

@@ -10,7 +10,8 @@ import numpy as np
 
 from jax3d.config import Config, ConfigError
 from jax3d.parallel.mesh import MeshConfig
-from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, peak_tflops
+from jax3d.train.counts import BatchCounts, last_step, settle
+from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, optimizer_state_norms, peak_tflops
 from jax3d.train.memory import STATE_FIXES, check_fits
 from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps
 
@@ -68,22 +69,79 @@ def check_not_past_end(saved: int, tr) -> None:
                           "--train-iters to train on, or add --finetune to train its weights from step 0")
 
 
+class _TrainBatches:
+    """The global batch of each step, whose size follows Megatron's ramp (`--rampup-batch-size`): one loader per
+    size, the next started at the sample where the last one stopped."""
+
+    def __init__(self, dataset, counts: BatchCounts, per_micro: int, mesh, consumed: int):
+        self.dataset, self.counts, self.per_micro, self.mesh = dataset, counts, per_micro, mesh
+        self.consumed, self.size, self._loader = consumed, 0, None
+
+    def next(self):
+        """(the next batch, its global batch size)."""
+        from jax3d.data import BatchLoader
+
+        size = self.counts.batch_at(self.consumed)
+        if size != self.size:
+            self.close()
+            self._loader = BatchLoader(self.dataset, size, size // self.per_micro, self.mesh,
+                                       start_sample=self.consumed, prefetch=2)
+            self.size = size
+        batch = next(self._loader)
+        self.consumed += size
+        return batch, size
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed}
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+
+
+class _Deadline:
+    """`--exit-duration-in-mins`: whether the time since `train` started, one more step and a save would pass the
+    limit. The step's time is the last one's; the save's, what the last save held the loop (its files are
+    written in the background). All processes agree, as the save is collective."""
+
+    def __init__(self, minutes: float, start: float):
+        self.limit_s, self.start = minutes * 60, start
+        self.last, self.step_s = time.time(), 0.0
+
+    def minutes(self) -> float:
+        return (time.time() - self.start) / 60
+
+    def near(self, checkpointer) -> bool:
+        now = time.time()
+        self.step_s, self.last = now - self.last, now
+        if not self.limit_s:
+            return False
+        save_s = getattr(checkpointer, "last_save_blocked_s", 0.0)
+        near = now - self.start + self.step_s + save_s >= self.limit_s
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            near = bool(np.max(multihost_utils.process_allgather(np.int32(near))))
+        return near
+
+
 def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None,
           memory_check: bool = True) -> dict:
-    """Runs `cfg.train.train_iters` steps (or until `--exit-interval`); returns the last logged record.
+    """Runs `cfg.train.train_iters` steps (or until `--train-tokens`, `--exit-interval` or
+    `--exit-duration-in-mins`); returns the last logged record.
 
     With `memory_check`, a step whose compiled peak exceeds the local devices' memory raises ConfigError
     before the state is allocated.
     """
-    from jax3d.data import BatchLoader
-
+    started = time.time()
+    cfg = settle(cfg, mesh_cfg.data)  # the run's counts in samples and tokens (jax3d.train.counts)
     tr = cfg.train
     chief = jax.process_index() == 0
+    final = last_step(cfg)
     saved = checkpointer.step_to_restore() if checkpointer is not None else None
     if saved is not None:  # said before compiling
         check_not_past_end(saved, tr)
-    if saved is not None and not tr.finetune and saved >= tr.train_iters:
-        print(f"jax3d: nothing to do: the checkpoint is already at step {saved} of {tr.train_iters}", file=sys.stderr)
+    if saved is not None and not tr.finetune and saved >= final:
+        print(f"jax3d: nothing to do: the checkpoint is already at step {saved} of {final}", file=sys.stderr)
         return {}
     steps = build_steps(cfg, mesh_cfg, mesh)
     # Compiled from abstract shapes before any state is allocated or restored, so a step that cannot fit
@@ -103,7 +161,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     if checkpointer is not None:
         state, consumed = checkpointer.restore(steps, saved)
     start = int(state.step) if state is not None else 0
-    end = tr.train_iters  # past start: a finished run returned above
+    end = final  # past start: a finished run returned above
     if tr.exit_interval:
         end = min(end, (start // tr.exit_interval + 1) * tr.exit_interval)
     if state is None:
@@ -111,20 +169,23 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     flops_tok = model_flops_per_token(cfg.model)
     peak = peak_tflops(tr.peak_tflops)
     n_dev = jax.device_count()
-    tokens_per_step = tr.global_batch_size * cfg.model.seq_length
-    loader = BatchLoader(inputs.train, tr.global_batch_size, steps.accum_steps, mesh,
-                         start_sample=consumed, prefetch=2)
+    loader = _TrainBatches(inputs.train, BatchCounts.of(cfg), tr.global_batch_size // steps.accum_steps, mesh, consumed)
+    logs = set(tr.tensorboard_log)
+    opt_norms = jax.jit(optimizer_state_norms) if "optimizer_states" in logs else None
     writer = bar = None
     try:
         # A fresh run starts a fresh log; a resumed one appends to it.
-        writer = MetricsWriter(tr.log_dir, enabled=chief, fresh=start == 0)
-        first_batch = next(loader)
+        writer = MetricsWriter(tr.log_dir, enabled=chief, fresh=start == 0, tensorboard_dir=tr.tensorboard_dir,
+                               tensorboard_log=tr.tensorboard_log)
+        first_batch = loader.next()
         bar = _progress(end, start, progress and chief)
+        deadline = _Deadline(tr.exit_duration_in_mins, started)
         last, pending = {}, []
-        t_last, steps_since = time.perf_counter(), 0
+        t_last, steps_since, consumed_last = time.perf_counter(), 0, consumed
         for it in range(start, end):
-            batch = first_batch if it == start else next(loader)
-            state, metrics = train_step(state, batch)
+            batch, size = first_batch if it == start else loader.next()
+            # The compiled step takes the full global batch; a ramp's smaller batches compile their own.
+            state, metrics = (train_step if size == tr.global_batch_size else steps.train_step)(state, batch)
             pending.append(metrics)
             if len(pending) > MAX_STEPS_IN_FLIGHT:
                 jax.block_until_ready(pending[-1 - MAX_STEPS_IN_FLIGHT])
@@ -133,21 +194,25 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
             if step % tr.log_interval == 0 or step == end:
                 host = jax.device_get(pending)  # waits for the device: the interval's time is real
                 dt = (time.perf_counter() - t_last) / steps_since
-                tps = tokens_per_step / dt
+                tps = (loader.consumed - consumed_last) * cfg.model.seq_length / (dt * steps_since)
                 tflops = tps * flops_tok / n_dev / 1e12
                 rec = {"step": step, **{k: float(v) for k, v in host[-1].items()},
                        # losses and accuracies are averaged over the interval, as Megatron logs them
                        **{k: float(np.mean([h[k] for h in host])) for k in host[-1] if _averaged(k)},
                        "tokens_per_s": tps, "tflops_per_device": tflops,
                        "mfu": (tflops / peak) if peak else None, "mem_gb": memory_gb(), "step_time_s": dt,
-                       "consumed_samples": loader.state_dict()["consumed_samples"]}
+                       "consumed_samples": loader.consumed}
                 rec["skipped"] = int(rec["skipped"])
+                if "batch_size" in logs:
+                    rec["batch_size"] = size
+                if opt_norms is not None:
+                    rec.update({k: float(v) for k, v in jax.device_get(opt_norms(state.params, state.opt_state)).items()})
                 writer.write(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{tps:,.0f}")
                 if chief and not progress:  # no bar to show it: one line per interval, as Megatron logs
                     bar.write(_interval_line(rec, end))
                 last, pending = rec, []
-                t_last, steps_since = time.perf_counter(), 0
+                t_last, steps_since, consumed_last = time.perf_counter(), 0, loader.consumed
             paused = time.perf_counter()  # evaluation and checkpoint saves stay out of the step time
             if inputs.valid is not None and tr.eval_interval and step % tr.eval_interval == 0:
                 jax.block_until_ready(state)
@@ -163,6 +228,16 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
                 checkpointer.maybe_save(step, state, loader.state_dict(), force=step == end)
             t_last += time.perf_counter() - paused
             bar.update(1)
+            if step < end and deadline.near(checkpointer):
+                saved_now = checkpointer is not None and checkpointer.save_dir
+                if saved_now:
+                    checkpointer.maybe_save(step, state, loader.state_dict(), force=True)
+                if chief:
+                    bar.write(f"jax3d: --exit-duration-in-mins {tr.exit_duration_in_mins:g}: stopping at step {step} "
+                              f"of {end} after {deadline.minutes():.1f} min of training, "
+                              + ("with a checkpoint; --load it to go on" if saved_now else
+                                 "without a checkpoint (no --save)"), file=sys.stderr)
+                break
     finally:
         if bar is not None:
             bar.close()

@@ -27,6 +27,26 @@ def model_flops_per_token(cfg: ModelConfig) -> float:
     return 6.0 * matmul + 12.0 * L * s * d
 
 
+def optimizer_state_norms(params, opt_state) -> dict:
+    """Megatron's optimizer-state scalars: the l2 norm, l1 norm and largest magnitude of Adam's first moment
+    (momentum), second moment (variance) and its square root, and of the weights."""
+    import jax.numpy as jnp
+    import optax
+
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)]
+    trees = {"weight": params}
+    if adam:
+        trees.update(momentum=adam[0].mu, variance=adam[0].nu, variance_sqrt=jax.tree.map(jnp.sqrt, adam[0].nu))
+    out = {}
+    for name, tree in trees.items():
+        leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)]
+        out[f"optimizer/{name}_l2"] = jnp.sqrt(sum(jnp.sum(x * x) for x in leaves))
+        out[f"optimizer/{name}_l1"] = sum(jnp.sum(jnp.abs(x)) for x in leaves)
+        out[f"optimizer/{name}_abs_max"] = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+    return out
+
+
 def peak_tflops(override: float = 0.0) -> float | None:
     if override:
         return override
@@ -63,22 +83,43 @@ def set_aside_earlier_run(log_dir: str) -> str | None:
     return dest
 
 
-class MetricsWriter:
-    """Writes each logged step to `<log_dir>/metrics.jsonl` and TensorBoard (process 0 only). A run that
-    starts from step 0 (`fresh`) first sets an earlier run's files there aside; a resumed run appends."""
+# Megatron's TensorBoard scalars besides the losses: what it always writes, and what each of its
+# --log-*-to-tensorboard flags adds (jax3d.cli.megatron); a key ending in "/" names a prefix.
+TENSORBOARD_ALWAYS = ("lr", "loss_scale", "grad_norm", "skipped", "consumed_samples")
+TENSORBOARD_GROUPS = {"timers": ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu"),
+                      "batch_size": ("batch_size",), "validation_ppl": ("val_ppl",), "memory": ("mem_gb",),
+                      "optimizer_states": ("optimizer/",)}
 
-    def __init__(self, log_dir: str, enabled: bool = True, fresh: bool = False):
+
+def tensorboard_scalars(record: dict, groups) -> dict:
+    """The numbers of `record` that Megatron writes to TensorBoard with the flags of `groups` on: the losses
+    and accuracies, TENSORBOARD_ALWAYS and each group's keys."""
+    keys = TENSORBOARD_ALWAYS + tuple(k for g in groups for k in TENSORBOARD_GROUPS[g])
+    return {k: v for k, v in record.items() if k.endswith(("loss", "_acc")) or k in keys or
+            any(p.endswith("/") and k.startswith(p) for p in keys)}
+
+
+class MetricsWriter:
+    """Writes each logged step to `<log_dir>/metrics.jsonl` and TensorBoard (process 0 only): every number
+    into `log_dir`, or with `tensorboard_dir` Megatron's choice (`tensorboard_scalars`) into that folder. A run
+    that starts from step 0 (`fresh`) first sets an earlier run's files there aside; a resumed run appends."""
+
+    def __init__(self, log_dir: str, enabled: bool = True, fresh: bool = False, tensorboard_dir: str = "",
+                 tensorboard_log=()):
         self.enabled = enabled and bool(log_dir)
         self._jsonl = self._tb = None
+        self._groups = tuple(tensorboard_log) if tensorboard_dir else None
         if not self.enabled:
             return
-        os.makedirs(log_dir, exist_ok=True)
-        moved = set_aside_earlier_run(log_dir) if fresh else None
-        if moved:
-            print(f"jax3d: {log_dir} held an earlier run's metrics; they are now in {moved}", file=sys.stderr)
+        tb_dir = tensorboard_dir or log_dir
+        for d in dict.fromkeys((log_dir, tb_dir)):
+            os.makedirs(d, exist_ok=True)
+            moved = set_aside_earlier_run(d) if fresh else None
+            if moved:
+                print(f"jax3d: {d} held an earlier run's metrics; they are now in {moved}", file=sys.stderr)
         self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
         try:
-            self._tb = EventFile(log_dir)
+            self._tb = EventFile(tb_dir)
         except OSError as e:  # TensorBoard is a convenience; never fail a run over it
             print(f"jax3d: TensorBoard events disabled ({e})", file=sys.stderr)
 
@@ -88,8 +129,10 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            self._tb.add_scalars({f"{prefix}/{k}": v for k, v in record.items()
-                                  if k != "step" and isinstance(v, (int, float))}, record["step"])
+            numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            if self._groups is not None:
+                numbers = tensorboard_scalars(numbers, self._groups)
+            self._tb.add_scalars({f"{prefix}/{k}": v for k, v in numbers.items()}, record["step"])
             self._tb.flush()
 
     def close(self):

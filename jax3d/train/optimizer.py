@@ -6,27 +6,71 @@ import jax.numpy as jnp
 import optax
 
 from jax3d.config import ConfigError, OptimConfig
+from jax3d.train.counts import BatchCounts
 
 
 def lr_schedule(optim: OptimConfig, train_iters: int):
-    """Linear warmup to `lr`, then cosine / linear decay to `min_lr` at `lr_decay_iters`, then flat."""
+    """The learning rate of the update after `count` applied ones, as Megatron's scheduler gives it: linear
+    warm-up to `lr`, then cosine / linear decay to `min_lr`, then flat at `min_lr`.
+
+    Counted in steps (`lr_warmup_iters`, `lr_decay_iters`, default `train_iters`) unless the schedule is counted
+    in samples or tokens, as Megatron counts it then: its warm-up and decay lengths are samples
+    (`lr_*_samples`, or `lr_*_iters` global batches), a token count (`lr_warmup_tokens`, `lr_decay_tokens`)
+    overrides either, and the position is the samples (times the sequence length, the tokens) consumed before
+    the update, from `optim.counted_batch` (jax3d.train.counts.settle sets it).
+    """
     if optim.lr_decay_style not in ("cosine", "linear", "constant"):
         raise ConfigError(f"--lr-decay-style {optim.lr_decay_style!r} must be cosine, linear or constant")
-    warmup = optim.lr_warmup_iters
-    decay_iters = optim.lr_decay_iters or train_iters
-    if optim.lr_decay_style != "constant" and decay_iters <= warmup:
-        raise ConfigError(f"--lr-decay-iters {decay_iters} must exceed --lr-warmup-iters {warmup}")
+    counted = optim.lr_warmup_samples or optim.lr_decay_samples or optim.lr_warmup_tokens or optim.lr_decay_tokens
+    if not optim.counted_batch:
+        if counted:
+            raise ConfigError("a learning-rate schedule counted in samples or tokens needs OptimConfig.counted_batch; "
+                              "pass the config through jax3d.train.counts.settle")
+        return _megatron_lr(optim, lambda count: count, optim.lr_warmup_iters,
+                            optim.lr_decay_iters or train_iters, "iters", 1)
+    counts = BatchCounts.from_tuple(optim.counted_batch)
+    table = jnp.asarray(counts.ramp_table, jnp.float32)
+    last, batch = len(table) - 1, counts.global_batch
 
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        warm = optim.lr * step / max(warmup, 1)
+    def samples(count):  # consumed before update `count`: the ramp's steps one by one, then whole batches
+        return jnp.where(count <= last, table[jnp.minimum(count, last)], table[last] + (count - last) * batch)
+
+    warm = optim.lr_warmup_samples or optim.lr_warmup_iters * batch
+    decay = optim.lr_decay_samples or (optim.lr_decay_iters or train_iters) * batch
+    return _megatron_lr(optim, samples, warm, decay, "samples", counts.seq_length)
+
+
+def _megatron_lr(optim: OptimConfig, position, warm, decay, unit: str, seq: int):
+    """Megatron's rate at `position(count)` of `warm` and `decay` units (iterations or samples); token counts,
+    where given, replace them, a sample being `seq` tokens (a step-counted warm-up followed by a token-counted
+    decay hands over at the tokens its end was reached at, as Megatron's scheduler does)."""
+    warm_tokens = optim.lr_warmup_tokens or (warm * seq if optim.lr_decay_tokens else 0)
+    decay_tokens = optim.lr_decay_tokens
+    if optim.lr_decay_style != "constant":
+        if decay_tokens and decay_tokens <= warm_tokens:
+            raise ConfigError(f"--lr-decay-tokens {decay_tokens} must exceed the {warm_tokens} tokens of the "
+                              "warm-up (--lr-warmup-tokens, or the warm-up's samples times --seq-length)")
+        if not decay_tokens and decay <= warm:
+            raise ConfigError(f"--lr-decay-{unit} {decay} must exceed --lr-warmup-{unit} {warm}")
+    # As floats: token counts pass int32's range.
+    warm, decay, warm_tokens, decay_tokens = float(warm), float(decay), float(warm_tokens), float(decay_tokens)
+
+    def schedule(count):
+        at = jnp.asarray(position(jnp.asarray(count, jnp.int32)), jnp.float32)
+        tokens = at * seq
+        if optim.lr_warmup_tokens:
+            warming, warm_lr = tokens < warm_tokens, optim.lr * tokens / warm_tokens
+        else:
+            warming, warm_lr = at < warm, optim.lr * at / max(warm, 1)
         if optim.lr_decay_style == "constant":
             decayed = jnp.asarray(optim.lr, jnp.float32)
         else:
-            frac = jnp.clip((step - warmup) / (decay_iters - warmup), 0.0, 1.0)
+            frac = (tokens - warm_tokens) / (decay_tokens - warm_tokens) if decay_tokens \
+                else (at - warm) / (decay - warm)
+            frac = jnp.clip(frac, 0.0, 1.0)
             coeff = 0.5 * (jnp.cos(jnp.pi * frac) + 1.0) if optim.lr_decay_style == "cosine" else 1.0 - frac
             decayed = optim.min_lr + coeff * (optim.lr - optim.min_lr)
-        return jnp.where(step < warmup, warm, decayed)
+        return jnp.where(warming, warm_lr, decayed)
 
     return schedule
 
