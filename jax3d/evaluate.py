@@ -169,8 +169,9 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                         pp: int = 1, dp: int = 0, dtype: str = "float32", seed: int | None = None,
                         tokenizer=None, progress: bool = True) -> dict:
     """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices."""
-    from jax3d.parallel.plan import resolve
     from jax3d.parallel import with_shardings
+    from jax3d.parallel.pipeline_spec import fewest_microbatches
+    from jax3d.parallel.plan import evaluation_mesh, resolve
     from jax3d.config import config_from_dict
     from jax3d.checkpoint.read import restore_arrays, saved_step_meta
     from jax3d.train.step import build_steps
@@ -179,20 +180,13 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
         raise ConfigError("pass exactly one of --data-path PREFIX and --text-file FILE")
     step, meta = saved_step_meta(load, step)
     saved = config_from_dict(meta["config"])
-    n_dev = jax.device_count()
-    dp = dp or n_dev // (tp * pp)
-    if dp < 1 or dp * tp * pp > n_dev:
-        raise ConfigError(f"the layout data {dp} x stage {pp} x model {tp} needs more than the {n_dev} devices")
-    layers = saved.model.num_layers
-    if layers % pp:
-        fits = ", ".join(str(s) for s in range(1, layers + 1) if layers % s == 0)
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the checkpoint's {layers} layers; "
-                          f"pass one of {fits}")
+    layout = evaluation_mesh(jax.device_count(), saved.model.num_layers, tp, pp, dp)
+    global_batch = micro_batch_size * layout.data * fewest_microbatches(layout.stage)
     cfg = Config(model=saved.model, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
                  precision=PrecisionConfig(dtype=dtype), data=saved.data,
-                 train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * dp * pp,
+                 train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=global_batch,
                                    seed=saved.train.seed if seed is None else seed))
-    mesh_cfg = resolve(cfg, dp * pp * tp, checkpoint=load,
+    mesh_cfg = resolve(cfg, layout.size, checkpoint=load,
                        from_checkpoint=[f.name for f in dataclasses.fields(saved.model)]).mesh
     if tokenizer is None:
         from jax3d.checkpoint.tokenizer import checkpoint_tokenizer
@@ -204,5 +198,5 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     targets = with_shardings(steps.abstract_logical_state.params, steps.logical_shardings.params)
     params = steps.state_params(restore_arrays(load, step, {"params": targets}).params)
     out = evaluate_params(steps, params, dataset, count, progress)
-    out.update(step=int(meta["step"]), layout={"data": dp, "stage": pp, "model": tp})
+    out.update(step=int(meta["step"]), layout={"data": layout.data, "stage": pp, "model": tp})
     return out

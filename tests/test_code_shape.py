@@ -136,3 +136,27 @@ def test_command_lines_live_only_in_jax3d_cli():
 
 def test_model_code_carries_no_benchmark_switches():
     assert _grep(r"optimised\(|ablate|kernel_tunings", "jax3d/models", "jax3d/config.py") == []
+
+
+# Decisions of the parallel layout, which only jax3d/parallel/ makes (the config and the command line carry the
+# flags): the ZeRO stage compared with a number, or one ZeRO fact taken to imply another; the schedule's name
+# compared; virtual stages held to a number; micro-batches or layers held against the stages.
+_LAYOUT_DECISIONS = {
+    "ZeRO stage compared with a number": r"\bzero(?:_stage)?\s*(?:[<>]=?|[!=]=)\s*\d|\bzero_stage\s+(?:not\s+)?in\b",
+    "ZeRO-3 taken to imply ZeRO-2": r"\bshard_grads\s+or\s+gather_stacked\b",
+    "the schedule's name compared": r"""[!=]=\s*["'](?:gpipe|1f1b|interleaved|zb-h1)["']"""
+                                    r"|\.pipeline_schedule\s*(?:[!=]=|(?:not\s+)?in\b)",
+    "virtual stages held to a number": r"\b(?:virtual_stages|v)\s*(?:<=?|!=)\s*\d",
+    "micro-batches held against the stages": r"\b(?:m|microbatches|micro|accum)\s*(?:[<>]=?|%)\s*\(?(?:p|pp|stages)\b"
+                                             r"|\)\s*(?:<|%)\s*pp\b",
+    "layers held against the stages": r"\blayers\s*%\s*\(?(?:p|pp|stages)\b",
+}
+
+
+def test_layout_rules_and_zero_are_decided_only_in_jax3d_parallel():
+    """Elsewhere code reads the plan's named facts (`plan.zero.gradients`, `plan.pipeline.virtual_stages`)."""
+    outside = {what: _grep(pattern, "jax3d", skip=("jax3d/parallel/", "jax3d/config.py", "jax3d/cli/"))
+               for what, pattern in _LAYOUT_DECISIONS.items()}
+    assert {what: found for what, found in outside.items() if found} == {}
+    for what in ("ZeRO stage compared with a number", "virtual stages held to a number"):
+        assert _grep(_LAYOUT_DECISIONS[what], "jax3d/parallel"), what  # the grep sees them where they are

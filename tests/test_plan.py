@@ -1,9 +1,13 @@
 """jax3d.parallel.plan.resolve and the layout rules it checks: what it fills in, and what it refuses in one sentence."""
+import dataclasses
+
 import pytest
 
 from jax3d.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from jax3d.parallel.mesh import MeshConfig, layout_errors
-from jax3d.parallel.plan import SCAN_LAYERS_FROM, resolve
+from jax3d.parallel.pipeline_spec import PipelineSpec
+from jax3d.parallel.plan import SCAN_LAYERS_FROM, Plan, resolve
+from jax3d.pipeline.schedules import ScheduleError, make_schedule
 
 
 def _cfg(num_layers=4, vocab_size=256, train=None, **parallel):
@@ -35,6 +39,35 @@ def test_an_automatic_layout_with_the_interleaved_schedule_keeps_a_pipeline():
                         layers_per_virtual_stage=1), 8)
     assert (plan.mesh.data, plan.mesh.stage, plan.mesh.model) == (2, 2, 2)
     assert plan.cfg.parallel.virtual_stages == 2
+
+
+@pytest.mark.parametrize("devices, zero, sharded", [(8, 0, (False, False, False)), (8, 1, (True, False, False)),
+                                                     (8, 2, (True, True, False)), (8, 3, (True, True, True)),
+                                                     (1, 3, (False, False, False))])
+def test_the_plan_says_what_zero_shards_and_with_one_data_shard_nothing(devices, zero, sharded):
+    z = resolve(_cfg(zero_stage=zero), devices).zero
+    assert (z.optimizer_state, z.gradients, z.parameters) == sharded
+
+
+def test_the_plan_carries_the_pipeline_spec():
+    plan = resolve(_cfg(tensor_parallel=2, pipeline_parallel=2, pipeline_schedule="interleaved",
+                        layers_per_virtual_stage=1), 8)
+    assert plan.pipeline == PipelineSpec("interleaved", stages=2, virtual_stages=2, microbatches=4, layer_counts=None)
+    assert Plan(plan.cfg, plan.mesh) == dataclasses.replace(plan, layout_note="as given")  # the facts of a resolved pair
+    uneven = resolve(_cfg(num_layers=5, tensor_parallel=1, pipeline_parallel=2, pipeline_layout=(3, 2)), 8).pipeline
+    assert uneven.layer_counts == (3, 2) and uneven.pipelined and not resolve(_cfg(), 8).pipeline.pipelined
+
+
+def test_one_rule_refuses_a_pipeline_shape_in_training_and_in_the_schedule_tables():
+    """3 micro-batches do not divide over 2 interleaved stages: layout_errors and make_schedule both say so, from
+    the one decision in jax3d.parallel.pipeline_spec."""
+    cfg = _cfg(pipeline_schedule="interleaved", virtual_stages=2, train=TrainConfig(micro_batch_size=1,
+                                                                                     global_batch_size=6))
+    assert layout_errors(MeshConfig(2, 2, 1), cfg.model, cfg.parallel, cfg.train) == [
+        "3 micro-batches per step is not divisible by --pipeline-model-parallel-size 2, which the interleaved "
+        "schedule needs"]
+    with pytest.raises(ScheduleError, match="--microbatches 3 must be divisible by --stages 2"):
+        make_schedule("interleaved", 2, 3, 2)
 
 
 def test_mesh_from_automatic_sizes_asks_for_resolve():

@@ -13,6 +13,7 @@ from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, Parallel
 from jax3d.data.tokenizers import TOKENIZER_TYPES
 from jax3d.models.presets import get_preset, preset_names
 from jax3d.parallel.plan import AUTO_LAYOUTS, SCAN_LAYERS_FROM
+from jax3d.pipeline.schedules import SCHEDULES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="shard optimizer state (1), also grads (2), also params (3) over `data` "
                         "(default: 1 with data parallelism, else 0)")
-    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default=None,
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
                    help="pipeline schedule (default: interleaved with --num-layers-per-virtual-pipeline-stage, "
                         "as in Megatron, else 1f1b)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,

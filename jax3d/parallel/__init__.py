@@ -1,11 +1,17 @@
 """The parallel plan: the (data, stage, model) mesh, every layout rule, the logical-axis table and ZeRO.
 
     mesh.py           the mesh axes, their sizes (MeshConfig), CPU emulation, multi-host start, layout_errors
-    plan.py           resolve: a Config and a device count -> a validated Plan, automatic fields filled in
-    zero.py           ZeRO as sharding transforms
+    plan.py           resolve: a Config and a device count -> a validated Plan (config, mesh, ZeRO plan,
+                      pipeline spec), automatic fields filled in
+    zero.py           ZeroPlan (what is sharded over `data`) and ZeRO as sharding transforms
+    pipeline_spec.py  PipelineSpec (schedule, stages, virtual stages, micro-batches) and the pipeline-shape rules
     rules.py          logical axis names -> mesh axes, the one table of tensor, sequence and pipeline parallelism
 
-Exports resolve lazily: importing one module of the package imports no other.
+Code elsewhere reads the Plan's named facts (`plan.zero.gradients`, `plan.pipeline.virtual_stages`) and
+never decides from `zero_stage` or the schedule's name what a layout allows.
+
+Exports resolve lazily, so that the schedule tables (jax3d.pipeline.schedules, which read the pipeline-shape
+rules) import no JAX.
 """
 import importlib
 
@@ -13,12 +19,13 @@ _EXPORTS = {
     "AXES": "mesh", "MeshConfig": "mesh", "emulate_cpu_devices": "mesh", "init_distributed": "mesh",
     "layout_errors": "mesh", "with_auto_axes": "mesh",
     "Plan": "plan", "resolve": "plan",
-    "add_data_axis": "zero", "cast_for_compute": "zero", "state_specs": "zero",
+    "ZeroPlan": "zero", "add_data_axis": "zero", "cast_for_compute": "zero", "state_specs": "zero",
     "zero_specs": "zero",
+    "PipelineSpec": "pipeline_spec",
     "BASE_RULES": "rules", "ShardingRules": "rules", "constrain_tree": "rules", "named_shardings": "rules",
     "tree_specs": "rules", "with_shardings": "rules",
 }
-_MODULES = ("mesh", "plan", "zero", "rules")
+_MODULES = ("mesh", "plan", "zero", "pipeline_spec", "rules")
 __all__ = sorted(_EXPORTS)
 
 

@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 
 from jax3d.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from jax3d.parallel.pipeline_spec import (CHUNKS_NOT_INTERLEAVED, FEW_MICROBATCHES, TOO_FEW_CHUNKS,
+                                          UNEVEN_MICROBATCHES, broken_rules, fewest_microbatches,
+                                          takes_virtual_stages)
 
 AXES = ("data", "stage", "model")
 
@@ -122,8 +125,8 @@ def with_auto_axes(mesh, needs: tuple[str, ...] = AXES, use: str = "training"):
 def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> list[str]:
     """Every rule a (data, stage, model) layout must meet for this model and batch: one sentence per broken rule.
 
-    The pipeline-shape rules (layers per stage and virtual stage, micro-batches per stage, which schedule
-    takes virtual stages) all live here.
+    The layer-split rules live here; those of the pipeline's shape (micro-batches per stage, which schedule
+    takes virtual stages) in pipeline_spec.broken_rules, worded here with the training flags.
     """
     tp, pp, dp = mesh.model, mesh.stage, mesh.data
     errors = []
@@ -160,25 +163,27 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
         errors.append(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
                       f"{tp}, which --sequence-parallel needs")
     mb, gb = train.micro_batch_size, train.global_batch_size
+    micro = gb // (mb * dp)
+    broken = broken_rules(parallel.pipeline_schedule, pp, micro, v)
     if gb % (mb * dp):
         errors.append(f"--global-batch-size {gb} is not divisible by --micro-batch-size {mb} x data-parallel "
                       f"size {dp} = {mb * dp}")
-    elif pp > 1 and gb // (mb * dp) < pp:
-        errors.append(f"{gb // (mb * dp)} micro-batches per step is fewer than --pipeline-model-parallel-size "
-                      f"{pp}; raise --global-batch-size to at least {mb * dp * pp}")
-    elif pp > 1 and parallel.pipeline_schedule == "interleaved" and (gb // (mb * dp)) % pp:
-        errors.append(f"{gb // (mb * dp)} micro-batches per step is not divisible by "
+    elif pp > 1 and FEW_MICROBATCHES in broken:
+        errors.append(f"{micro} micro-batches per step is fewer than --pipeline-model-parallel-size "
+                      f"{pp}; raise --global-batch-size to at least {mb * dp * fewest_microbatches(pp)}")
+    elif pp > 1 and UNEVEN_MICROBATCHES in broken:
+        errors.append(f"{micro} micro-batches per step is not divisible by "
                       f"--pipeline-model-parallel-size {pp}, which the interleaved schedule needs")
-    interleaved = parallel.pipeline_schedule == "interleaved"
+    interleaved = takes_virtual_stages(parallel.pipeline_schedule)
     if pp == 1 and (interleaved or lpvs):
         given = [f for f, on in (("--pipeline-schedule interleaved", interleaved),
                                  (f"--num-layers-per-virtual-pipeline-stage {lpvs}", lpvs)) if on]
         errors.append(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --pipeline-model-parallel-size "
                       f"2 or more, but it is 1; raise it or drop {'them' if len(given) > 1 else 'that flag'}")
-    elif interleaved and v < 2:
+    elif TOO_FEW_CHUNKS in broken:
         errors.append("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
                       "(at least 2 chunks per stage)")
-    elif not interleaved and v > 1:
+    elif CHUNKS_NOT_INTERLEAVED in broken and v > 1:  # fewer than 1 is refused above
         errors.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
     if parallel.zero_stage not in (None, 0, 1, 2, 3):
         errors.append(f"--zero-stage {parallel.zero_stage} must be 0, 1, 2 or 3")

@@ -6,18 +6,24 @@ when there is data parallelism, and `vocab_size` 0 is the tokenizer's vocabulary
 `make_vocab_size_divisible_by`, and `scan_layers` None scans the layer stack from `SCAN_LAYERS_FROM` layers
 up on CPU devices. `resolve` fills them in and checks every rule once, reporting all that fail in one message. Training,
 `--dry-run`, evaluation and export all start from it.
+
+The `Plan` it returns carries what the rest of jax3d acts on as named facts: `plan.zero` (what ZeRO shards
+over `data`) and `plan.pipeline` (schedule, stages, virtual stages, micro-batches). Code outside
+jax3d/parallel/ reads those and never decides from `zero_stage` or the schedule's name itself.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 
 from jax3d.config import Config, ConfigError
 from jax3d.parallel.mesh import MeshConfig, layout_errors
+from jax3d.parallel.pipeline_spec import PipelineSpec
+from jax3d.parallel.zero import ZeroPlan
 
 # (tensor, pipeline) sizes an automatic layout tries, most parallel first: (2, 2, 2) on 8 devices.
 AUTO_LAYOUTS = ((2, 2), (2, 1), (1, 2), (1, 1))
@@ -29,11 +35,21 @@ SCAN_LAYERS_FROM = 32
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated configuration and the mesh it runs on, with why that layout was chosen."""
+    """A validated configuration and the mesh it runs on, why that layout was chosen, and the facts derived from
+    them that the train step, the state's shardings and the pipeline loop read.
+
+    `resolve` builds it; `Plan(cfg, mesh)` of a pair it returned gives the same facts (`build_steps` does that).
+    """
 
     cfg: Config
     mesh: MeshConfig
-    layout_note: str  # e.g. "chosen automatically: the most parallel layout that fits"
+    layout_note: str = "as given"  # e.g. "chosen automatically: the most parallel layout that fits"
+    zero: ZeroPlan = field(init=False)
+    pipeline: PipelineSpec = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "zero", ZeroPlan.of(self.cfg.parallel.zero_stage, self.mesh.data))
+        object.__setattr__(self, "pipeline", PipelineSpec.of(self.cfg, self.mesh.stage, self.mesh.data))
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -81,8 +97,8 @@ def _candidates(num_devices: int):
 def _blame_checkpoint(message: str, model, fields: Collection[str], load_dir: str) -> str:
     """`message` with each model field the checkpoint in `load_dir` supplied, named as a flag and its value,
     said to come from there: the user never typed it."""
-    for field in fields:
-        named = f"--{field.replace('_', '-')} {getattr(model, field)}"
+    for name in fields:
+        named = f"--{name.replace('_', '-')} {getattr(model, name)}"
         message = re.sub(re.escape(named) + r"(?![\w.])", f"{named} (from the checkpoint in --load {load_dir})",
                          message, count=1)
     return message
@@ -138,3 +154,17 @@ def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_f
         cfg = cfg.replace(parallel={"zero_stage": 1 if mesh.data > 1 else 0})
     mesh.validate(cfg.model, cfg.parallel, cfg.train)
     return Plan(cfg, mesh, note)
+
+
+def evaluation_mesh(num_devices: int, num_layers: int, tp: int, pp: int, dp: int = 0) -> MeshConfig:
+    """The (data, stage, model) layout that evaluates a checkpoint of `num_layers` layers with `tp` x `pp`:
+    `dp` data shards, by default as many as the devices hold. Its step runs one micro-batch per stage
+    (`pipeline_spec.fewest_microbatches`). Raises ConfigError naming the flag and the sizes that would do."""
+    dp = dp or num_devices // (tp * pp)
+    if dp < 1 or dp * tp * pp > num_devices:
+        raise ConfigError(f"the layout data {dp} x stage {pp} x model {tp} needs more than the {num_devices} devices")
+    if num_layers % pp:
+        fits = ", ".join(str(s) for s in range(1, num_layers + 1) if num_layers % s == 0)
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the checkpoint's {num_layers} layers; "
+                          f"pass one of {fits}")
+    return MeshConfig(dp, pp, tp)

@@ -1,8 +1,32 @@
-"""ZeRO stages as sharding transforms: add `data` to a spec, and XLA inserts the collectives."""
+"""ZeRO: which state is sharded over `data` (ZeroPlan), and the sharding transforms that do it: add `data` to a
+spec, and XLA inserts the collectives."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 from jax.sharding import PartitionSpec as P
+
+from jax3d.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    """What ZeRO shards over `data`. The train state's specs, the step's gradient accumulation and the
+    pipeline loop read these facts, never the stage number."""
+
+    optimizer_state: bool = False  # the optimizer's moments and fp32 master weights (ZeRO-1)
+    gradients: bool = False  # the accumulated gradients, reduce-scattered (ZeRO-2)
+    parameters: bool = False  # the parameters, gathered where they are used (ZeRO-3)
+
+    @classmethod
+    def of(cls, zero_stage: int | None, data: int) -> "ZeroPlan":
+        """ZeRO-`zero_stage` on `data` data shards; with one shard there is nothing to shard over."""
+        if zero_stage is None:
+            raise ConfigError("the ZeRO stage is automatic (None) in this config; pass it through "
+                              "jax3d.parallel.plan.resolve, which chooses it")
+        stage = zero_stage if data > 1 else 0
+        return cls(optimizer_state=stage >= 1, gradients=stage >= 2, parameters=stage >= 3)
 
 
 def add_data_axis(spec: P, shape: tuple[int, ...], data_size: int, axis: str = "data") -> P:
@@ -25,18 +49,17 @@ def zero_specs(specs, shapes, data_size: int):
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def state_specs(param_specs, abstract_params, data_size: int, zero_stage: int) -> dict:
-    """Specs of the parameters, gradients and optimizer state (per parameter) for a ZeRO stage.
+def state_specs(param_specs, abstract_params, data_size: int, zero: ZeroPlan) -> dict:
+    """Specs of the parameters, gradients and optimizer state (per parameter) for a ZeRO plan.
 
-    Stage 1 shards the optimizer state over `data`; stage 2 also the gradients; stage 3 also the
-    parameters, which the step gathers back to `compute` specs where it uses them.
+    Sharded parameters are gathered back to the `compute` specs where the step uses them.
     """
     sharded = zero_specs(param_specs, abstract_params, data_size)
     return {
         "compute": param_specs,
-        "params": sharded if zero_stage >= 3 else param_specs,
-        "grads": sharded if zero_stage >= 2 else param_specs,
-        "opt": sharded if zero_stage >= 1 else param_specs,
+        "params": sharded if zero.parameters else param_specs,
+        "grads": sharded if zero.gradients else param_specs,
+        "opt": sharded if zero.optimizer_state else param_specs,
     }
 
 

@@ -98,9 +98,9 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     data_dims: optional pair (stacked_dims, shared_dims) of pytrees like the params, an int per leaf:
       the dim ZeRO shards over `data`, or -1. With shard_grads (ZeRO-2) the gradient accumulators of
       leaves with a dim are sharded there over `data` (reduce-scattered per micro-batch) and returned
-      so (stacked dims must not be 0, the layer dim). With gather_stacked (ZeRO-3, implies
-      shard_grads) stacked_params arrive sharded there over `data` and each layer is gathered when
-      it runs.
+      so (stacked dims must not be 0, the layer dim). With gather_stacked (ZeRO-3) stacked_params
+      arrive sharded there over `data` and each layer is gathered when it runs; their gradients then
+      come back sharded, so it needs shard_grads too.
     place_x: optional function applied to each stage's input, whether embedded or received, e.g. a
       sharding constraint over the automatic axes. The branches that produce the input must agree on
       its sharding, so a first_fn whose output is constrained (sequence parallelism) needs one.
@@ -111,12 +111,13 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     p = mesh.shape["stage"]
     v = schedule.virtual_stages
     m = _leading(microbatches, "microbatches")
-    if m < p:
-        raise PipelineError(f"{m} micro-batches are fewer than the {p} pipeline stages")
     if schedule.stages != p or schedule.microbatches != m:
         raise PipelineError(
             f"the schedule is for {schedule.stages} stages x {schedule.microbatches} micro-batches, "
             f"but the mesh has {p} stages and {m} micro-batches were given")
+    if gather_stacked and not shard_grads:
+        raise PipelineError("gather_stacked returns the stacked params' gradients sharded over `data`; pass "
+                            "shard_grads=True with it")
     dp = mesh.shape["data"]
     for a in jax.tree.leaves(microbatches):
         if a.ndim < 2 or a.shape[1] % dp:
@@ -134,7 +135,6 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
         raise PipelineError(f"pipeline-ordered params need {p * v * k} stacked rows, got {rows}")
     if not params_in_pipeline_order:
         stacked_params = to_pipeline_order(stacked_params, layout)
-    shard_grads = shard_grads or gather_stacked
     st_dims, sh_dims = data_dims if data_dims is not None else (None, None)
     st_dims = _dims(stacked_params, st_dims if shard_grads else None)
     sh_dims = _dims(shared_params, sh_dims if shard_grads else None)

@@ -25,10 +25,11 @@ import dataclasses
 
 import numpy as np
 
+from jax3d.parallel.pipeline_spec import (CHUNKS_NOT_INTERLEAVED, FEW_MICROBATCHES, TOO_FEW_CHUNKS,
+                                          UNEVEN_MICROBATCHES, broken_rules)
 
 IDLE, F, B, W = 0, 1, 2, 3
 ACTION_LETTERS = {IDLE: ".", F: "F", B: "B", W: "W"}
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 class ScheduleError(ValueError):
@@ -192,33 +193,37 @@ def _place(orders, p, v):
     return arr[..., 0], arr[..., 1], arr[..., 2]
 
 
+# Each schedule: its per-stage orders from (stages, micro-batches, virtual stages), and whether it splits the
+# backward into B (input grads) and W (weight grads).
+_BUILDERS = {
+    "gpipe": (lambda p, m, v: _gpipe_orders(p, m), False),
+    "1f1b": (lambda p, m, v: _1f1b_orders(p, m), False),
+    "interleaved": (_interleaved_orders, False),
+    "zb-h1": (lambda p, m, v: _zb_h1_orders(p, m), True),
+}
+SCHEDULES = tuple(_BUILDERS)
+# How make_schedule words each rule of the pipeline's shape (jax3d.parallel.pipeline_spec decides them).
+_REFUSALS = {
+    FEW_MICROBATCHES: "--microbatches {m} must be at least --stages {p}",
+    TOO_FEW_CHUNKS: "--virtual-stages {v} must be at least 2 for the interleaved schedule",
+    UNEVEN_MICROBATCHES: "--microbatches {m} must be divisible by --stages {p} for the interleaved schedule",
+    CHUNKS_NOT_INTERLEAVED: "--virtual-stages {v} is only supported by the interleaved schedule",
+}
+
+
 def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Build the schedule table `name` for `stages` stages, `microbatches` micro-batches and
     `virtual_stages` chunks per stage (interleaved only). Raises ScheduleError on bad arguments."""
     p, m, v = stages, microbatches, virtual_stages
-    if name not in SCHEDULES:
+    if name not in _BUILDERS:
         raise ScheduleError(f"--schedule {name!r} is not one of {', '.join(SCHEDULES)}")
     if p < 1:
         raise ScheduleError(f"--stages {p} must be at least 1")
-    if m < p:
-        raise ScheduleError(f"--microbatches {m} must be at least --stages {p}")
-    if name == "interleaved":
-        if v < 2:
-            raise ScheduleError(f"--virtual-stages {v} must be at least 2 for the interleaved schedule")
-        if m % p:
-            raise ScheduleError(
-                f"--microbatches {m} must be divisible by --stages {p} for the interleaved schedule")
-        orders = _interleaved_orders(p, m, v)
-    elif v != 1:
-        raise ScheduleError(f"--virtual-stages {v} is only supported by the interleaved schedule")
-    elif name == "gpipe":
-        orders = _gpipe_orders(p, m)
-    elif name == "1f1b":
-        orders = _1f1b_orders(p, m)
-    else:
-        orders = _zb_h1_orders(p, m)
-    split = name == "zb-h1"
-    kind, mb, chunk = _place(orders, p, v)
+    broken = broken_rules(name, p, m, v)
+    if broken:
+        raise ScheduleError(_REFUSALS[broken[0]].format(p=p, m=m, v=v))
+    orders, split = _BUILDERS[name]
+    kind, mb, chunk = _place(orders(p, m, v), p, v)
     sched = Schedule(name, p, m, v, split, kind, mb, chunk)
     validate(sched)
     return sched

@@ -68,7 +68,7 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     if not steps.order.logical:
         # Saves and restores hold the state and its logical-order copy at once; the guard checks this too.
         report["checkpoint_copy_peak"] = step_peak_bytes(steps.compiled_logical_copy())
-    if mesh_cfg.stage > 1:
+    if steps.plan.pipeline.pipelined:
         from jax3d.train.pipelined import schedule_report
-        report.update(schedule_report(cfg, steps.accum_steps))
+        report.update(schedule_report(steps.plan.pipeline))
     return report

@@ -25,16 +25,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax3d.parallel.pipeline_spec import PipelineSpec
 from jax3d.pipeline.layout import LayerLayout, from_pipeline_order, make_layout, to_pipeline_order
 
 
-def state_layout(cfg, stages: int) -> LayerLayout | None:
-    """The layout the train state stores its layer stack in on `stages` pipeline stages, or None
-    when that is logical order (no pipeline, or one whose layout is the identity)."""
-    if stages <= 1:
+def state_layout(pipeline: PipelineSpec, num_layers: int) -> LayerLayout | None:
+    """The layout the train state stores its `num_layers` layers in under `pipeline`, or None when that
+    is logical order (no pipeline, or one whose layout is the identity)."""
+    if not pipeline.pipelined:
         return None
-    par = cfg.parallel
-    layout = make_layout(cfg.model.num_layers, stages, par.virtual_stages, list(par.pipeline_layout) or None)
+    layout = make_layout(num_layers, pipeline.stages, pipeline.virtual_stages, pipeline.layer_counts)
     return None if layout.is_identity else layout
 
 
@@ -54,8 +54,11 @@ class LayerOrder:
 
     @classmethod
     def of(cls, cfg, stages: int) -> "LayerOrder":
+        """The order of a state of `cfg` on `stages` pipeline stages (whatever the data size: it decides
+        the micro-batches, not where the layers go)."""
         from jax3d.train.optimizer import make_optimizer
-        return cls(state_layout(cfg, stages), make_optimizer(cfg.optim, cfg.train.train_iters))
+        layout = state_layout(PipelineSpec.of(cfg, stages, data=1), cfg.model.num_layers)
+        return cls(layout, make_optimizer(cfg.optim, cfg.train.train_iters))
 
     @property
     def logical(self) -> bool:

@@ -7,9 +7,10 @@ fp16 loss scale ride along in the shared (stage-replicated) tree so that no valu
 The state already stores the layer stack in the loop's pipeline order (train/layer_order.py), so the
 step hands it over as it is and gets the gradients back in that order: no reorder in the step.
 
-ZeRO: the dims the state's specs shard over `data` go to the loop. ZeRO-2 accumulates the gradients there,
-reduce-scattered per micro-batch; ZeRO-3 also passes the layer stack in still sharded, and the loop gathers
-one chunk at a time (the embedding and head, used at the ends only, are gathered before the loop).
+ZeRO (the plan's `zero` facts): the dims the state's specs shard over `data` go to the loop. Sharded
+gradients are accumulated there, reduce-scattered per micro-batch; sharded parameters also pass the layer
+stack in still sharded, and the loop gathers one chunk at a time (the embedding and head, used at the ends
+only, are gathered before the loop).
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax3d.config import Config
+from jax3d.parallel import cast_for_compute, constrain_tree
+from jax3d.parallel.pipeline_spec import PipelineSpec
+from jax3d.parallel.plan import Plan
 from jax3d.pipeline import make_schedule
 from jax3d.pipeline.loop import pipeline_value_and_grad
 from jax3d.pipeline.schedules import summary
-from jax3d.parallel import cast_for_compute, constrain_tree
 from jax3d.train.layer_order import state_layout
 
 
@@ -44,15 +46,13 @@ def _zero_dims(specs):
     return stacked, shared
 
 
-def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
+def pipeline_grads_fn(plan: Plan, mesh, model, specs, dtype):
     """`grads_fn(params, batch, rng, scale, norms) -> (grads, loss, aux)` through the pipeline loop, for
-    meshes with stage > 1; params and grads stay in the state's layer order."""
-    par = cfg.parallel
-    deterministic = cfg.model.deterministic
-    stages = mesh.shape["stage"]
-    zero = par.zero_stage if mesh.shape["data"] > 1 else 0
+    a plan with a pipeline; params and grads stay in the state's layer order."""
+    pipeline, zero = plan.pipeline, plan.zero
+    deterministic = plan.cfg.model.deterministic
     stacked_dims, shared_dims = _zero_dims(specs)
-    in_pipeline_order = state_layout(cfg, stages) is not None
+    in_pipeline_order = state_layout(pipeline, plan.cfg.model.num_layers) is not None
 
     def first_fn(shared, mb, key):
         return model.embed(shared, mb, key, deterministic)
@@ -70,10 +70,10 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
 
     def grads_fn(params, batch, rng, scale, norms):
         accum = jax.tree.leaves(batch)[0].shape[0]
-        schedule = make_schedule(par.pipeline_schedule, stages, accum, par.virtual_stages)
+        schedule = make_schedule(pipeline.schedule, pipeline.stages, accum, pipeline.virtual_stages)
         ends = {k: v for k, v in params.items() if k != "blocks"}
         shared = cast_for_compute(ends, dtype, {"compute": {k: specs["compute"][k] for k in ends}})
-        if zero >= 3:  # stays sharded over `data`; the loop gathers each chunk where it runs
+        if zero.parameters:  # stays sharded over `data`; the loop gathers each chunk where it runs
             stacked = constrain_tree(jax.tree.map(lambda a: a.astype(dtype), params["blocks"]),
                                       specs["params"]["blocks"])
         else:
@@ -81,9 +81,9 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
         shared["_norms"], shared["_scale"] = norms, jnp.asarray(scale, jnp.float32)
         loss, aux, g_stacked, g_shared = pipeline_value_and_grad(
             first_fn, stage_fn, last_fn, stacked, shared, batch, mesh=mesh, schedule=schedule,
-            layers_per_virtual_stage=list(par.pipeline_layout) or None, params_in_pipeline_order=in_pipeline_order,
+            layers_per_virtual_stage=pipeline.layer_counts, params_in_pipeline_order=in_pipeline_order,
             rng=None if deterministic else rng,
-            data_dims=(stacked_dims, shared_dims), shard_grads=zero >= 2, gather_stacked=zero >= 3,
+            data_dims=(stacked_dims, shared_dims), shard_grads=zero.gradients, gather_stacked=zero.parameters,
             place_x=place_x)
         grads = {k: v for k, v in g_shared.items() if k not in ("_norms", "_scale")}
         grads["blocks"] = g_stacked
@@ -93,9 +93,8 @@ def pipeline_grads_fn(cfg: Config, mesh, model, specs, dtype):
     return grads_fn
 
 
-def schedule_report(cfg: Config, microbatches: int) -> dict:
+def schedule_report(pipeline: PipelineSpec) -> dict:
     """Schedule figures for --dry-run: ticks, bubble fraction (T_F = T_B = T_W), peak live activations."""
-    par = cfg.parallel
-    s = summary(make_schedule(par.pipeline_schedule, par.pipeline_parallel, microbatches, par.virtual_stages))
+    s = summary(make_schedule(pipeline.schedule, pipeline.stages, pipeline.microbatches, pipeline.virtual_stages))
     return {"schedule": s["schedule"], "ticks": s["ticks"], "bubble_fraction": s["bubble_fraction"],
             "peak_live_activations": s["peak_live_activations"], "virtual_stages": s["virtual_stages"]}

@@ -18,10 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax3d import dropout_keys
 from jax3d.config import Config, ConfigError
-from jax3d.parallel.mesh import MeshConfig, with_auto_axes
 from jax3d.models import build_model
 from jax3d.parallel import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
                             tree_specs, with_shardings)
+from jax3d.parallel.mesh import MeshConfig, with_auto_axes
+from jax3d.parallel.plan import Plan
 from jax3d.train.layer_order import LayerOrder, state_layout
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
@@ -66,6 +67,7 @@ class Steps:
     _params_to_logical: Callable
     _from_logical: Callable
     _params_from_logical: Callable
+    plan: Plan  # the ZeRO plan and pipeline spec the step was built for
 
     def batch_sharding(self):
         return NamedSharding(self.mesh, self.batch_spec)
@@ -151,22 +153,23 @@ def loss_metrics(obj, aux, norms) -> dict:
 
 
 def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
-    """Builds the model, the state shardings (ZeRO applied) and the jitted steps for `mesh`."""
+    """Builds the model, the state shardings (ZeRO applied) and the jitted steps for `mesh`, from a `cfg` and
+    `mesh_cfg` that jax3d.parallel.plan.resolve returned."""
     mesh = with_auto_axes(mesh)
+    plan = Plan(cfg, mesh_cfg)
     # The state's layer stack always divides over the stages: in logical order it has L rows, which an
     # even split divides, and an uneven or interleaved layout stores the stack padded in pipeline order.
     rules = ShardingRules.create(cfg.parallel.sequence_parallel)
     model = build_model(cfg.model, rules)
     optimizer = make_optimizer(cfg.optim, cfg.train.train_iters)
-    order = LayerOrder(state_layout(cfg, mesh_cfg.stage), optimizer)
+    order = LayerOrder(state_layout(plan.pipeline, cfg.model.num_layers), optimizer)
     schedule = lr_schedule(cfg.optim, cfg.train.train_iters)
     dtype = DTYPES[cfg.precision.dtype]
-    tr = cfg.train
-    accum = tr.global_batch_size // (tr.micro_batch_size * mesh_cfg.data)
+    accum = plan.pipeline.microbatches
 
     abstract_params = jax.eval_shape(lambda k: order.params_from_logical(model.init(k)), jax.random.key(0))
     param_specs = tree_specs(rules, model.logical_axes())
-    specs = state_specs(param_specs, abstract_params, mesh_cfg.data, cfg.parallel.zero_stage)
+    specs = state_specs(param_specs, abstract_params, mesh_cfg.data, plan.zero)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     opt_specs = optax.tree_utils.tree_map_params(
         optimizer, lambda _, spec: spec, abstract_opt, specs["opt"],
@@ -184,7 +187,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
                           rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision))
 
-    grads_fn = _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype)
+    grads_fn = _make_grads_fn(plan, mesh, model, specs, dtype)
 
     def check_batch(batch):
         """At trace time, so it costs nothing per step: a batch the model would misread (a sequence one
@@ -270,12 +273,12 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                  abstract_state, accum, _with_mesh(mesh, grads_jit), order=order,
                  logical_shardings=logical_shardings, abstract_logical_state=abstract_logical,
                  _to_logical=to_logical, _params_to_logical=params_to_logical, _from_logical=from_logical,
-                 _params_from_logical=params_from_logical)
+                 _params_from_logical=params_from_logical, plan=plan)
 
 
-def _make_grads_fn(cfg, mesh_cfg, mesh, model, specs, dtype):
-    if mesh_cfg.stage > 1:
-        return pipeline_grads_fn(cfg, mesh, model, specs, dtype)
+def _make_grads_fn(plan, mesh, model, specs, dtype):
+    if plan.pipeline.pipelined:
+        return pipeline_grads_fn(plan, mesh, model, specs, dtype)
 
     def grads_fn(params, batch, rng, scale, norms):
         return accumulate_grads(model, params, batch, rng, scale, norms, dtype=dtype, specs=specs)
