@@ -100,9 +100,10 @@ class _TrainBatches:
 
 
 class _Deadline:
-    """`--exit-duration-in-mins`: whether the time since `train` started, one more step and a save would pass the
-    limit. The step's time is the last one's; the save's, what the last save held the loop (its files are
-    written in the background). All processes agree, as the save is collective."""
+    """`--exit-duration-in-mins`: whether the time since `train` started, with the steps still queued on the device,
+    one more step and a save, would pass the limit. A save's time is what the last one held the loop; before the
+    first, which also starts orbax's machinery, a twentieth of the limit is kept for it. All processes agree, as the
+    save is collective."""
 
     def __init__(self, minutes: float, start: float):
         self.limit_s, self.start = minutes * 60, start
@@ -116,8 +117,9 @@ class _Deadline:
         self.step_s, self.last = now - self.last, now
         if not self.limit_s:
             return False
-        save_s = getattr(checkpointer, "last_save_blocked_s", 0.0)
-        near = now - self.start + self.step_s + save_s >= self.limit_s
+        saved_s = getattr(checkpointer, "last_save_blocked_s", 0.0)
+        save_s = saved_s if saved_s else self.limit_s / 20
+        near = now - self.start + (MAX_STEPS_IN_FLIGHT + 1) * self.step_s + save_s >= self.limit_s
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             near = bool(np.max(multihost_utils.process_allgather(np.int32(near))))
