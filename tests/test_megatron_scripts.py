@@ -367,7 +367,6 @@ def test_the_doc_holds_the_table():
     assert set(decisions) == {megatron.ACT, megatron.ACCEPTED, megatron.REFUSED}
 
 
-@pytest.mark.slow
 def test_a_sentencepiece_tokenizer_preprocesses_trains_and_is_kept_in_the_checkpoint(tmp_path):
     import sentencepiece
 
