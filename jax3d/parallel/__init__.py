@@ -13,7 +13,7 @@ never decides from `zero_stage` or the schedule's name what a layout allows.
 Exports resolve lazily, so that the schedule tables (jax3d.pipeline.schedules, which read the pipeline-shape
 rules) import no JAX.
 """
-import importlib
+from jax3d.lazy import lazy_getattr
 
 _EXPORTS = {
     "AXES": "mesh", "MeshConfig": "mesh", "emulate_cpu_devices": "mesh", "init_distributed": "mesh",
@@ -28,10 +28,4 @@ _EXPORTS = {
 _MODULES = ("mesh", "plan", "zero", "pipeline_spec", "rules")
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"jax3d.parallel.{_EXPORTS[name]}"), name)
-    if name in _MODULES:
-        return importlib.import_module(f"jax3d.parallel.{name}")
-    raise AttributeError(f"module 'jax3d.parallel' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS, _MODULES)

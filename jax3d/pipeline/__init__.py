@@ -2,7 +2,7 @@
 
 Exports resolve lazily so that `python -m jax3d.cli.schedules` does not import JAX.
 """
-import importlib
+from jax3d.lazy import lazy_getattr
 
 _EXPORTS = {
     "pipeline_value_and_grad": "loop",
@@ -16,10 +16,4 @@ _EXPORTS = {
 _MODULES = ("passes", "program", "residuals", "toy", "loop", "layout", "schedules")
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"jax3d.pipeline.{_EXPORTS[name]}"), name)
-    if name in _MODULES:
-        return importlib.import_module(f"jax3d.pipeline.{name}")
-    raise AttributeError(f"module 'jax3d.pipeline' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS, _MODULES)
