@@ -250,6 +250,13 @@ def test_the_125m_script_trains_on_8_devices_with_its_deepspeed_json(tmp_path, c
     assert sorted(losses) == [1, 2, 3] and all(np.isfinite(list(losses.values())))
     np.testing.assert_allclose(list(lrs.values()), [0.0, 3e-4, 6e-4], rtol=1e-5)
     assert os.path.isdir(tmp_path / "ck" / "3")
+    [events] = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))  # the script's --log-*-to-tensorboard
+    with open(events, "rb") as f:
+        tags = f.read()
+    for tag in (b"train/step_time_s", b"train/batch_size", b"train/optimizer/momentum_l2",
+                b"train/optimizer/variance_sqrt_abs_max", b"train/optimizer/weight_l1", b"train/loss_scale"):
+        assert tag in tags, tag
+    assert b"train/mem_gb" not in tags  # no --log-memory-to-tensorboard
 
 
 def _ds_json(tmp_path, **fields):
