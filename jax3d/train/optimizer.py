@@ -26,8 +26,7 @@ def lr_schedule(optim: OptimConfig, train_iters: int):
         if counted:
             raise ConfigError("a learning-rate schedule counted in samples or tokens needs OptimConfig.counted_batch; "
                               "pass the config through jax3d.train.counts.settle")
-        return _megatron_lr(optim, lambda count: count, optim.lr_warmup_iters,
-                            optim.lr_decay_iters or train_iters, "iters", 1)
+        return _iteration_lr(optim, train_iters)
     counts = BatchCounts.from_tuple(optim.counted_batch)
     table = jnp.asarray(counts.ramp_table, jnp.float32)
     last, batch = len(table) - 1, counts.global_batch
@@ -38,6 +37,29 @@ def lr_schedule(optim: OptimConfig, train_iters: int):
     warm = optim.lr_warmup_samples or optim.lr_warmup_iters * batch
     decay = optim.lr_decay_samples or (optim.lr_decay_iters or train_iters) * batch
     return _megatron_lr(optim, samples, warm, decay, "samples", counts.seq_length)
+
+
+def _iteration_lr(optim: OptimConfig, train_iters: int):
+    """Megatron's rate counted in iterations: at `step` applied updates. Kept apart from the sample- and
+    token-counted form, which gives the same rates, so that a step-counted run compiles the program it always
+    has (the train step's hash in benchmarks.kernel_jaxprs)."""
+    warmup = optim.lr_warmup_iters
+    decay_iters = optim.lr_decay_iters or train_iters
+    if optim.lr_decay_style != "constant" and decay_iters <= warmup:
+        raise ConfigError(f"--lr-decay-iters {decay_iters} must exceed --lr-warmup-iters {warmup}")
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = optim.lr * step / max(warmup, 1)
+        if optim.lr_decay_style == "constant":
+            decayed = jnp.asarray(optim.lr, jnp.float32)
+        else:
+            frac = jnp.clip((step - warmup) / (decay_iters - warmup), 0.0, 1.0)
+            coeff = 0.5 * (jnp.cos(jnp.pi * frac) + 1.0) if optim.lr_decay_style == "cosine" else 1.0 - frac
+            decayed = optim.min_lr + coeff * (optim.lr - optim.min_lr)
+        return jnp.where(step < warmup, warm, decayed)
+
+    return schedule
 
 
 def _megatron_lr(optim: OptimConfig, position, warm, decay, unit: str, seq: int):
