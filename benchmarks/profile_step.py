@@ -150,6 +150,14 @@ def profile_jax3d(run: Run, steps: int, hlo_out: str = "") -> dict:
                 state, _m = compiled(state, batch)
             jax.block_until_ready(state)
             t1 = time.perf_counter()
+    kernels = traced_kernels(logdir, scopes)
+    return {"who": "jax3d", "run": run.label(), **_summarise(kernels, steps), "kernels_seen": len(kernels),
+            **gpu.summary(t0, t1)}
+
+
+def traced_kernels(logdir: str, scopes: dict) -> list:
+    """(name, hlo_op, scope, microseconds, start) of every device kernel in the jax.profiler trace under
+    `logdir` (XLA's CPU thunks where there is no GPU); `scopes` maps HLO instruction names to name scopes."""
     path = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
     trace = json.load(gzip.open(path))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -169,8 +177,7 @@ def profile_jax3d(run: Run, steps: int, hlo_out: str = "") -> dict:
         kernels = [(e["name"], e["args"]["hlo_op"], scopes.get(e["args"]["hlo_op"], ""), float(e.get("dur", 0)),
                     float(e["ts"]))
                    for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
-    return {"who": "jax3d", "run": run.label(), **_summarise(kernels, steps), "kernels_seen": len(kernels),
-            **gpu.summary(t0, t1)}
+    return kernels
 
 
 def profile_peer(shape: str, batch: int, steps: int, script: str) -> dict:
