@@ -304,10 +304,6 @@ class Checkpointer:
              "(send it again to stop at once)")
         return None
 
-    def request_stop(self, signum: int = signal.SIGTERM) -> None:
-        """What a caught signal does; for tests and for callers with their own signal handling."""
-        self._signal = signum
-
     def _stop_requested(self, step: int, force: bool) -> int:
         if jax.process_count() == 1:
             return self._signal
