@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Transformer shape and regularisation. `ffn_hidden_size` defaults to 4 x hidden."""
+    """Transformer shape and regularisation. `ffn_hidden_size` defaults to Megatron's (`default_ffn_hidden_size`)."""
 
     model_type: str = "gpt"  # gpt | bert
     num_layers: int = 2
@@ -39,23 +39,55 @@ class ModelConfig:
     post_layernorm: bool = False  # layer norm after each residual add and no final norm (original BERT)
     embedding_layernorm: bool = False  # layer norm on the embedding sum (original BERT)
     unpadded_vocab_size: int = 0  # the tokenizer's vocabulary; rows past it are padding (0: vocab_size)
+    # Llama-family variants, by Megatron-DeepSpeed's argument names; the defaults are GPT-2's.
+    normalization: str = "layernorm"  # layernorm | rmsnorm
+    swiglu: bool = False  # gated SiLU MLP (then `activation` is unused)
+    num_key_value_heads: int = 0  # grouped-query attention; 0: num_attention_heads, 1: multi-query
+    add_bias_linear: bool = True
+    add_position_embedding: bool = True  # learned positions; off with rotary embeddings
+    use_rotary_position_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rotary_percent: float = 1.0  # the share of each head's dims that rotates
+    rope_scaling: str = ""  # "" | linear | llama3, with Hugging Face's meanings of the four fields below
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    untie_embeddings_and_output_weights: bool = False
 
     def __post_init__(self):
         if self.activation not in ("gelu_tanh", "gelu_erf"):
             raise ConfigError(f"activation {self.activation!r} must be gelu_tanh or gelu_erf")
+        if self.normalization not in ("layernorm", "rmsnorm"):
+            raise ConfigError(f"--normalization {self.normalization!r} must be layernorm or rmsnorm")
+        if self.rope_scaling not in ("", "linear", "llama3"):
+            raise ConfigError(f"rope scaling {self.rope_scaling!r} must be linear or llama3 (or none)")
+        if self.untie_embeddings_and_output_weights and self.model_type == "bert":
+            raise ConfigError("--untie-embeddings-and-output-weights is for GPT models; BERT's masked-LM head "
+                              "decodes with the word embedding, so drop it or pass --model gpt")
         if not self.ffn_hidden_size:
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+            object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden_size(self.hidden_size, self.swiglu))
+        if not self.num_key_value_heads:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.use_rotary_position_embeddings:  # Megatron-DeepSpeed's rule: rotary replaces learned positions
+            object.__setattr__(self, "add_position_embedding", False)
         if not self.max_position_embeddings:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
         # Here, not only in the command line's checks: a library caller's num_layers=0 reached a division by
         # zero, and a checkpoint's hand-edited "num_layers": "two" a TypeError.
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "num_key_value_heads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # numpy's integers are whole too
                 raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a whole number")
             if v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {v} must be at least 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                              f"--num-key-value-heads {self.num_key_value_heads}")
+        if self.use_rotary_position_embeddings and (not 0 < self.rotary_percent <= 1 or self.rotary_dim < 2):
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} must be in (0, 1] and rotate at least two of "
+                              f"the {self.hidden_size // self.num_attention_heads} dims of each head")
 
     @property
     def deterministic(self) -> bool:
@@ -65,6 +97,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rotary embeddings rotate (an even number, as Megatron rounds)."""
+        return int(self.head_dim * self.rotary_percent) // 2 * 2
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron's MLP width when --ffn-hidden-size is not given: 4 x hidden, or with SwiGLU's three matrices
+    two thirds of that, rounded down to a multiple of 64 (about the same parameter count)."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,25 @@
-"""GPT-2-style decoder: learned positions, pre-LN blocks, tied embeddings, vocab-parallel loss."""
+"""GPT-2-style decoder: learned positions, pre-LN blocks, tied embeddings, vocab-parallel loss. Llama is the same
+class with the config's variants (jax3d.models.layers), and an output layer of its own when untied."""
 from __future__ import annotations
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from jax3d.models.layers import Embedding, fused_lm_loss_sum, norm_for, vocab_parallel_logits
+from jax3d.models.layers import Embedding, _param, fused_lm_loss_sum, norm_for, vocab_parallel_logits
 from jax3d.models.transformer import TransformerLM
+
+
+class OutputLayer(nn.Module):
+    """The LM head's own (vocab, embed) table, for --untie-embeddings-and-output-weights."""
+
+    cfg: object
+
+    @nn.compact
+    def __call__(self):
+        cfg = self.cfg
+        return _param(self, "output", ("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size),
+                      nn.initializers.normal(cfg.init_method_std))
 
 
 class GPT(TransformerLM):
@@ -23,7 +38,14 @@ class GPT(TransformerLM):
     def _init_ends(self, rng):
         emb, norm = self._modules()
         tokens = jnp.zeros((1, min(8, self.cfg.seq_length)), jnp.int32)
-        return {"embed": emb.init(rng, tokens)["params"], "final_norm": norm.init(rng, self._dummy_x())["params"]}
+        ends = {"embed": emb.init(rng, tokens)["params"], "final_norm": norm.init(rng, self._dummy_x())["params"]}
+        if self.cfg.untie_embeddings_and_output_weights:
+            ends["head"] = OutputLayer(self.cfg).init(jax.random.fold_in(rng, 1))["params"]
+        return ends
+
+    def output_table(self, params):
+        """The (vocab, embed) table the LM head multiplies by: the word embedding, or the head's own."""
+        return params["head"]["output"] if self.cfg.untie_embeddings_and_output_weights else params["embed"]["word"]
 
     def sample_shapes(self) -> dict:
         """Per-sample shape and dtype of each batch key."""
@@ -46,11 +68,11 @@ class GPT(TransformerLM):
     def final_logits(self, params, x_btd):
         """fp32 logits (batch, seq, vocab) of the last block's output."""
         x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
-        return vocab_parallel_logits(x_btd, params["embed"]["word"], self.rules).astype(jnp.float32)
+        return vocab_parallel_logits(x_btd, self.output_table(params), self.rules).astype(jnp.float32)
 
     def head_loss(self, params, x_btd, mb):
         x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
-        loss_sum = fused_lm_loss_sum(x_btd, params["embed"]["word"], mb["text"][:, 1:], self._loss_mask(mb),
+        loss_sum = fused_lm_loss_sum(x_btd, self.output_table(params), mb["text"][:, 1:], self._loss_mask(mb),
                                      self.rules, self.cfg.unpadded_vocab_size)
         return {"lm": loss_sum}, {}
 

@@ -1,4 +1,7 @@
-"""Transformer layers shared by GPT and BERT, as Flax (Linen) modules that name logical axes.
+"""Transformer layers shared by GPT, BERT and Llama, as Flax (Linen) modules that name logical axes.
+
+Llama differs from GPT-2 in fields of the one block (jax3d.config.ModelConfig): RMSNorm, a SwiGLU MLP, rotary
+positions, grouped-query attention, no biases, an untied output layer.
 
 Linen rather than NNX because its `init` / `apply` are pure functions over parameter pytrees: the
 pipeline, ZeRO and checkpoint code all work on those trees, and a stage applies a block with
@@ -19,12 +22,21 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
-from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
+from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu, rope
 from jax3d.parallel.rules import ShardingRules, traced_platform
 
 
 def _param(module: nn.Module, name: str, axes: tuple, shape: tuple, init):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+def _bias(module: nn.Module, cfg: ModelConfig, name: str, axes: tuple, shape: tuple):
+    """A linear layer's bias (zeros), or None when the model has none (--disable-bias-linear)."""
+    return _param(module, name, axes, shape, nn.initializers.zeros) if cfg.add_bias_linear else None
+
+
+def _plus(x, b):
+    return x if b is None else x + b
 
 
 def _inits(cfg: ModelConfig):
@@ -50,8 +62,12 @@ def _dropout(x, rate: float, rng, deterministic: bool):
 
 
 def layer_norm(x, scale, bias, eps: float):
-    """Layer norm over the last dim, computed in fp32 and returned in x's dtype."""
+    """Layer norm over the last dim, computed in fp32 and returned in x's dtype; with `bias` None, RMSNorm
+    (scaled by the root mean square, neither centred nor shifted)."""
     x32 = x.astype(jnp.float32)
+    if bias is None:
+        rstd = checkpoint_name(jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps), "ln_stats")
+        return (x32 * rstd * scale.astype(jnp.float32)).astype(x.dtype)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     mean, rstd = checkpoint_name((mean, jax.lax.rsqrt(var + eps)), "ln_stats")
@@ -66,9 +82,16 @@ lean_layer_norm = jax.checkpoint(layer_norm, static_argnums=(3,),
                                  policy=jax.checkpoint_policies.save_only_these_names("ln_stats"))
 
 
-def _gelu_then_dense(h_btf, b_f, w_fd, approximate: bool = True):
-    """gelu(h + b) @ w."""
-    g_btf = checkpoint_name(jax.nn.gelu(h_btf + b_f, approximate=approximate), "gelu_out")
+_ACTIVATIONS = {
+    "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
+    "gelu_erf": lambda h: jax.nn.gelu(h, approximate=False),
+    "swiglu": lambda h_btcf: jax.nn.silu(h_btcf[:, :, 0]) * h_btcf[:, :, 1],  # (gate, up) on dim 2
+}
+
+
+def _activate_then_dense(h, b, w_fd, activation: str):
+    """act(h + b) @ w; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and the up projection."""
+    g_btf = checkpoint_name(_ACTIVATIONS[activation](_plus(h, b)), "gelu_out")
     return jnp.einsum("btf,fd->btd", g_btf, w_fd)
 
 
@@ -76,32 +99,33 @@ def _gelu_then_dense(h_btf, b_f, w_fd, approximate: bool = True):
 # GELU's output (what the two backward GEMMs read), none of the derivative's intermediates: the backward
 # recomputes only GELU's derivative, inside the fusion that applies it. At 1.3B b16 (docs/performance.md),
 # keeping every intermediate took 12 GiB more for 0.3% of speed; recomputing GELU's output as well took
-# 12 GiB less and 3.2% of speed.
-_gelu_then_dense_lean = jax.checkpoint(_gelu_then_dense, static_argnums=(3,),
-                                       policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
+# 12 GiB less and 3.2% of speed. SwiGLU keeps its gate and up projections and their product the same way.
+_activate_then_dense_lean = jax.checkpoint(_activate_then_dense, static_argnums=(3,),
+                                           policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
 
 
 class LayerNorm(nn.Module):
     """Layer norm computed in fp32, returned in the input dtype: on one GPU as one Pallas kernel each way
-    (jax3d.models.fused_norm), elsewhere `lean_layer_norm`."""
+    (jax3d.models.fused_norm), elsewhere `lean_layer_norm`. With `rms`, RMSNorm: a scale and no bias."""
 
     eps: float = 1e-5
     rules: ShardingRules = ShardingRules()  # where it runs: the kernels take one GPU only
+    rms: bool = False
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
-        bias = _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
+        bias = None if self.rms else _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
         tuning = pallas_gpu.tuning(fused_norm)
-        if fused_norm.supported(x, self.rules, tuning):
+        if bias is not None and fused_norm.supported(x, self.rules, tuning):
             return fused_norm.fused_layer_norm(x, scale, bias, self.eps, tuning)
         return lean_layer_norm(x, scale, bias, self.eps)
 
 
 def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str) -> LayerNorm:
-    """The model's layer norm, with its epsilon."""
-    return LayerNorm(cfg.layernorm_epsilon, rules, name=name)
+    """The model's layer norm (or RMSNorm), with its epsilon."""
+    return LayerNorm(cfg.layernorm_epsilon, rules, cfg.normalization == "rmsnorm", name=name)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -114,9 +138,15 @@ def attention_impl(cfg: ModelConfig, dtype) -> str | None:
 class Attention(nn.Module):
     """Multi-head self-attention; QKV column-parallel over heads, output row-parallel.
 
-    With `cache` ({'k', 'v': (batch, max_len, heads, head_dim), 'index': where this call's tokens go})
+    Grouped-query attention is the same projection: `qkv_kernel` is (embed, g + 2, kv_heads, head_dim), for
+    each KV head its g = heads / kv_heads query heads, then its key and its value (g = 1: GPT's (embed, 3,
+    heads, head_dim)). Query head n is KV head n // g's (Hugging Face's order), and tensor parallelism splits
+    the KV heads, each with its query heads.
+
+    With `cache` ({'k', 'v': (batch, max_len, kv_heads, head_dim), 'index': where this call's tokens go})
     it writes its keys and values into the cache, attends over all of it under the caller's `mask`
     (batch, 1, seq, max_len), and returns (output, updated cache): the decoding path of generation.
+    `positions_bt` (batch, seq) place the tokens for rotary embeddings (default 0, 1, ...).
     """
 
     cfg: ModelConfig
@@ -124,14 +154,15 @@ class Attention(nn.Module):
     causal: bool = True
 
     @nn.compact
-    def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None):
+    def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None, positions_bt=None):
         cfg = self.cfg
-        d, n, h = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        d, n, h, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
+        g = n // kv
         init, out_init = _inits(cfg)
-        w_qkv = _param(self, "qkv_kernel", ("embed", "qkv", "heads", "kv"), (d, 3, n, h), init)
-        b_qkv = _param(self, "qkv_bias", ("qkv", "heads", "kv"), (3, n, h), nn.initializers.zeros)
+        w_qkv = _param(self, "qkv_kernel", ("embed", "qkv", "heads", "kv"), (d, g + 2, kv, h), init)
+        b_qkv = _bias(self, cfg, "qkv_bias", ("qkv", "heads", "kv"), (g + 2, kv, h))
         w_out = _param(self, "out_kernel", ("heads", "kv", "embed"), (n, h, d), out_init)
-        b_out = _param(self, "out_bias", ("embed",), (d,), nn.initializers.zeros)
+        b_out = _bias(self, cfg, "out_bias", ("embed",), (d,))
 
         x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
         # The fused attention kernel reads q, k and v as strided views of this layout; putting the q/k/v
@@ -139,12 +170,15 @@ class Attention(nn.Module):
         qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w_qkv)
         qkv_axes = ("batch", "seq", "qkv", "heads", "kv")
         tuning = pallas_gpu.tuning(fused_qkv)
-        if fused_qkv.supported(qkv, self.rules, tuning):
+        if b_qkv is not None and fused_qkv.supported(qkv, self.rules, tuning):
             q, k, v = fused_qkv.split_bias(self.rules.constrain(qkv, qkv_axes), b_qkv, tuning)
         else:
             # The bias is added before the constraint: after it, the one-GPU step compiled 1.2% slower.
-            qkv = self.rules.constrain(qkv + b_qkv, qkv_axes)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (batch, seq, heads, head_dim)
+            q, k, v = split_qkv(self.rules.constrain(_plus(qkv, b_qkv), qkv_axes))
+        if cfg.use_rotary_position_embeddings:
+            positions_bt = rope.positions_for(x_btd) if positions_bt is None else positions_bt
+            inv_freq = rope.inverse_frequencies(cfg)
+            q, k = rope.apply_rope(q, positions_bt, inv_freq), rope.apply_rope(k, positions_bt, inv_freq)
         causal, impl = self.causal, attention_impl(cfg, q.dtype)
         if cache is not None:
             idx = cache["index"]
@@ -164,11 +198,13 @@ class Attention(nn.Module):
         else:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
         ctx = self.rules.constrain(ctx, ("batch", "seq", "heads", "kv"))
-        out = jnp.einsum("btnh,nhd->btd", ctx, w_out) + b_out
+        out = _plus(jnp.einsum("btnh,nhd->btd", ctx, w_out), b_out)
         return out if cache is None else (out, cache)
 
     def _core_with_dropout(self, q, k, v, mask, rng):
         # Fused attention kernels take no dropout, so with attention dropout we spell softmax out.
+        if k.shape[2] != q.shape[2]:  # grouped-query: each KV head serves its g query heads
+            k, v = (jnp.repeat(a, q.shape[2] // a.shape[2], axis=2) for a in (k, v))
         scale = 1.0 / math.sqrt(q.shape[-1])
         logits = jnp.einsum("btnh,bsnh->bnts", q, k).astype(jnp.float32) * scale
         t = q.shape[1]
@@ -181,8 +217,19 @@ class Attention(nn.Module):
         return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
 
+def split_qkv(qkv):
+    """(q (batch, seq, heads, head_dim), k, v (batch, seq, kv_heads, head_dim)) of the projection (batch, seq,
+    g + 2, kv_heads, head_dim), query heads in KV-head-major order (n = kv_head * g + j)."""
+    b, t, c, kv, h = qkv.shape
+    g = c - 2
+    # (With g = 1 the plain slice, so that GPT's step is the program it was.)
+    q = qkv[:, :, 0] if g == 1 else jnp.swapaxes(qkv[:, :, :g], 2, 3).reshape(b, t, kv * g, h)
+    return q, qkv[:, :, g], qkv[:, :, g + 1]
+
+
 class MLP(nn.Module):
-    """GELU MLP; up-projection column-parallel over `mlp`, down-projection row-parallel."""
+    """GELU MLP, or SwiGLU (`cfg.swiglu`), whose up-projection `up_kernel` (embed, 2, mlp) holds the gate and
+    the up matrices; up-projection column-parallel over `mlp`, down-projection row-parallel."""
 
     cfg: ModelConfig
     rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
@@ -192,31 +239,34 @@ class MLP(nn.Module):
         cfg = self.cfg
         d, f = cfg.hidden_size, cfg.ffn_hidden_size
         init, out_init = _inits(cfg)
-        w_up = _param(self, "up_kernel", ("embed", "mlp"), (d, f), init)
-        b_up = _param(self, "up_bias", ("mlp",), (f,), nn.initializers.zeros)
+        up_axes, up_shape = (("embed", None, "mlp"), (d, 2, f)) if cfg.swiglu else (("embed", "mlp"), (d, f))
+        w_up = _param(self, "up_kernel", up_axes, up_shape, init)
+        b_up = _bias(self, cfg, "up_bias", up_axes[1:], up_shape[1:])
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
-        b_down = _param(self, "down_bias", ("embed",), (d,), nn.initializers.zeros)
-        h_btf = jnp.einsum("btd,df->btf", x_btd, w_up)
+        b_down = _bias(self, cfg, "down_bias", ("embed",), (d,))
+        h = jnp.einsum("btd,dcf->btcf" if cfg.swiglu else "btd,df->btf", x_btd, w_up)
+        activation = "swiglu" if cfg.swiglu else cfg.activation
         tuning = pallas_gpu.tuning(fused_gelu)
-        if cfg.activation == "gelu_tanh" and fused_gelu.supported(h_btf, self.rules, tuning):
+        if activation == "gelu_tanh" and b_up is not None and fused_gelu.supported(h, self.rules, tuning):
             # Keeps h (inside the kernel's vjp) and GELU's output (the down-projection's input), as
-            # _gelu_then_dense_lean does.
-            return jnp.einsum("btf,fd->btd", fused_gelu.gelu_bias(h_btf, b_up, tuning), w_down) + b_down
-        h_btf = self.rules.constrain(h_btf, ("batch", "seq", "mlp"))
-        return _gelu_then_dense_lean(h_btf, b_up, w_down, cfg.activation == "gelu_tanh") + b_down
+            # _activate_then_dense_lean does.
+            return jnp.einsum("btf,fd->btd", fused_gelu.gelu_bias(h, b_up, tuning), w_down) + b_down
+        h = self.rules.constrain(h, ("batch", "seq", *up_axes[1:]))
+        return _plus(_activate_then_dense_lean(h, b_up, w_down, activation), b_down)
 
 
 class Block(nn.Module):
     """Pre-LN transformer block (post-LN with `cfg.post_layernorm`: each layer norm after its residual
     add). `rng`, or else the 'dropout' stream of Flax's `rngs`, drives dropout; deterministic=True or
-    neither turns it off. With a KV `cache` (see Attention) it returns (output, updated cache)."""
+    neither turns it off. With a KV `cache` (see Attention) it returns (output, updated cache);
+    `positions_bt` place the tokens for rotary embeddings (generation's left-padded rows)."""
 
     cfg: ModelConfig
     rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
     causal: bool = True
 
     @nn.compact
-    def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None):
+    def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None, positions_bt=None):
         cfg = self.cfg
         rng = _dropout_rng(self, rng, deterministic)
         r_attn, r_h1, r_h2 = dropout_keys.split(rng, 3) if rng is not None else (None,) * 3
@@ -225,7 +275,8 @@ class Block(nn.Module):
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
             h = _norm_if(before, cfg, self.rules, "ln_attn", x_btd)
-            h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic, cache)
+            h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic, cache,
+                                                                    positions_bt)
             if cache is not None:
                 h, cache = h
             h = self.rules.constrain(h, stream)
@@ -246,7 +297,8 @@ def _norm_if(on: bool, cfg: ModelConfig, rules: ShardingRules, name: str, x):
 
 
 class Embedding(nn.Module):
-    """Vocab-parallel word embedding plus learned positions (and token types for BERT)."""
+    """Vocab-parallel word embedding plus learned positions (none with `cfg.add_position_embedding` off) and
+    token types for BERT."""
 
     cfg: ModelConfig
     rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
@@ -257,10 +309,9 @@ class Embedding(nn.Module):
         cfg = self.cfg
         init = nn.initializers.normal(cfg.init_method_std)
         wte = _param(self, "word", ("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size), init)
-        wpe = _param(self, "position", ("pos", "embed"), (cfg.max_position_embeddings, cfg.hidden_size), init)
-        if tokens_bt.shape[1] > wpe.shape[0]:
+        if tokens_bt.shape[1] > cfg.max_position_embeddings:
             raise ValueError(f"a sequence of {tokens_bt.shape[1]} tokens is longer than the model's "
-                             f"{wpe.shape[0]} position embeddings; shorten it or raise --max-position-embeddings")
+                             f"{cfg.max_position_embeddings} positions; shorten it or raise --max-position-embeddings")
         # Explicit positions are for generation, where left-padded rows start counting at their first token.
         # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
         # lay the whole residual stream out batch-minor and transpose it around every GEMM (5% at 350M).
@@ -269,12 +320,15 @@ class Embedding(nn.Module):
             # GPT's `text[:, :-1]` of its (seq + 1)-long rows becomes a collective-permute between neighbours,
             # which deadlocks inside the pipeline's first-stage branch (the other stages never join it).
             tokens_bt = self.rules.constrain(tokens_bt, ("batch", "seq"))
-        if positions_bt is None:
-            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        pos = jnp.take(wpe, positions_bt, axis=0)
+        pos = None
+        if cfg.add_position_embedding:
+            wpe = _param(self, "position", ("pos", "embed"), (cfg.max_position_embeddings, cfg.hidden_size), init)
+            if positions_bt is None:
+                positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+            pos = jnp.take(wpe, positions_bt, axis=0)
         # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
         # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
-        x_btd = jnp.take(wte, tokens_bt, axis=0) + pos
+        x_btd = _plus(jnp.take(wte, tokens_bt, axis=0), pos)
         if self.num_tokentypes:
             wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)
             x_btd = x_btd + jnp.take(wtt, types_bt, axis=0)
@@ -285,7 +339,7 @@ class Embedding(nn.Module):
 
 
 def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules):
-    """Tied LM-head logits, sharded over the vocabulary, in the compute dtype.
+    """LM-head logits of the (vocab, embed) output table, sharded over the vocabulary, in the compute dtype.
 
     In bf16 both backward GEMMs run on bf16 tensor cores and the logits and their gradient take half the
     memory; asking the GEMM for fp32 output instead makes XLA run all three on TF32 kernels.

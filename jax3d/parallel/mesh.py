@@ -132,10 +132,12 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
     errors = []
     split = [("--num-attention-heads", model.num_attention_heads), ("--hidden-size", model.hidden_size),
              ("--ffn-hidden-size", model.ffn_hidden_size), ("--vocab-size (padded)", model.vocab_size)]
+    if model.num_key_value_heads != model.num_attention_heads:  # as in Megatron, KV heads are split, not copied
+        split.insert(1, ("--num-key-value-heads", model.num_key_value_heads))
     undivided = [f"{flag} {value}" for flag, value in split if value % tp]
     if undivided:  # one sentence, with the sizes that would do: they split the model and the devices
         # (a vocabulary from the tokenizer is padded for whichever size is chosen, so it decides nothing)
-        common = math.gcd(*(value for _, value in split[:3]))
+        common = math.gcd(*(value for _, value in split[:-1]))
         fits = ", ".join(str(t) for t in range(1, common + 1) if common % t == 0 and mesh.size % t == 0)
         errors.append(f"{' and '.join(undivided)} {'is' if len(undivided) == 1 else 'are'} not divisible by "
                       f"--tensor-model-parallel-size {tp}; pass one of {fits}")
