@@ -19,7 +19,7 @@ _BERT_ROLES = {"unk_token": "unk", "sep_token": "sep", "pad_token": "pad", "cls_
 _HF_CLASS = {"GPT2BPETokenizer": "GPT2Tokenizer", "BertWordPieceLowerCase": "BertTokenizer",
              "BertWordPieceCase": "BertTokenizer", "HFTokenizer": "PreTrainedTokenizerFast"}
 _HF_NAMES = {"vocab_file": {"gpt": "vocab.json", "bert": "vocab.txt"}, "merge_file": "merges.txt",
-             "tokenizer_file": "tokenizer.json"}
+             "tokenizer_file": "tokenizer.json", "tokenizer_model": "tokenizer.model"}  # SentencePiece's, as HF names it
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # an HF import's, kept beside its files
 
 
