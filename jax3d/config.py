@@ -42,7 +42,7 @@ class ModelConfig:
     # Llama-family variants, by Megatron-DeepSpeed's argument names; the defaults are GPT-2's.
     normalization: str = "layernorm"  # layernorm | rmsnorm
     swiglu: bool = False  # gated SiLU MLP (then `activation` is unused)
-    num_key_value_heads: int = 0  # grouped-query attention; 0: num_attention_heads, 1: multi-query
+    num_key_value_heads: int = 0  # grouped-query attention; 0: as many as heads (`kv_heads`), 1: multi-query
     add_bias_linear: bool = True
     add_position_embedding: bool = True  # learned positions; off with rotary embeddings
     use_rotary_position_embeddings: bool = False
@@ -67,8 +67,6 @@ class ModelConfig:
                               "decodes with the word embedding, so drop it or pass --model gpt")
         if not self.ffn_hidden_size:
             object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden_size(self.hidden_size, self.swiglu))
-        if not self.num_key_value_heads:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.use_rotary_position_embeddings:  # Megatron-DeepSpeed's rule: rotary replaces learned positions
             object.__setattr__(self, "add_position_embedding", False)
         if not self.max_position_embeddings:
@@ -76,15 +74,18 @@ class ModelConfig:
         # Here, not only in the command line's checks: a library caller's num_layers=0 reached a division by
         # zero, and a checkpoint's hand-edited "num_layers": "two" a TypeError.
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                     "max_position_embeddings", "num_key_value_heads"):
+                     "max_position_embeddings"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # numpy's integers are whole too
                 raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a whole number")
             if v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {v} must be at least 1")
-        if self.num_attention_heads % self.num_key_value_heads:
+        kv = self.num_key_value_heads
+        if isinstance(kv, bool) or not isinstance(kv, numbers.Integral) or kv < 0:
+            raise ConfigError(f"--num-key-value-heads {kv!r} must be a whole number of at least 1")
+        if self.num_attention_heads % self.kv_heads:
             raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                              f"--num-key-value-heads {self.num_key_value_heads}")
+                              f"--num-key-value-heads {self.kv_heads}")
         if self.use_rotary_position_embeddings and (not 0 < self.rotary_percent <= 1 or self.rotary_dim < 2):
             raise ConfigError(f"--rotary-percent {self.rotary_percent} must be in (0, 1] and rotate at least two of "
                               f"the {self.hidden_size // self.num_attention_heads} dims of each head")
@@ -97,6 +98,12 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `num_key_value_heads`, or one per attention head when that is 0 (left unset, so
+        that a checkpoint from before the field, whose heads --load adopts, keeps one per head)."""
+        return self.num_key_value_heads or self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:

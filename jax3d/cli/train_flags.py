@@ -9,7 +9,7 @@ from jax3d.file_util import dir_problem
 from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, layer_counts
 from jax3d.cli.megatron import add_megatron_flags, implied_given, megatron_config
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
-                          TrainConfig)
+                          TrainConfig, default_ffn_hidden_size)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
 from jax3d.models.presets import get_preset, preset_names
 from jax3d.parallel.plan import AUTO_LAYOUTS, SCAN_LAYERS_FROM
@@ -18,7 +18,7 @@ from jax3d.pipeline.schedules import SCHEDULES
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="launch/train.py", description=(
-        "Train a GPT or BERT model with tensor, pipeline and ZeRO data parallelism. Flags follow "
+        "Train a GPT (Llama included) or BERT model with tensor, pipeline and ZeRO data parallelism. Flags follow "
         "Megatron-DeepSpeed; shape flags override the --preset."), formatter_class=HelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=["gpt", "bert"], default=None,
@@ -27,15 +27,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"named shape, one of: {', '.join(preset_names())} (default: gpt-tiny, or bert-tiny with --model bert)")
     for flag, what in (("--num-layers", "transformer blocks"), ("--hidden-size", "model width d"),
                        ("--num-attention-heads", "attention heads"),
-                       ("--ffn-hidden-size", "MLP width (default: 4 x --hidden-size)"),
+                       ("--ffn-hidden-size", "MLP width (default: the preset's; with --hidden-size or --swiglu "
+                        "given, Megatron's: 4 x --hidden-size, or with --swiglu int(8 x hidden / 3 / 64) x 64)"),
                        ("--seq-length", "tokens per sample"),
-                       ("--max-position-embeddings", "learned positions (default: --seq-length)")):
+                       ("--max-position-embeddings", "learned positions, or the longest sequence without them "
+                        "(default: --seq-length; without learned positions the larger of it and the preset's context)")):
         g.add_argument(flag, type=int, default=None, help=what if "default" in what else f"{what} (default: the preset's)")
     g.add_argument("--vocab-size", type=int, default=0,
                    help="model vocabulary (default: the tokenizer's, padded to --make-vocab-size-divisible-by)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="pad the vocabulary to a multiple of this")
-    g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout on the residual stream")
-    g.add_argument("--attention-dropout", type=float, default=0.1, help="dropout on attention probabilities")
+    g.add_argument("--hidden-dropout", type=float, default=None,
+                   help="dropout on the residual stream (default: the preset's, 0.1 for GPT and BERT, 0 for Llama)")
+    g.add_argument("--attention-dropout", type=float, default=None,
+                   help="dropout on attention probabilities (default: the preset's, 0.1 for GPT and BERT, 0 for Llama)")
     g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal weight init")
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="layer-norm epsilon")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
@@ -48,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: on from {SCAN_LAYERS_FROM} layers on CPU devices, off on GPUs where it runs slower)")
     g.add_argument("--attention-impl", choices=["auto", "xla", "cudnn"], default="auto",
                    help="attention kernel; auto is cuDNN flash attention on GPUs in bf16/fp16, else XLA")
+    _add_llama_flags(p.add_argument_group("architecture variants (Megatron-DeepSpeed's LLaMA flags; each "
+                                          "defaults to the preset's, GPT-2's for gpt-* and bert-*)"))
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None,
@@ -153,6 +159,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_llama_flags(g) -> None:
+    """Megatron-DeepSpeed's flags that make a GPT a Llama; their dests are ModelConfig's field names."""
+    g.add_argument("--normalization", type=str.lower, choices=["layernorm", "rmsnorm"], default=None,
+                   help="layernorm, or rmsnorm (a scale, no centring or bias) (default: the preset's)")
+    g.add_argument("--swiglu", action="store_const", const=True, default=None,
+                   help="gated SiLU MLP instead of GELU (default: the preset's, off for GPT)")
+    g.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="key/value heads of grouped-query attention, dividing --num-attention-heads; 1 is multi-query "
+                        "(default: --num-attention-heads when that is given, else the preset's)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_const", const=True, default=None,
+                   help="rotary position embeddings, which replace learned ones (default: the preset's, off for GPT)")
+    g.add_argument("--rotary-position-embeddings-theta", type=float, default=None, dest="rope_theta",
+                   help="rotary base theta (default: the preset's, 10000 for GPT)")
+    g.add_argument("--rotary-percent", type=float, default=None,
+                   help="share of each head's dims that rotate (default: the preset's, 1.0)")
+    g.add_argument("--no-position-embedding", action="store_const", const=False, default=None,
+                   dest="add_position_embedding", help="no learned position embeddings (default: the preset's, "
+                   "learned ones for GPT and BERT)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_const", const=True, default=None,
+                   help="an output layer of its own instead of the word embedding (default: the preset's, tied for GPT)")
+    g.add_argument("--disable-bias-linear", action="store_const", const=False, default=None, dest="add_bias_linear",
+                   help="no biases in the attention and MLP linears (default: the preset's, biases for GPT and BERT)")
+
+
+LLAMA_FIELDS = ("normalization", "swiglu", "use_rotary_position_embeddings", "rope_theta", "rotary_percent",
+                "add_position_embedding", "untie_embeddings_and_output_weights", "add_bias_linear")
+
+
 def given_flags(argv) -> set[str]:
     """The argparse dests that `argv` sets explicitly (not left at their defaults)."""
     p = build_parser()
@@ -192,9 +226,16 @@ def config_from_args(a: argparse.Namespace) -> Config:
                       num_attention_heads=a.num_attention_heads, seq_length=a.seq_length, recompute=recompute,
                       hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
                       init_method_std=a.init_method_std, layernorm_epsilon=a.layernorm_epsilon,
-                      scan_layers=a.scan_layers, attention_impl=a.attention_impl)
-    model = dataclasses.replace(model, ffn_hidden_size=a.ffn_hidden_size or 4 * model.hidden_size,
-                                max_position_embeddings=a.max_position_embeddings or model.seq_length)
+                      scan_layers=a.scan_layers, attention_impl=a.attention_impl,
+                      # Megatron's default: as many KV heads as heads (0)
+                      num_key_value_heads=0 if a.num_key_value_heads is None and a.num_attention_heads else
+                      a.num_key_value_heads,
+                      **{k: getattr(a, k) for k in LLAMA_FIELDS})
+    reshaped = a.hidden_size is not None or a.swiglu is not None  # the preset's MLP width no longer applies
+    model = dataclasses.replace(model, ffn_hidden_size=a.ffn_hidden_size or (
+        default_ffn_hidden_size(model.hidden_size, model.swiglu) if reshaped else model.ffn_hidden_size),
+        max_position_embeddings=a.max_position_embeddings or (
+            model.seq_length if model.add_position_embedding else max(model.seq_length, model.max_position_embeddings)))
     # 0: the tokenizer's vocabulary, padded (jax3d.parallel.plan.resolve)
     model = dataclasses.replace(model, vocab_size=a.vocab_size, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     try:
@@ -252,7 +293,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
 
 def _refuse_bad_values(a: argparse.Namespace, model, optim, train) -> None:
     """Range and directory checks, each failure one ConfigError sentence naming the flag."""
-    at_least_1 = [("--train-iters", train.train_iters), ("--log-interval", a.log_interval),
+    at_least_1 = [("--train-iters", train.train_iters), ("--num-key-value-heads", _given(a.num_key_value_heads, 1)), ("--log-interval", a.log_interval),
                   ("--micro-batch-size", train.micro_batch_size), ("--global-batch-size", train.global_batch_size),
                   ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by),
                   ("--loss-scale-window", a.loss_scale_window), ("--hysteresis", a.hysteresis)]
@@ -265,7 +306,7 @@ def _refuse_bad_values(a: argparse.Namespace, model, optim, train) -> None:
                     ("--save-interval", a.save_interval), ("--keep-checkpoints", a.keep_checkpoints),
                     ("--vocab-size", a.vocab_size), ("--init-method-std", a.init_method_std),
                     ("--loss-scale", a.loss_scale)]
-    fractions = [("--hidden-dropout", a.hidden_dropout), ("--attention-dropout", a.attention_dropout),
+    fractions = [("--hidden-dropout", model.hidden_dropout), ("--attention-dropout", model.attention_dropout),
                  ("--adam-beta1", a.adam_beta1), ("--adam-beta2", a.adam_beta2)]
     for flags, ok, rule in [(at_least_1, lambda v: v >= 1, "must be at least 1"),
                             (positive, lambda v: v > 0, "must be positive"),

@@ -156,7 +156,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None, positions_bt=None):
         cfg = self.cfg
-        d, n, h, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
+        d, n, h, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.kv_heads
         g = n // kv
         init, out_init = _inits(cfg)
         w_qkv = _param(self, "qkv_kernel", ("embed", "qkv", "heads", "kv"), (d, g + 2, kv, h), init)

@@ -132,8 +132,8 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
     errors = []
     split = [("--num-attention-heads", model.num_attention_heads), ("--hidden-size", model.hidden_size),
              ("--ffn-hidden-size", model.ffn_hidden_size), ("--vocab-size (padded)", model.vocab_size)]
-    if model.num_key_value_heads != model.num_attention_heads:  # as in Megatron, KV heads are split, not copied
-        split.insert(1, ("--num-key-value-heads", model.num_key_value_heads))
+    if model.kv_heads != model.num_attention_heads:  # as in Megatron, KV heads are split, not copied
+        split.insert(1, ("--num-key-value-heads", model.kv_heads))
     undivided = [f"{flag} {value}" for flag, value in split if value % tp]
     if undivided:  # one sentence, with the sizes that would do: they split the model and the devices
         # (a vocabulary from the tokenizer is padded for whichever size is chosen, so it decides nothing)
