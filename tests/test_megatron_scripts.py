@@ -21,7 +21,8 @@ DATA = os.path.join(ROOT, "tests", "data", "megatron_ds_scripts")
 SCRIPTS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(DATA, "*.json")))
 # The scripts that ask for a feature jax3d does not build, and the words of the sentence that stops them.
 REFUSED = {"ds_pretrain_gpt_1.3B_PR-MoE64or128": "mixture of experts", "ds_pretrain_gpt_125M_MoE64": "mixture of experts",
-           "ds_pretrain_gpt_350M": "ZeRO-Offload", "ds_pretrain_gpt_1.3B_seq_parallel_32k": "DeepSpeed-Ulysses"}
+           "ds_pretrain_gpt_350M": "ZeRO-Offload", "ds_pretrain_gpt_1.3B_seq_parallel_32k": "DeepSpeed-Ulysses",
+           "ds_pretrain_gpt_1.3B_rope_slw": "curriculum learning"}
 LLAMA = ("pretrain_llama_distributed", "pretrain_llama2_distributed", "run_llama_bf16", "run_universal_llama_bf16",
          "ds_pretrain_gpt_1.3B_rope", "ds_pretrain_gpt_1.3B_rope_slw")
 DATA_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", "--tokenizer-model")
@@ -94,7 +95,8 @@ def test_the_flags_captured_from_the_scripts_and_how_many_the_table_adds():
     uses = [a.split("=")[0] for name in SCRIPTS for a in script(name)["args"] if a.startswith("--")]
     assert len(SCRIPTS) == 21 and len(uses) == 1008
     assert sum(u not in known for u in uses) == 0
-    assert sum(u in table for u in uses) == 333  # unknown to jax3d before the table
+    # unknown to jax3d before the table (333 with the LLaMA flags' 25 uses, which train.py has since issue 31)
+    assert sum(u in table for u in uses) == 308
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

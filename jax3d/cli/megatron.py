@@ -55,11 +55,9 @@ def _refused(names, help, group, feature, fix, asks=None, when="given", otherwis
 
 
 _ON = {"action": "store_true"}
-_RUN, _LOG, _DS, _DATA, _TORCH, _MOE_G, _LLAMA_G = (
-    "run length and schedule", "logging", "DeepSpeed", "data", "PyTorch and CUDA switches", "mixture of experts",
-    "LLaMA architecture (issue 31)")
+_RUN, _LOG, _DS, _DATA, _TORCH, _MOE_G = (
+    "run length and schedule", "logging", "DeepSpeed", "data", "PyTorch and CUDA switches", "mixture of experts")
 _MOE, _MOE_FIX = "a mixture of experts", "pass --num-experts 1 (a dense model) or leave it out"
-_LLAMA, _LLAMA_FIX = "the LLaMA architecture", "drop them to train a GPT"
 
 
 def _more_than_one_expert(_, a) -> bool:
@@ -185,25 +183,6 @@ FLAGS: tuple[Flag, ...] = (
                                                                  "default": "standard"}),
         ("--topk", "experts per token", {"type": int, "default": 1}),
         ("--expert-interval", "layers between MoE layers", {"type": int, "default": 2}))),
-    # LLaMA architecture: refused until jax3d builds it (issue 31).
-    *(_refused(name, f"LLaMA: {what}", _LLAMA_G, f"{_LLAMA} (until issue 31)", _LLAMA_FIX, asks=asks, when=when, **kw)
-      for name, what, asks, when, kw in (
-        ("--swiglu", "SwiGLU MLP", None, "given", _ON),
-        ("--normalization", "layernorm, or rmsnorm (LLaMA's)", lambda v, a: v != "layernorm", "rmsnorm",
-         {"choices": ["layernorm", "rmsnorm"], "default": "layernorm"}),
-        ("--num-key-value-heads", "grouped-query attention's key/value heads (default: --num-attention-heads)",
-         lambda v, a: v is not None and v != a.num_attention_heads, "other than --num-attention-heads",
-         {"type": int, "default": None, "metavar": "N"}),
-        ("--use-rotary-position-embeddings", "rotary position embeddings", None, "given", _ON),
-        ("--rotary-percent", "share of each head that rotates", lambda v, a: v != 1.0, "below 1",
-         {"type": float, "default": 1.0}),
-        ("--rotary-position-embeddings-theta", "rotary base (default: none, Megatron's is 10000)",
-         lambda v, a: v is not None, "given", {"type": float, "default": None}),
-        ("--untie-embeddings-and-output-weights", "an output layer of its own", None, "given", _ON),
-        ("--disable-bias-linear", "linear layers without biases", None, "given",
-         {"action": "store_false", "dest": "add_bias_linear"}),
-        ("--no-position-embedding", "no learned positions", None, "given",
-         {"action": "store_false", "dest": "add_position_embedding"}))),
 )
 
 
@@ -249,19 +228,10 @@ def _shown(f: Flag, a) -> str:
 
 
 def refuse_features(a) -> None:
-    """ConfigError, one sentence, when a flag asks for a feature jax3d does not build: the LLaMA flags named
-    together, else the first other."""
+    """ConfigError, one sentence, when a flag asks for a feature jax3d does not build (the first such flag)."""
     asked = [f for f in rows(a) if f.decision != ACCEPTED and _asks(f, a)]
-    llama = [_shown(f, a) for f in asked if f.group == _LLAMA_G]
-    if llama:
-        raise ConfigError(f"{_and(llama)} {'ask' if len(llama) > 1 else 'asks'} for {_LLAMA}, which jax3d does not "
-                          f"build yet (issue 31); {_LLAMA_FIX if len(llama) > 1 else 'drop it to train a GPT'}")
     for f in asked:
         raise ConfigError(f"{_shown(f, a)} asks for {f.feature}, which jax3d does not build; {f.fix}")
-
-
-def _and(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def megatron_config(a, cfg: Config) -> Config:
