@@ -68,3 +68,39 @@ def jax3d_checkpoint_with_tokenizer(path, model_type, seed=0):
     params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape), state.params)
     Checkpointer(cfg, tokenizer=tok).save(1, state.replace(params=params), {"consumed_samples": 0}, wait=True)
     return str(path / "ckpt"), tok
+
+
+def tiny_llama(path, n_layer=3, hidden=64, heads=8, kv_heads=2, ffn=96, vocab=300, positions=64, theta=10000.0,
+               tied=False, rope_scaling=None, seed=0, arch="LlamaForCausalLM", **kw):
+    """A tiny random Llama (or Mistral) saved with transformers; `rope_scaling` as config.json holds it."""
+    torch.manual_seed(seed)
+    conf = transformers.MistralConfig if arch.startswith("Mistral") else transformers.LlamaConfig
+    cfg = conf(num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+               intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=positions, rope_theta=theta,
+               tie_word_embeddings=tied, rope_scaling=rope_scaling, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
+               **({"sliding_window": None} if arch.startswith("Mistral") else {}), **kw)
+    model = _perturb(getattr(transformers, arch)(cfg), seed)
+    model.save_pretrained(path)
+    return model
+
+
+def llama_tokenizer_json(path, vocab_size=300):
+    """A byte-level BPE `tokenizer.json` (tokenizers) trained on a little text, with Llama's <s> and </s>; returns
+    its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1,
+                                                      special_tokens=["<unk>", "<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def llama_folder_with_tokenizer(path, seed=0, **kw):
+    """A tiny random Llama whose vocabulary is a tokenizer.json's, both in `path`: an HF folder as downloaded."""
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = llama_tokenizer_json(path)
+    return tiny_llama(str(path), vocab=vocab, seed=seed, **kw), vocab

@@ -270,9 +270,9 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
     (pickled / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 8,
                                                       "n_head": 2, "vocab_size": 10, "n_positions": 8}))
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
-    other = tmp_path / "llama"
+    other = tmp_path / "qwen"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (other / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     no_width = tmp_path / "no_width"
     no_width.mkdir()
     (no_width / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 1,
@@ -293,7 +293,7 @@ def test_bad_inputs_one_sentence_exit_2(tmp_path, capsys):
     (cut / "model.safetensors").write_bytes(weights[: len(weights) - 100])
     capsys.readouterr()  # transformers' progress bars
     cases = {str(tmp_path / "empty"): "has no config.json", str(tmp_path / "nope"): "is not a directory",
-             str(pickled): "convert them to model.safetensors", str(other): "LlamaForCausalLM",
+             str(pickled): "convert them to model.safetensors", str(other): "Qwen2ForCausalLM",
              str(cut): "model.safetensors is not a complete safetensors file",
              str(no_width): "lacks 'n_embd', which its architecture needs; add it", **wrong}
     for src, words in cases.items():

@@ -198,13 +198,16 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
             "tokenizer": tok_kw.get("tokenizer_type", "none")}
 
 
-def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
-    """Writes checkpoint `load` (latest or `step`) as an HF folder `hf_dir`: config.json, model.safetensors with
-    the embedding and head cut to the tokenizer's size, the run's tokenizer files with their
-    tokenizer_config.json and special_tokens_map.json, and a GPT's generation_config.json; returns a summary.
-    Nothing is written when the model can't be expressed."""
+def export_hf(load: str, hf_dir: str, *, step: int = -1, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9) -> dict:
+    """Writes checkpoint `load` (latest or `step`) as an HF folder `hf_dir`: config.json, the weights with the
+    embedding and head cut to the tokenizer's size (`write_weights`: in `dtype`, float32 or bfloat16, in shards of
+    at most `max_shard_bytes`), the run's tokenizer files with their tokenizer_config.json and
+    special_tokens_map.json, and a GPT's generation_config.json; returns a summary. Nothing is written when the
+    model can't be expressed."""
+    if dtype not in _EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype} must be one of {', '.join(_EXPORT_DTYPES)}")
     from jax3d.config import config_from_dict
-    from jax3d.checkpoint.export import load_params, save_safetensors
+    from jax3d.checkpoint.export import load_params
     from jax3d.hf import tokenizer as hf_tok
 
     _check_new_dir("--hf-dir", hf_dir)
@@ -225,7 +228,7 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     hf_cfg = hf_config_from_model(model, token_ids)
     tensors = to_hf(params, model)
     os.makedirs(hf_dir, exist_ok=True)
-    save_safetensors(tensors, os.path.join(hf_dir, "model.safetensors"), {"format": "pt"})
+    weights = write_weights(tensors, hf_dir, dtype, max_shard_bytes)
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     files = hf_tok.copy_tokenizer_files(record, hf_dir, model.model_type)
@@ -233,4 +236,37 @@ def export_hf(load: str, hf_dir: str, *, step: int = -1) -> dict:
     if model.model_type == "gpt":  # transformers writes none for a class that cannot generate (BERT)
         files.append(hf_tok.write_generation_config(hf_dir, token_ids, model))
     return {"hf_dir": hf_dir, "architecture": hf_cfg["architectures"][0], "step": meta["step"],
-            "tensors": len(tensors), "vocab_size": hf_cfg["vocab_size"], "files": files}
+            "tensors": len(tensors), "vocab_size": hf_cfg["vocab_size"], "dtype": dtype, "weights": weights,
+            "files": files}
+
+
+_EXPORT_DTYPES = ("float32", "bfloat16")
+
+
+def write_weights(tensors: dict[str, np.ndarray], hf_dir: str, dtype: str = "float32",
+                  max_shard_bytes: int = 5 * 10**9) -> list[str]:
+    """Writes fp32 `tensors` in `dtype` as model.safetensors, or, past `max_shard_bytes`, as the shards
+    model-00001-of-0000N.safetensors with the model.safetensors.index.json transformers reads; returns the files."""
+    from jax3d.checkpoint.export import save_safetensors
+
+    if dtype == "bfloat16":
+        import ml_dtypes
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    shards, size = [{}], 0
+    for name, arr in tensors.items():  # in table order: a layer's tensors stay together
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        save_safetensors(shards[0], os.path.join(hf_dir, "model.safetensors"), {"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_safetensors(shard, os.path.join(hf_dir, name), {"format": "pt"})
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+             "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+    with open(os.path.join(hf_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    return names + ["model.safetensors.index.json"]

@@ -1,9 +1,12 @@
-"""Hugging Face GPT-2 / BERT <-> jax3d: model configs both ways and the tensor-by-tensor name table.
+"""Hugging Face GPT-2 / BERT / Llama <-> jax3d: model configs both ways and the tensor-by-tensor name table.
 
 Pure numpy: nothing here imports torch or transformers. jax3d keeps transformer blocks stacked on a
 leading layers dim; HF names each layer (`h.{i}`). jax3d's fused QKV kernel is (embed, 3, heads,
 head_dim): GPT-2's `c_attn.weight` (embed, 3 * embed) is the same array reshaped, and BERT's separate
-query / key / value `Linear`s (stored out x in) are its three slices, transposed.
+query / key / value `Linear`s (stored out x in) are its three slices, transposed. A Llama's kernel is
+(embed, g + 2, kv_heads, head_dim), g query heads per KV head: `k_proj` and `v_proj` are slices g and g + 1,
+and `q_proj`'s rows, (kv_heads, g, head_dim) in HF's order, are slices 0 .. g - 1 with their first two axes
+swapped. Mistral without a sliding window is the same model under another name.
 """
 from __future__ import annotations
 
@@ -16,7 +19,14 @@ from jax3d.config import ConfigError, ModelConfig
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 POST_LN_BERT_ARCHS = ("BertForPreTraining", "BertForMaskedLM")
 PRE_LN_BERT_ARCHS = ("MegatronBertForPreTraining",)
-SUPPORTED = GPT2_ARCHS + POST_LN_BERT_ARCHS + PRE_LN_BERT_ARCHS
+LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED = GPT2_ARCHS + POST_LN_BERT_ARCHS + PRE_LN_BERT_ARCHS + LLAMA_ARCHS
+# The ModelConfig fields of GPT-2 (the defaults) and what an HF Llama needs of them.
+GPT2_FIELDS = {"normalization": "layernorm", "swiglu": False, "add_position_embedding": True,
+               "use_rotary_position_embeddings": False, "add_bias_linear": True,
+               "untie_embeddings_and_output_weights": False}
+LLAMA_FIELDS = {"normalization": "rmsnorm", "swiglu": True, "use_rotary_position_embeddings": True,
+                "rotary_percent": 1.0, "post_layernorm": False, "embedding_layernorm": False}
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -29,7 +39,8 @@ def architecture(hf: dict) -> str:
     """The one supported architecture named in config.json; ConfigError otherwise."""
     archs = hf.get("architectures") or []
     if not archs:
-        by_type = {"gpt2": "GPT2LMHeadModel", "bert": "BertForPreTraining", "megatron-bert": "MegatronBertForPreTraining"}
+        by_type = {"gpt2": "GPT2LMHeadModel", "bert": "BertForPreTraining", "megatron-bert": "MegatronBertForPreTraining",
+                   "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
         if hf.get("model_type") in by_type:
             return by_type[hf["model_type"]]
     for a in archs:
@@ -69,7 +80,10 @@ def model_config_from_hf(hf: dict, divisible_by: int = 128) -> ModelConfig:
     padding rows are zero and `unpadded_vocab_size` keeps the real size.
     """
     arch = architecture(hf)
-    if arch in GPT2_ARCHS:
+    if arch in LLAMA_ARCHS:
+        kw = _llama_fields(hf)
+        d, n, v = _size(hf, "hidden_size"), _size(hf, "num_attention_heads"), _size(hf, "vocab_size")
+    elif arch in GPT2_ARCHS:
         for key, want, default in [("scale_attn_weights", True, True), ("scale_attn_by_inverse_layer_idx", False, False),
                                    ("add_cross_attention", False, False), ("tie_word_embeddings", True, True)]:
             _require(hf, key, want, default)
@@ -98,6 +112,86 @@ def model_config_from_hf(hf: dict, divisible_by: int = 128) -> ModelConfig:
                        unpadded_vocab_size=v, **kw)
 
 
+def _llama_fields(hf: dict) -> dict:
+    """ModelConfig fields of a Llama / Mistral config.json (v4's rope_theta and rope_scaling, or v5's
+    rope_parameters); ConfigError naming the first field jax3d's model cannot reproduce."""
+    d, n = _size(hf, "hidden_size"), _size(hf, "num_attention_heads")
+    kv = _size(hf, "num_key_value_heads") if hf.get("num_key_value_heads") is not None else n
+    if hf.get("head_dim") not in (None, d // n):
+        raise ConfigError(f"config.json head_dim {hf['head_dim']} is not hidden_size / num_attention_heads = {d // n}, "
+                          "which jax3d's attention needs")
+    if hf.get("sliding_window") is not None:
+        raise ConfigError(f"config.json sliding_window {hf['sliding_window']} limits attention to a window, which "
+                          "jax3d does not build; only models with sliding_window null import")
+    biases = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if biases[0] != biases[1]:
+        raise ConfigError(f"config.json attention_bias {str(biases[0]).lower()} with mlp_bias {str(biases[1]).lower()} "
+                          "is not supported; jax3d has biases on all its linear layers or on none")
+    _require(hf, "hidden_act", "silu", "silu")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"config.json partial_rotary_factor {hf['partial_rotary_factor']} is not supported by "
+                          "HF's Llama; jax3d imports 1.0")
+    scaling_v4 = hf.get("rope_scaling") or {}
+    rope = {**(hf.get("rope_parameters") or {}), **scaling_v4}
+    kind = next((r[k] for r in (scaling_v4, rope) for k in ("rope_type", "type") if r.get(k)), "default")
+    scaling = {}
+    if kind == "linear":
+        scaling = dict(rope_scaling="linear", rope_scaling_factor=float(rope["factor"]))
+    elif kind == "llama3":
+        scaling = dict(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
+                       rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise ConfigError(f"config.json rope_scaling type {kind!r} is not built in jax3d, which reproduces "
+                          "llama3 and linear rope scaling (or none)")
+    pos = _size(hf, "max_position_embeddings")
+    return dict(model_type="gpt", num_layers=_size(hf, "num_hidden_layers"), ffn_hidden_size=_size(hf, "intermediate_size"),
+                num_key_value_heads=0 if kv == n else kv, max_position_embeddings=pos, seq_length=min(pos, 4096),
+                layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), hidden_dropout=0.0,
+                attention_dropout=hf.get("attention_dropout", 0.0), init_method_std=hf.get("initializer_range", 0.02),
+                rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                add_bias_linear=bool(hf.get("attention_bias", False)), add_position_embedding=False,
+                **{k: v for k, v in LLAMA_FIELDS.items() if k != "rotary_percent"}, **scaling)
+
+
+def _variant(cfg: ModelConfig) -> str | None:
+    """The first field in which `cfg` is not GPT-2's block (grouped-query attention included), or None."""
+    if cfg.kv_heads != cfg.num_attention_heads:
+        return "num_key_value_heads"
+    return next((k for k, v in GPT2_FIELDS.items() if getattr(cfg, k) != v), None)
+
+
+def is_llama(cfg: ModelConfig) -> bool:
+    """Whether a jax3d GPT uses a variant GPT-2 lacks, so that HF's Llama (not GPT-2) is its class."""
+    return cfg.model_type == "gpt" and _variant(cfg) is not None
+
+
+def _llama_config(cfg: ModelConfig, vocab: int) -> dict:
+    """config.json of the LlamaForCausalLM that computes what `cfg` computes (v4's keys, which v5 reads too)."""
+    for field, want in LLAMA_FIELDS.items():
+        if getattr(cfg, field) != want:
+            raise ConfigError(f"HF Llama cannot express a GPT with {field}={getattr(cfg, field)!r} (it needs {want!r}); "
+                              "export it as jax3d safetensors with launch/export.py instead")
+    scaling = None
+    if cfg.rope_scaling == "linear":
+        scaling = {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
+    elif cfg.rope_scaling == "llama3":
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                   "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_position_embeddings}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+            "vocab_size": vocab, "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+            "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
+            "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
+            "pretraining_tp": 1, "use_cache": True}
+
+
 def hf_config_from_model(cfg: ModelConfig, token_ids: dict[str, int] | None = None) -> dict:
     """config.json for the HF class that computes what jax3d model `cfg` computes, with the tokenizer's
     `token_ids` (`bos_token_id`, ...; without them transformers assumes GPT-2's 50256, which a smaller
@@ -106,6 +200,8 @@ def hf_config_from_model(cfg: ModelConfig, token_ids: dict[str, int] | None = No
     token_ids = token_ids or {}
     vocab = cfg.unpadded_vocab_size or cfg.vocab_size
     act = {"gelu_tanh": "gelu_new", "gelu_erf": "gelu"}[cfg.activation]
+    if is_llama(cfg):
+        return {**_llama_config(cfg, vocab), **token_ids}
     if cfg.model_type == "gpt":
         for field in ("post_layernorm", "embedding_layernorm"):
             if getattr(cfg, field):
@@ -119,6 +215,9 @@ def hf_config_from_model(cfg: ModelConfig, token_ids: dict[str, int] | None = No
                "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
                "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True}
         return {**out, **token_ids}
+    if _variant(cfg):
+        raise ConfigError(f"HF BERT cannot express a BERT with {_variant(cfg)}={getattr(cfg, _variant(cfg))!r}; "
+                          "export it as jax3d safetensors with launch/export.py instead")
     if cfg.post_layernorm != cfg.embedding_layernorm:
         raise ConfigError(f"HF BERT cannot express post_layernorm={cfg.post_layernorm} with embedding_layernorm="
                           f"{cfg.embedding_layernorm}; BertForPreTraining has both, MegatronBertForPreTraining neither")
@@ -139,16 +238,19 @@ class Tensor:
 
     ours: dotted path (under `blocks` a per-layer slice of the stack); hf: name, `{i}` the layer;
     split: how many leading dims of ours make HF's input dim; linear: HF stores it (out, in);
-    part: (axis, index) of the q/k/v dim of a fused jax3d tensor; vocab: rows are the vocabulary.
+    part: (axis, index) of the q/k/v dim of a fused jax3d tensor, or (axis, slice) of a Llama's query heads;
+    query_groups: that slice's axis and the next (g, kv_heads) are HF's (kv_heads, g); vocab: rows are the
+    vocabulary.
     """
 
     ours: str
     hf: str
     split: int = 1
     linear: bool = False
-    part: tuple[int, int] | None = None
+    part: tuple[int, int | slice] | None = None
     vocab: bool = False
     optional: bool = False  # absent from some HF classes (BertForMaskedLM has no pooler / NSP head)
+    query_groups: bool = False
 
 
 def _ln(ours: str, hf: str) -> list[Tensor]:
@@ -201,12 +303,36 @@ def bert_table(post_layernorm: bool) -> list[Tensor]:
     return t
 
 
+def llama_table(cfg: ModelConfig) -> list[Tensor]:
+    h, g = "model.layers.{i}.", cfg.num_attention_heads // cfg.kv_heads
+    t = [Tensor("embed.word", "model.embed_tokens.weight", vocab=True), Tensor("final_norm.scale", "model.norm.weight"),
+         Tensor("blocks.ln_attn.scale", h + "input_layernorm.weight"),
+         Tensor("blocks.ln_mlp.scale", h + "post_attention_layernorm.weight")]
+    if cfg.untie_embeddings_and_output_weights:
+        t.append(Tensor("head.output", "lm_head.weight", vocab=True))
+    kinds = [("weight", "kernel", True)] + ([("bias", "bias", False)] if cfg.add_bias_linear else [])
+    for hf_kind, kind, linear in kinds:
+        axis = 1 if linear else 0  # of the q/k/v (and gate/up) dim
+        t += [Tensor(f"blocks.attn.qkv_{kind}", h + f"self_attn.q_proj.{hf_kind}", linear=linear,
+                     part=(axis, slice(0, g)), query_groups=True),
+              Tensor(f"blocks.attn.qkv_{kind}", h + f"self_attn.k_proj.{hf_kind}", linear=linear, part=(axis, g)),
+              Tensor(f"blocks.attn.qkv_{kind}", h + f"self_attn.v_proj.{hf_kind}", linear=linear, part=(axis, g + 1)),
+              Tensor(f"blocks.attn.out_{kind}", h + f"self_attn.o_proj.{hf_kind}", split=2, linear=linear),
+              Tensor(f"blocks.mlp.up_{kind}", h + f"mlp.gate_proj.{hf_kind}", linear=linear, part=(axis, 0)),
+              Tensor(f"blocks.mlp.up_{kind}", h + f"mlp.up_proj.{hf_kind}", linear=linear, part=(axis, 1)),
+              Tensor(f"blocks.mlp.down_{kind}", h + f"mlp.down_proj.{hf_kind}", linear=linear)]
+    return t
+
+
 def table(cfg: ModelConfig) -> list[Tensor]:
+    if is_llama(cfg):
+        return llama_table(cfg)
     return gpt2_table() if cfg.model_type == "gpt" else bert_table(cfg.post_layernorm)
 
 
 # HF tensors that duplicate a tied one or are buffers, never parameters of their own.
 IGNORED_SUFFIXES = ("lm_head.weight", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
+                    "rotary_emb.inv_freq",
                     ".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
 
 
@@ -219,7 +345,9 @@ def _get(tree: dict, path: str):
 def _hf_of(ours: np.ndarray, t: Tensor, vocab: int) -> np.ndarray:
     """HF's array of one jax3d slice (no layers dim)."""
     if t.part is not None:
-        ours = np.take(ours, t.part[1], axis=t.part[0])
+        ours = ours[_index(t, ours.ndim)]
+    if t.query_groups:
+        ours = np.swapaxes(ours, t.part[0], t.part[0] + 1)
     if t.vocab:
         ours = ours[:vocab]
     if t.hf.endswith(".bias") or t.ours.endswith(".scale"):  # biases and layer-norm scales are flat
@@ -242,9 +370,16 @@ def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
+def _index(t: Tensor, ndim: int) -> tuple:
+    """The index of `t.part` into an array of `ndim` dims."""
+    idx = [slice(None)] * ndim
+    idx[t.part[0]] = t.part[1]
+    return tuple(idx)
+
+
 def _strip_prefix(name: str, cfg: ModelConfig) -> str:
     """HF names as the LM-head classes save them (some GPT-2 files lack the `transformer.` prefix)."""
-    if cfg.model_type == "gpt" and not name.startswith("transformer.") and not name.startswith("lm_head"):
+    if cfg.model_type == "gpt" and not is_llama(cfg) and not name.startswith(("transformer.", "lm_head")):
         return "transformer." + name
     return name
 
@@ -266,9 +401,10 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, into: dict) -> dic
                                   "model of its config.json architecture")
             used.add(name)
             slot = dest if i is None else dest[i]
-            want = list(slot.shape)
-            if t.part is not None:
-                want.pop(t.part[0])
+            want = list(slot[_index(t, slot.ndim)].shape if t.part is not None else slot.shape)
+            if t.query_groups:  # HF's order of the two axes
+                a = t.part[0]
+                want[a], want[a + 1] = want[a + 1], want[a]
             x = np.asarray(tensors[name], np.float32)
             x = x.T if t.linear else x
             if t.vocab:
@@ -280,12 +416,12 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, into: dict) -> dic
                 raise ConfigError(f"tensor {name} has shape {tuple(tensors[name].shape)}, which does not fit "
                                   f"config.json (jax3d expects {tuple(want)} elements)")
             x = x.reshape(want)
+            if t.query_groups:
+                x = np.swapaxes(x, t.part[0], t.part[0] + 1)
             if t.part is None:
                 slot[...] = x
             else:
-                idx = [slice(None)] * slot.ndim
-                idx[t.part[0]] = t.part[1]
-                slot[tuple(idx)] = x
+                slot[_index(t, slot.ndim)] = x
     extra = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
     if extra:
         raise ConfigError(f"the model files hold tensor {extra[0]}, which config.json's architecture has no place "

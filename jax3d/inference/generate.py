@@ -1,10 +1,12 @@
-"""Text generation for jax3d GPT models: a KV cache, a prefill and a decode function compiled once each.
+"""Text generation for jax3d GPT models (Llama included): a KV cache, a prefill and a decode function compiled
+once each.
 
 Prompts of a batch are padded on the left to one length, so every row's next token sits in the same
 cache slot. A row's positions count its own tokens only (pads don't advance them), and its queries
-never see its pads; that gives each row the numbers it would get alone. The cache is one
-{'k', 'v': (batch, max_len, heads, head_dim)} per layer, sharded over heads like the attention it feeds,
-and is donated to each step, so decoding updates it in place.
+never see its pads; that gives each row the numbers it would get alone (learned or rotary positions alike).
+The cache is one {'k', 'v': (batch, max_len, kv_heads, head_dim)} per layer, grouped-query attention's KV
+heads only, sharded over them like the attention it feeds, and is donated to each step, so decoding updates
+it in place.
 
     gen = Generator(cfg, params, mesh, batch=4, max_len=96)
     tokens = gen.generate(prompts, max_new_tokens=32, sampling=Sampling(greedy=True))
@@ -129,7 +131,7 @@ class Generator:
         x = m.embed_at(params, tokens_bt, positions_bt)
         new_cache = []
         for p, c in zip(params["blocks"], cache):
-            x, c = m.block.apply({"params": p}, x, mask_b1tT, None, True, {**c, "index": index})
+            x, c = m.block.apply({"params": p}, x, mask_b1tT, None, True, {**c, "index": index}, positions_bt)
             new_cache.append({"k": c["k"], "v": c["v"]})
         logits = m.final_logits(params, x)
         col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
@@ -148,8 +150,8 @@ class Generator:
         def prefill(params, tokens_bt, valid_bt, key):
             self._traces["prefill"] += 1
             b, t = tokens_bt.shape
-            cache = [{"k": jnp.zeros((b, self.max_len, self.cfg.num_attention_heads, self.cfg.head_dim), self.dtype),
-                      "v": jnp.zeros((b, self.max_len, self.cfg.num_attention_heads, self.cfg.head_dim), self.dtype)}
+            shape = (b, self.max_len, self.cfg.kv_heads, self.cfg.head_dim)
+            cache = [{"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
                      for _ in range(self.cfg.num_layers)]
             cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
             valid_bT = jnp.zeros((b, self.max_len), bool).at[:, :t].set(valid_bt.astype(bool))
