@@ -178,3 +178,44 @@ def test_export_of_a_model_no_hf_class_expresses_names_the_field():
     cfg = hf_config_from_model(tiny_model(normalization="rmsnorm", swiglu=True, use_rotary_position_embeddings=True,
                                           num_key_value_heads=2, add_bias_linear=False))
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 2 and cfg["tie_word_embeddings"]
+
+
+def test_train_py_fine_tunes_an_imported_llama_from_transformers_loss_and_exports_it(tmp_path):
+    """train.py --load of an imported Llama with its tokenizer.json (no shape flags) starts at exactly transformers'
+    loss on its first batch at (data, stage, model) = (2, 2, 2), and its export loads in transformers with its
+    tokenizer and generates through pipeline()."""
+    from jax3d.cli.train import main as train_main
+    from jax3d.data import build_gpt_datasets, build_tokenizer
+    from jax3d.data.indexed import IndexedDatasetBuilder
+    from tests.hf_fixtures import TEXT, llama_folder_with_tokenizer
+
+    hf, _ = llama_folder_with_tokenizer(tmp_path / "hf", n_layer=4, kv_heads=2)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    tok_file = str(tmp_path / "ckpt" / "tokenizer" / "tokenizer.json")
+    tok = build_tokenizer("HFTokenizer", tokenizer_file=tok_file)
+    prefix = str(tmp_path / "data")
+    b = IndexedDatasetBuilder(prefix, np.uint16)
+    rs = np.random.RandomState(0)
+    for _ in range(40):
+        b.add_item(tok.tokenize("".join(rs.choice(TEXT, rs.randint(2, 6)))) + [tok.eod])
+        b.end_document()
+    b.finalize()
+    argv = ["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "tuned"), "--data-path", prefix,
+            "--tokenizer-type", "HFTokenizer", "--tokenizer-file", tok_file, "--train-iters", "2",
+            "--global-batch-size", "8", "--micro-batch-size", "1", "--seq-length", "32", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--eval-interval", "0", "--log-interval", "1", "--no-progress", "--log-dir", str(tmp_path / "log"),
+            "--seed", "1234"]
+    assert train_main(argv) == 0
+    with open(tmp_path / "log" / "metrics.jsonl") as f:
+        first = next(r for r in map(json.loads, f) if r.get("step") == 1)
+    ds = build_gpt_datasets([prefix], "969,30,1", 32, (16, 0, 0), 1234)[0]
+    text = torch.tensor(np.stack([ds[i]["text"] for i in range(8)]), dtype=torch.long)
+    with torch.no_grad():
+        ref = float(hf(text, labels=text).loss)
+    assert abs(first["loss"] - ref) < TOL
+    export_hf(str(tmp_path / "tuned"), str(tmp_path / "out"))
+    out = str(tmp_path / "out")
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "</s>"
+    assert transformers.pipeline("text-generation", model=out)("def add", max_new_tokens=4)[0][
+        "generated_text"].startswith("def add")

@@ -1,7 +1,7 @@
 """Every shell command in the README runs, in README order, in a fresh folder: the README cannot drift.
 
-The folder starts with what a user brings (a `corpus.jsonl`, GPT-2-style `vocab.json` / `merges.txt`, a
-Hugging Face `gpt2/` folder, a `notes.txt`), made tiny here. Commands run as written, except that long
+The folder starts with what a user brings (a `corpus.jsonl`, GPT-2-style `vocab.json` / `merges.txt`,
+Hugging Face `gpt2/` and `llama/` folders, a `notes.txt`), made tiny here. Commands run as written, except that long
 training gets `--train-iters 2`, and the GPU-only ones run the same flags on tiny shapes: the 1.3B
 command as a `--dry-run` of two layers, the benchmarks on their `tiny` shape without the peer. Each
 throughput run compiles its own step in its own process, so two benchmark commands are cut to what they
@@ -98,6 +98,8 @@ def _user_files(tmp):
     vocab = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp / "vocab.json"),
                             merge_file=str(tmp / "merges.txt")).vocab_size
     tiny_gpt2(str(tmp / "gpt2"), n_layer=2, n_embd=32, n_head=4, vocab=vocab, n_positions=512)
+    from tests.hf_fixtures import llama_folder_with_tokenizer
+    llama_folder_with_tokenizer(tmp / "llama", n_layer=2, positions=512)
 
 
 def test_readme_commands_are_all_covered():
