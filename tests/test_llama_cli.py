@@ -52,3 +52,26 @@ def test_dry_run_of_large_llamas_fits_80gb_gpus(name, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     print(name, {k: round(report[k] / GIB, 2) for k in ("params", "opt_state", "grads", "temp", "peak")})
     assert report["params"] < report["peak"] < 70 * GIB  # room left on an 80 GB card
+
+
+def test_a_checkpoint_from_before_the_llama_fields_resumes(tmp_path, monkeypatch, capsys):
+    """A GPT checkpoint whose recorded model has none of the Llama fields (saved before they existed) resumes with
+    GPT-2's block, its 4 heads one KV head each, though the default preset has 8."""
+    from jax3d.config import Config
+
+    new = {"normalization", "swiglu", "num_key_value_heads", "add_bias_linear", "add_position_embedding",
+           "use_rotary_position_embeddings", "rope_theta", "rotary_percent", "rope_scaling", "rope_scaling_factor",
+           "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
+           "untie_embeddings_and_output_weights"}
+    to_dict = Config.to_dict
+    monkeypatch.setattr(Config, "to_dict", lambda self: {**to_dict(self), "model": {
+        k: v for k, v in to_dict(self)["model"].items() if k not in new}})
+    common = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "1", "--eval-interval", "0",
+              "--no-progress", "--log-dir", str(tmp_path / "log")]
+    assert main(["--num-attention-heads", "4", "--train-iters", "1", "--save", str(tmp_path / "ck"), *common]) == 0
+    assert "normalization" not in read_meta(str(tmp_path / "ck"), 1)["config"]["model"]
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["--load", str(tmp_path / "ck"), "--train-iters", "2", *common]) == 0
+    out = capsys.readouterr()
+    assert "gpt 2L d128" in out.err and '"step": 2' in out.out, out
