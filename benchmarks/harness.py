@@ -34,6 +34,11 @@ SHAPES = {
     "bert-large-b32": (24, 1024, 16, 512, 32),
     "bert-tiny": (2, 128, 8, 128, 4),
 }
+# Llamas: name -> (jax3d preset, seq, batch); their peer is torch_llama_peer.py (beside the GPT peer), at the
+# preset's published shape (`--shape`).
+LLAMA_SHAPES = {"llama3.2-1b-b8": ("llama3.2-1b", 2048, 8), "llama3.2-3b-b4": ("llama3.2-3b", 2048, 4),
+                "llama3-8b-b1": ("llama3-8b", 2048, 1), "llama-tiny": ("llama-tiny", 128, 4)}
+SHAPES.update({name: (0, 0, 0, seq, batch) for name, (_, seq, batch) in LLAMA_SHAPES.items()})  # shape from the preset
 VOCAB = 50304
 BERT_VOCAB = 30592  # BERT's 30522 WordPiece ids, padded to a multiple of 128
 # Batch keys whose values are 0 or 1 (masks, segment types, the sentence-order flag); the rest are token ids.
@@ -117,6 +122,13 @@ def config_for(run: Run):
     from jax3d.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 
     layers, d, heads, seq, batch = run.dims()
+    if run.shape in LLAMA_SHAPES:
+        from jax3d.models import get_preset
+
+        model = dataclasses.replace(get_preset(LLAMA_SHAPES[run.shape][0])[0], seq_length=seq, hidden_dropout=run.dropout,
+                                    attention_dropout=run.dropout, recompute=run.recompute)
+        return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype),
+                      train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
     if run.shape in ("tiny", "bert-tiny"):
         vocab = 4096
     else:
@@ -285,7 +297,8 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     tflops = tokens / dt * model_flops_per_token(cfg.model) / 1e12
     peak = peak_tflops()
-    layers, d, heads, seq, batch_size = run.dims()
+    m = cfg.model
+    layers, d, heads, seq, batch_size = m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, cfg.train.global_batch_size
     return {"who": "jax3d", "run": run.label(), "layers": layers, "d": d, "heads": heads, "seq": seq,
             "batch": batch_size, "ablate": list(run.ablate), "recompute": run.recompute, "dropout": run.dropout,
             "xla_flags": run.xla_flags, "step_s": round(dt, 5), "tokens_per_s": round(tokens / dt),
@@ -330,10 +343,13 @@ def run_isolated(run: Run, steps_timed: int) -> dict:
 
 
 def run_peer(shape: str, batch: int, steps_timed: int, script: str = DEFAULT_PEER) -> dict:
-    """The PyTorch peer at the same shape, in its own process."""
+    """The PyTorch peer at the same shape, in its own process (a Llama's: torch_llama_peer.py beside `script`)."""
     layers, d, heads, seq, b = SHAPES[shape]
     cmd = [sys.executable, script, "--layers", str(layers), "--d", str(d), "--heads", str(heads),
            "--seq", str(seq), "--batch", str(batch or b), "--steps", str(steps_timed), "--vocab", str(VOCAB)]
+    if shape in LLAMA_SHAPES:
+        cmd = [sys.executable, os.path.join(os.path.dirname(script), "torch_llama_peer.py"), "--shape",
+               LLAMA_SHAPES[shape][0], "--seq", str(seq), "--batch", str(batch or b), "--steps", str(steps_timed)]
     with GpuLog() as gpu:
         rec, printed_at = _child_at(cmd, dict(os.environ), f"peer {shape}", marker="")
     if "step_s" in rec:  # its timed steps: the last steps_timed * step_s seconds before it printed
