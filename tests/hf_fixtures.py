@@ -104,3 +104,53 @@ def llama_folder_with_tokenizer(path, seed=0, **kw):
     path.mkdir(parents=True, exist_ok=True)
     vocab = llama_tokenizer_json(path)
     return tiny_llama(str(path), vocab=vocab, seed=seed, **kw), vocab
+
+
+def causal_lm_gap(hf, model, params, tokens) -> tuple[float, float]:
+    """(largest logit difference, loss difference) between a jax3d GPT and the transformers causal LM it was
+    imported from, on `tokens` (batch, seq), in fp32. The training loss leaves the vocabulary's padding columns
+    out, so it is transformers' loss too."""
+    import numpy as np
+
+    v = hf.config.vocab_size
+    ours = np.asarray(model.logits(params, tokens))[..., :v]
+    loss, _ = model.loss(params, {"text": tokens})
+    ids = torch.tensor(tokens, dtype=torch.long)
+    with torch.no_grad():
+        ref = hf(ids).logits.numpy()
+        ref_loss = hf(ids, labels=ids).loss
+    return float(np.max(np.abs(ours - ref))), abs(float(loss) - float(ref_loss))
+
+
+def fine_tune_import(tmp_path, hf, tok, tokenizer_flags: list[str], layout: tuple[int, int]) -> float:
+    """Writes a little of TEXT through `tok` as Megatron data, fine-tunes the import in tmp_path/ckpt with
+    launch/train.py for 2 steps (8 samples of 32 tokens, dropout off, tensor x pipeline `layout`) into
+    tmp_path/tuned, and returns how far its first logged loss is from transformers' on the same batch."""
+    import json
+
+    import numpy as np
+
+    from jax3d.cli.train import main as train_main
+    from jax3d.data import build_gpt_datasets
+    from jax3d.data.indexed import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "data")
+    b = IndexedDatasetBuilder(prefix, np.uint16)
+    rs = np.random.RandomState(0)
+    for _ in range(40):  # text, not random ids: train.py checks that the data reads back through the tokenizer
+        b.add_item(tok.tokenize("".join(rs.choice(TEXT, rs.randint(2, 6)))))
+        b.end_document()
+    b.finalize()
+    argv = ["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "tuned"), "--data-path", prefix,
+            *tokenizer_flags, "--train-iters", "2", "--global-batch-size", "8", "--micro-batch-size", "1",
+            "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--tensor-model-parallel-size", str(layout[0]), "--pipeline-model-parallel-size", str(layout[1]),
+            "--eval-interval", "0", "--log-interval", "1", "--no-progress", "--log-dir", str(tmp_path / "log"),
+            "--seed", "1234"]  # the reference's (an import records seed 0)
+    assert train_main(argv) == 0
+    with open(tmp_path / "log" / "metrics.jsonl") as f:
+        first = next(r for r in map(json.loads, f) if r.get("step") == 1)
+    ds = build_gpt_datasets([prefix], "969,30,1", 32, (16, 0, 0), 1234)[0]
+    text = torch.tensor(np.stack([ds[i]["text"] for i in range(8)]), dtype=torch.long)
+    with torch.no_grad():
+        return abs(first["loss"] - float(hf(text, labels=text).loss))

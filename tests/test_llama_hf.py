@@ -19,7 +19,7 @@ from jax3d.hf import export_hf, import_hf  # noqa: E402
 from jax3d.inference import Generator  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.parallel.mesh import MeshConfig  # noqa: E402
-from tests.hf_fixtures import tiny_llama  # noqa: E402
+from tests.hf_fixtures import causal_lm_gap, tiny_llama  # noqa: E402
 
 TOL = 1e-4
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -57,14 +57,7 @@ def test_llama_logits_loss_and_round_trip(tmp_path, case):
     assert cfg.untie_embeddings_and_output_weights == (not hf.config.tie_word_embeddings)
     model = build_model(cfg)
     tokens = np.random.RandomState(0).randint(0, v, (3, 40)).astype(np.int32)
-    ours = np.asarray(model.logits(params, tokens))[..., :v]
-    with torch.no_grad():
-        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    assert np.max(np.abs(ours - ref)) < TOL
-    loss, _ = model.loss(params, {"text": tokens})
-    with torch.no_grad():
-        ref_loss = hf(torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(tokens, dtype=torch.long)).loss
-    assert abs(float(loss) - float(ref_loss)) < TOL
+    assert max(causal_lm_gap(hf, model, params, tokens)) < TOL
 
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     back, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
@@ -184,36 +177,15 @@ def test_train_py_fine_tunes_an_imported_llama_from_transformers_loss_and_export
     """train.py --load of an imported Llama with its tokenizer.json (no shape flags) starts at exactly transformers'
     loss on its first batch at (data, stage, model) = (2, 2, 2), and its export loads in transformers with its
     tokenizer and generates through pipeline()."""
-    from jax3d.cli.train import main as train_main
-    from jax3d.data import build_gpt_datasets, build_tokenizer
-    from jax3d.data.indexed import IndexedDatasetBuilder
-    from tests.hf_fixtures import TEXT, llama_folder_with_tokenizer
+    from jax3d.data import build_tokenizer
+    from tests.hf_fixtures import fine_tune_import, llama_folder_with_tokenizer
 
     hf, _ = llama_folder_with_tokenizer(tmp_path / "hf", n_layer=4, kv_heads=2)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     tok_file = str(tmp_path / "ckpt" / "tokenizer" / "tokenizer.json")
     tok = build_tokenizer("HFTokenizer", tokenizer_file=tok_file)
-    prefix = str(tmp_path / "data")
-    b = IndexedDatasetBuilder(prefix, np.uint16)
-    rs = np.random.RandomState(0)
-    for _ in range(40):
-        b.add_item(tok.tokenize("".join(rs.choice(TEXT, rs.randint(2, 6)))) + [tok.eod])
-        b.end_document()
-    b.finalize()
-    argv = ["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "tuned"), "--data-path", prefix,
-            "--tokenizer-type", "HFTokenizer", "--tokenizer-file", tok_file, "--train-iters", "2",
-            "--global-batch-size", "8", "--micro-batch-size", "1", "--seq-length", "32", "--hidden-dropout", "0",
-            "--attention-dropout", "0", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-            "--eval-interval", "0", "--log-interval", "1", "--no-progress", "--log-dir", str(tmp_path / "log"),
-            "--seed", "1234"]
-    assert train_main(argv) == 0
-    with open(tmp_path / "log" / "metrics.jsonl") as f:
-        first = next(r for r in map(json.loads, f) if r.get("step") == 1)
-    ds = build_gpt_datasets([prefix], "969,30,1", 32, (16, 0, 0), 1234)[0]
-    text = torch.tensor(np.stack([ds[i]["text"] for i in range(8)]), dtype=torch.long)
-    with torch.no_grad():
-        ref = float(hf(text, labels=text).loss)
-    assert abs(first["loss"] - ref) < TOL
+    assert fine_tune_import(tmp_path, hf, tok, ["--tokenizer-type", "HFTokenizer", "--tokenizer-file", tok_file],
+                            (2, 2)) < TOL
     export_hf(str(tmp_path / "tuned"), str(tmp_path / "out"))
     out = str(tmp_path / "out")
     assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "</s>"
