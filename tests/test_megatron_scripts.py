@@ -23,8 +23,6 @@ SCRIPTS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(DATA, 
 REFUSED = {"ds_pretrain_gpt_1.3B_PR-MoE64or128": "mixture of experts", "ds_pretrain_gpt_125M_MoE64": "mixture of experts",
            "ds_pretrain_gpt_350M": "ZeRO-Offload", "ds_pretrain_gpt_1.3B_seq_parallel_32k": "DeepSpeed-Ulysses",
            "ds_pretrain_gpt_1.3B_rope_slw": "curriculum learning"}
-LLAMA = ("pretrain_llama_distributed", "pretrain_llama2_distributed", "run_llama_bf16", "run_universal_llama_bf16",
-         "ds_pretrain_gpt_1.3B_rope", "ds_pretrain_gpt_1.3B_rope_slw")
 DATA_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", "--tokenizer-model")
 
 
@@ -82,10 +80,6 @@ def _shrunk(name: str) -> list[tuple[str, str]]:
             ("--ffn-hidden-size", str(32 * heads)), ("--seq-length", "32"), ("--max-position-embeddings", "32")]
 
 
-def _llama_refused() -> bool:
-    return "swiglu" in build_parser().parse_args([]).megatron_rows
-
-
 def test_the_flags_captured_from_the_scripts_and_how_many_the_table_adds():
     """The counts the issue reported, recomputed: flag uses over the captured scripts, and those the train
     parser knew before this table (its rows taken away)."""
@@ -106,7 +100,7 @@ def test_a_script_parses_and_plans_or_names_the_feature_it_asks_for(name, tmp_pa
     args = script_args(name, tmp_path, _shrunk(name))
     ns, unknown = build_parser().parse_known_args(args)
     assert unknown == []
-    refused = REFUSED.get(name) or ("LLaMA architecture" if name in LLAMA and _llama_refused() else None)
+    refused = REFUSED.get(name)
     if refused:
         with pytest.raises(ConfigError, match=refused):
             config_from_args(ns)
@@ -119,10 +113,8 @@ def test_a_script_parses_and_plans_or_names_the_feature_it_asks_for(name, tmp_pa
     assert cfg.train.global_batch_size == int(_value(args, "--global-batch-size"))
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED) + [n for n in LLAMA if n.startswith("pretrain_llama2")])
+@pytest.mark.parametrize("name", sorted(REFUSED))
 def test_a_refused_script_stops_in_one_sentence_with_exit_2_before_anything_compiles(name, tmp_path, capsys):
-    if name in LLAMA and not _llama_refused():
-        pytest.skip("jax3d builds the LLaMA architecture now (issue 31)")
     assert main(script_args(name, tmp_path, _shrunk(name))) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "which jax3d does not build" in err
