@@ -56,6 +56,20 @@ def test_hf_tokenizer_json(corpus_file, tmp_path):
     assert ours.eod == loaded.token_to_id("<|endoftext|>")
 
 
+@pytest.mark.parametrize("end", ["<|end_of_text|>", "</s>", "<eos>"])
+def test_hf_tokenizer_json_end_of_text(corpus_file, tmp_path, end):
+    """A tokenizer.json whose documents end with Llama 3's, Llama 2's or Gemma's token: that token is `eod`, not
+    the beginning-of-text token added beside it."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    ref = Tokenizer(models.BPE())
+    ref.pre_tokenizer = pre_tokenizers.ByteLevel()
+    ref.train([str(corpus_file)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin_of_text|>", end]))
+    ref.save(str(tmp_path / "tokenizer.json"))
+    ours = build_tokenizer("HFTokenizer", tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert ours.eod == ref.token_to_id(end) != ref.token_to_id("<|begin_of_text|>")
+
+
 def test_errors_name_the_flag(tmp_path):
     with pytest.raises(DataError, match="--tokenizer-type Nope is not supported"):
         build_tokenizer("Nope")

@@ -110,12 +110,13 @@ class BertWordPieceCase(_BertWordPiece):
 
 
 class HFTokenizer(_HFBacked):
-    """Any HF `tokenizer.json`; `eod` is the first of the usual end-of-text tokens it has."""
+    """Any HF `tokenizer.json`; `eod` is the first of the usual end-of-text tokens it has (GPT-2's, Llama 3's,
+    then SentencePiece-style ones)."""
 
     def __init__(self, tokenizer_file: str):
         super().__init__(Tokenizer.from_file(tokenizer_file))
         vocab = self.tok.get_vocab(with_added_tokens=True)
-        self.eod = next((vocab[t] for t in (GPT2_EOD, "</s>", "<eos>", "[SEP]") if t in vocab), None)
+        self.eod = next((vocab[t] for t in (GPT2_EOD, "<|end_of_text|>", "</s>", "<eos>", "[SEP]") if t in vocab), None)
         for name, t in (("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"), ("pad", "[PAD]")):
             setattr(self, name, vocab.get(t))
 
