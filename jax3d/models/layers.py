@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
-from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu, rope
+from jax3d.models import cached_attention, fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu, rope
 from jax3d.parallel.rules import ShardingRules, traced_platform
 
 
@@ -143,9 +143,10 @@ class Attention(nn.Module):
     heads, head_dim)). Query head n is KV head n // g's (Hugging Face's order), and tensor parallelism splits
     the KV heads, each with its query heads.
 
-    With `cache` ({'k', 'v': (batch, max_len, kv_heads, head_dim), 'index': where this call's tokens go})
+    With `cache` ({'k', 'v': (batch, kv_heads, max_len, head_dim), 'index': where this call's tokens go})
     it writes its keys and values into the cache, attends over all of it under the caller's `mask`
-    (batch, 1, seq, max_len), and returns (output, updated cache): the decoding path of generation.
+    (batch, 1, seq, max_len), and returns (output, updated cache): the decoding path of generation
+    (jax3d.models.cached_attention).
     `positions_bt` (batch, seq) place the tokens for rotary embeddings (default 0, 1, ...).
     """
 
@@ -180,26 +181,20 @@ class Attention(nn.Module):
             inv_freq = rope.inverse_frequencies(cfg)
             q, k = rope.apply_rope(q, positions_bt, inv_freq), rope.apply_rope(k, positions_bt, inv_freq)
         causal, impl = self.causal, attention_impl(cfg, q.dtype)
-        if cache is not None:
-            idx = cache["index"]
-            k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), idx, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), idx, axis=1)
-            k = self.rules.constrain(k, ("batch", "seq", "heads", "kv"))
-            v = self.rules.constrain(v, ("batch", "seq", "heads", "kv"))
-            cache = {"k": k, "v": v, "index": idx}
-            causal, impl = False, "xla"  # the mask carries causality; one query row needs no fused kernel
         if mask is not None and impl == "cudnn" and mask.shape[-2] == 1:
             # cuDNN takes a mask as a bias over every (query, key) pair: a key-only (padding) mask is
             # broadcast over the queries, or the call is refused.
             mask = jnp.broadcast_to(mask, (*mask.shape[:-2], q.shape[1], mask.shape[-1]))
         rng = _dropout_rng(self, rng, deterministic)
+        if cache is not None:  # the mask carries causality and the row's padding
+            out, cache = cached_attention.cached_attention(q, k, v, mask, cache, w_out, self.rules)
+            return _plus(out, b_out), cache
         if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
             ctx = self._core_with_dropout(q, k, v, mask, rng)
         else:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
         ctx = self.rules.constrain(ctx, ("batch", "seq", "heads", "kv"))
-        out = _plus(jnp.einsum("btnh,nhd->btd", ctx, w_out), b_out)
-        return out if cache is None else (out, cache)
+        return _plus(jnp.einsum("btnh,nhd->btd", ctx, w_out), b_out)
 
     def _core_with_dropout(self, q, k, v, mask, rng):
         # Fused attention kernels take no dropout, so with attention dropout we spell softmax out.

@@ -1,0 +1,52 @@
+"""Attention of generation's queries over a KV cache (jax3d.inference.generate): the Attention layer's cache
+branch.
+
+The cache is laid out (batch, kv_heads, max_len, head_dim): the two dots below then take (batch, KV head)
+as their batch dimensions, major, with the cache slots and head dims minor and contiguous, as a batched GEMM
+wants them. With the slots before the heads (the projection's order, as before), XLA transposed the whole
+cache into that layout for every layer and token: a copy of all of it per step. Grouped-query heads are a
+dimension of the query, so a KV head is read once for its g query heads.
+
+Why no fused kernel: cuDNN (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one
+query row only with its mask as a bias over every (query, key) pair, and wants the slots before the heads;
+Pallas' GPU decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on
+every call. The dots here read every slot of the cache, filled or not; at the gpt-1.3b shape that is 3% of
+a step's bytes at batch 1 and about a third at batch 32 (a kernel bounded by the filled length is what is
+left to gain there). The mask is two iotas and compares, which XLA fuses into the softmax.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+CACHE_AXES = ("batch", "heads", "seq", "kv")
+
+
+def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, rules):
+    """(output (batch, seq, embed) before the out-projection's bias, updated cache): the keys and values
+    written at slot `cache['index']` of `cache['k']`, `cache['v']` (batch, kv_heads, max_len, head_dim), in
+    place when the cache is donated; the queries' softmax, in fp32, over the slots `mask_b1tT` (batch, 1, seq,
+    max_len) allows; and the out-projection `w_out_nhd` of the context."""
+    idx = cache["index"]
+
+    def write(c, new_btkh):
+        c = jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(new_btkh, 1, 2).astype(c.dtype), idx, axis=2)
+        return rules.constrain(c, CACHE_AXES)
+
+    k_bksh, v_bksh = write(cache["k"], k_btkh), write(cache["v"], v_btkh)
+    b, t, n, h = q_btnh.shape
+    kv = k_bksh.shape[1]
+    g = n // kv
+    # Query head n is KV head n // g's (layers.split_qkv's order).
+    q_bkgth = jnp.transpose(q_btnh.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_b1tT[:, :, None], scores / math.sqrt(h), -jnp.inf)  # each query sees itself at least
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
+    ctx_btkgh = jnp.transpose(jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh), (0, 3, 1, 2, 4))  # t = 1: a bitcast
+    ctx_btkgh = rules.constrain(ctx_btkgh, ("batch", "seq", "heads", None, "kv"))
+    # dot_general with the contracting dims in memory order: jnp.einsum lists them reversed, and XLA on the
+    # CPU then copied the (heads, head_dim, embed) weight transposed on every token.
+    out = jax.lax.dot_general(ctx_btkgh, w_out_nhd.reshape(kv, g, h, -1), (((2, 3, 4), (0, 1, 2)), ((), ())))
+    return out, {"k": k_bksh, "v": v_bksh, "index": idx}
