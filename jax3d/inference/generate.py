@@ -4,7 +4,7 @@ once each.
 Prompts of a batch are padded on the left to one length, so every row's next token sits in the same
 cache slot. A row's positions count its own tokens only (pads don't advance them), and its queries
 never see its pads; that gives each row the numbers it would get alone (learned or rotary positions alike).
-The cache is one {'k', 'v': (batch, max_len, kv_heads, head_dim)} per layer, grouped-query attention's KV
+The cache is one {'k', 'v': (batch, kv_heads, max_len, head_dim)} per layer, grouped-query attention's KV
 heads only, sharded over them like the attention it feeds, and is donated to each step, so decoding updates
 it in place.
 
@@ -26,9 +26,9 @@ from jax.sharding import PartitionSpec as P
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.parallel.mesh import with_auto_axes
 from jax3d.models import build_model
+from jax3d.models.cached_attention import CACHE_AXES
 from jax3d.parallel import ShardingRules, named_shardings, tree_specs
 
-_CACHE_AXES = ("batch", "seq", "heads", "kv")
 PROMPT_BUCKET = 16
 
 
@@ -58,27 +58,48 @@ class Sampling:
 
 
 def pick(logits_bv, sampling: Sampling, key) -> jax.Array:
-    """Next token (batch,) from fp32 logits (batch, vocab), padding columns already at -inf."""
+    """Next token (batch,) from fp32 logits (batch, vocab), padding columns already at -inf.
+
+    With `top_k`, top-p and the draw run over the k candidates only (already sorted), not the vocabulary:
+    a sort of 50k logits per row and token is the slowest part of sampling. The random bits depend on the
+    key and the shape only, never on how the logits are sharded, so every layout samples the same tokens."""
     if sampling.greedy:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     logits_bv = logits_bv / sampling.temperature
     if sampling.top_k:
-        kth = jax.lax.top_k(logits_bv, sampling.top_k)[0][:, -1:]
-        logits_bv = jnp.where(logits_bv < kth, -jnp.inf, logits_bv)
+        logits_bk, ids_bk = jax.lax.top_k(logits_bv, sampling.top_k)  # descending
+        if sampling.top_p < 1.0:
+            logits_bk = _top_p(logits_bk, sampling.top_p)
+        choice = jax.random.categorical(key, logits_bk, axis=-1)
+        return jnp.take_along_axis(ids_bk, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     if sampling.top_p < 1.0:
         order = jnp.argsort(-logits_bv, axis=-1)
-        sorted_l = jnp.take_along_axis(logits_bv, order, axis=-1)
-        probs = jax.nn.softmax(sorted_l, axis=-1)
-        # Keep a token when the mass before it is still under top_p (so the most likely always stays).
-        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
+        keep_sorted = _top_p(jnp.take_along_axis(logits_bv, order, axis=-1), sampling.top_p) > -jnp.inf
         keep = jnp.zeros_like(keep_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(keep_sorted)
         logits_bv = jnp.where(keep, logits_bv, -jnp.inf)
     return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
 
 
+def _top_p(sorted_logits, top_p: float):
+    """Logits sorted descending with those past the nucleus at -inf: a token stays while the mass before it
+    is still under top_p (so the most likely always does)."""
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    return jnp.where((jnp.cumsum(probs, axis=-1) - probs) < top_p, sorted_logits, -jnp.inf)
+
+
+PAD = -1  # a finished row's token in a chunk
+CHUNK = 32  # tokens per decode call at most: how often the host sees the stream (and stop strings)
+
+
 class Generator:
     """Prefill and decode of one GPT on `mesh` (tensor parallel over `model`, rows over `data`) for a
     fixed batch size and cache length; both are jitted once and reused for every call.
+
+    Decode is a `lax.while_loop` over up to CHUNK tokens inside one program (the token count is an argument,
+    so one compile serves any count): no host round trip per token, and the cache, donated, is updated in
+    place. Each row carries `done` on the device: it ends at the end-of-document token or its own token
+    budget; a finished row's tokens are PAD, and the loop stops when every row is done. The host sees each
+    chunk as it comes (streaming, stop strings) and can end rows for the next chunk (`halt`).
 
     `params` are in logical layer order. A train state under an interleaved or uneven pipeline keeps its
     layers in pipeline order: pass `steps.logical_params(state.params)`, not `state.params`. `mesh` has
@@ -86,7 +107,7 @@ class Generator:
     Auto)."""
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
-                 eod: int | None = None):
+                 eod: int | None = None, chunk: int = CHUNK):
         if cfg.model_type != "gpt":
             raise ConfigError(f"generation needs a GPT checkpoint, but this one is a {cfg.model_type}; "
                               "pass a checkpoint trained with --model gpt")
@@ -104,12 +125,13 @@ class Generator:
                               "pipelined train state keeps its layers in pipeline order; pass "
                               "steps.logical_params(state.params)")
         self.cfg, self.mesh, self.batch, self.max_len, self.dtype, self.eod = cfg, mesh, batch, max_len, dtype, eod
+        self.chunk = chunk
         self.rules = ShardingRules.create(False)
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size
         specs = tree_specs(self.rules, self.model.logical_axes())
-        # Blocks are kept as one tree per layer: decode reads each weight once per token, and slicing a
-        # stack inside the step could cost a copy of it.
+        # Blocks are kept as one tree per layer and the layer loop is unrolled in the token loop's body:
+        # decode reads each weight once per token, and slicing a stack inside the loop could cost a copy of it.
         layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), specs.pop("blocks"), is_leaf=lambda x: isinstance(x, P))
         layer_sh = named_shardings(mesh, layer_specs)
         ends = {k: v for k, v in params.items() if k != "blocks"}
@@ -118,67 +140,96 @@ class Generator:
         self.params["blocks"] = [jax.device_put(jax.tree.map(lambda a, i=i: np.asarray(a[i]).astype(dtype),
                                                              params["blocks"]), layer_sh)
                                  for i in range(cfg.num_layers)]
-        kv = NamedSharding(mesh, self.rules.spec(_CACHE_AXES))
+        kv = NamedSharding(mesh, self.rules.spec(CACHE_AXES))
         self.cache_sharding = [{"k": kv, "v": kv} for _ in range(cfg.num_layers)]
         self._repl = NamedSharding(mesh, self.rules.spec(()))
         self._jits: dict = {}
         self._traces = {"prefill": 0, "decode": 0}  # a trace is a compile: jit caches by shape
 
     # ---- the model with a cache ---------------------------------------------------------------
-    def _forward(self, params, cache, tokens_bt, positions_bt, mask_b1tT, index):
-        """Logits (batch, seq, vocab) fp32 of tokens written at cache slot `index`, and the new cache."""
+    def _logits(self, params, cache, tokens_bt, positions_bt, start_b, query_slots_t, index):
+        """fp32 logits (batch, vocab) after the last of `tokens_bt`, written at cache slot `index`, and the
+        new cache."""
         m = self.model
         x = m.embed_at(params, tokens_bt, positions_bt)
+        mask = self._mask(start_b, query_slots_t)
         new_cache = []
         for p, c in zip(params["blocks"], cache):
-            x, c = m.block.apply({"params": p}, x, mask_b1tT, None, True, {**c, "index": index}, positions_bt)
+            x, c = m.block.apply({"params": p}, x, mask, None, True, {**c, "index": index}, positions_bt)
             new_cache.append({"k": c["k"], "v": c["v"]})
-        logits = m.final_logits(params, x)
-        col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-        return jnp.where(col < self.vocab, logits, -jnp.inf), new_cache
+        logits = m.final_logits(params, x[:, -1:])[:, 0]  # the head of the last token only (prefill)
+        if self.vocab < logits.shape[-1]:  # padding columns are never picked
+            col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+            logits = jnp.where(col < self.vocab, logits, -jnp.inf)
+        return logits, new_cache
 
-    @staticmethod
-    def _mask(valid_bT, query_slots_t):
-        """(batch, 1, t, T): query slot s sees valid keys at slots <= s, and always itself (a pad query
-        with nothing else to see would otherwise softmax over nothing)."""
-        slots = jnp.arange(valid_bT.shape[1])
-        causal_tT = slots[None, :] <= query_slots_t[:, None]
-        mask = (valid_bT[:, None, :] & causal_tT[None]) | (slots[None, :] == query_slots_t[:, None])[None]
+    def _mask(self, start_b, query_slots_t):
+        """(batch, 1, t, max_len): the query at slot s sees the row's keys from its first token (slot
+        `start`) to s, and always itself (a pad query would otherwise softmax over nothing). Built from two
+        iotas and compares, which XLA fuses into the attention's softmax: nothing of max_len is stored."""
+        slots = jax.lax.broadcasted_iota(jnp.int32, (1, 1, self.max_len), 2)
+        q = query_slots_t[None, :, None]
+        mask = ((slots >= start_b[:, None, None]) & (slots <= q)) | (slots == q)
         return mask[:, None]
 
     def _prefill(self, sampling: Sampling):
-        def prefill(params, tokens_bt, valid_bt, key):
+        def prefill(params, tokens_bt, valid_bt, budget_b, eod, key):
             self._traces["prefill"] += 1
             b, t = tokens_bt.shape
-            shape = (b, self.max_len, self.cfg.kv_heads, self.cfg.head_dim)
+            shape = (b, self.cfg.kv_heads, self.max_len, self.cfg.head_dim)
             cache = [{"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
                      for _ in range(self.cfg.num_layers)]
             cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
-            valid_bT = jnp.zeros((b, self.max_len), bool).at[:, :t].set(valid_bt.astype(bool))
+            count_b = jnp.sum(valid_bt, axis=1).astype(jnp.int32)
             positions_bt = jnp.maximum(jnp.cumsum(valid_bt, axis=1) - 1, 0).astype(jnp.int32)
-            logits, cache = self._forward(params, cache, tokens_bt, positions_bt,
-                                          self._mask(valid_bT, jnp.arange(t)), 0)
-            state = {"cache": cache, "valid": valid_bT, "slot": jnp.int32(t),
-                     "position": jnp.sum(valid_bt, axis=1).astype(jnp.int32)}
-            return pick(logits[:, -1], sampling, key), state
+            logits, cache = self._logits(params, cache, tokens_bt, positions_bt, t - count_b, jnp.arange(t), 0)
+            tok = pick(logits, sampling, jax.random.fold_in(key, 0))
+            left = budget_b - 1
+            state = {"cache": cache, "start": t - count_b, "slot": jnp.int32(t), "position": count_b,
+                     "token": tok, "left": left, "done": (tok == eod) | (left <= 0), "eod": eod, "step": jnp.int32(1),
+                     "key": key}
+            return tok, state
         return prefill
 
     def _decode(self, sampling: Sampling):
-        def decode(params, state, token_b, key):
+        def decode(params, state, n, halt_b):
+            """Up to `n` (<= chunk) more tokens of each row: (tokens (batch, chunk), PAD past the end or
+            where a row is done; the tokens made; each row's done) and the new state."""
             self._traces["decode"] += 1
-            slot = state["slot"]
-            valid = jax.lax.dynamic_update_slice_in_dim(state["valid"], jnp.ones((token_b.shape[0], 1), bool), slot, 1)
-            logits, cache = self._forward(params, state["cache"], token_b[:, None], state["position"][:, None],
-                                          self._mask(valid, slot[None]), slot)
-            new = {"cache": cache, "valid": valid, "slot": slot + 1, "position": state["position"] + 1}
-            return pick(logits[:, -1], sampling, key), new
+            b = state["token"].shape[0]
+
+            def more(carry):
+                i, _, s = carry
+                return (i < n) & ~jnp.all(s["done"])
+
+            def one_token(carry):
+                i, out_bc, s = carry
+                logits, cache = self._logits(params, s["cache"], s["token"][:, None], s["position"][:, None],
+                                             s["start"], s["slot"][None], s["slot"])
+                tok = pick(logits, sampling, jax.random.fold_in(s["key"], s["step"]))
+                live = ~s["done"]
+                tok = jnp.where(live, tok, PAD)
+                out_bc = jax.lax.dynamic_update_slice_in_dim(out_bc, tok[:, None], i, axis=1)
+                left = s["left"] - live
+                s = {**s, "cache": jax.lax.with_sharding_constraint(cache, self.cache_sharding), "token": tok,
+                     "left": left, "done": s["done"] | (tok == s["eod"]) | (left <= 0), "slot": s["slot"] + 1,
+                     "position": s["position"] + 1, "step": s["step"] + 1}
+                return i + 1, out_bc, s
+
+            state = {**state, "done": state["done"] | halt_b}
+            out = jnp.full((b, self.chunk), PAD, jnp.int32)
+            made, out, state = jax.lax.while_loop(more, one_token, (jnp.int32(0), out, state))
+            return {"tokens": out, "made": made, "done": state["done"]}, state
         return decode
 
     def _compiled(self, sampling: Sampling) -> tuple[Callable, Callable]:
         if sampling not in self._jits:
-            state_sh = {"cache": self.cache_sharding, "valid": self._repl, "slot": self._repl, "position": self._repl}
-            prefill = jax.jit(self._prefill(sampling), out_shardings=(self._repl, state_sh))
-            decode = jax.jit(self._decode(sampling), out_shardings=(self._repl, state_sh), donate_argnums=1)
+            r = self._repl
+            state_sh = {"cache": self.cache_sharding, **{k: r for k in ("start", "slot", "position", "token", "left",
+                                                                            "done", "eod", "step", "key")}}
+            prefill = jax.jit(self._prefill(sampling), out_shardings=(r, state_sh))
+            decode = jax.jit(self._decode(sampling), out_shardings=({"tokens": r, "made": r, "done": r}, state_sh),
+                             donate_argnums=1)
             self._jits[sampling] = (prefill, decode)
         return self._jits[sampling]
 
@@ -204,44 +255,67 @@ class Generator:
         valid[len(prompts):, -1] = 1  # filler rows: one token, never read
         return tokens, valid
 
-    def stream(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
-               seed: int = 0, stop_at_eod: bool = False) -> Iterator[np.ndarray]:
-        """Yields the next token of every row (batch,), `max_new_tokens` times (fewer when every row
-        has produced `eod` and `stop_at_eod`)."""
+    def stream(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+               sampling: Sampling = Sampling(greedy=True), seed: int = 0, stop_at_eod: bool = False,
+               halt: np.ndarray | None = None) -> Iterator[np.ndarray]:
+        """Yields chunks (len(prompts), n) of the next tokens of every row: first the one prefill picks,
+        then up to `chunk` at a time, PAD where a row is done. A row is done after `max_new_tokens` tokens
+        (one number, or one per prompt), or after `eod` when `stop_at_eod`; the stream ends when every
+        row is. `halt` (len(prompts),) bool, which the caller may set between chunks, ends rows too (stop
+        strings): the device learns it from the next chunk dispatched, which is one ahead of the chunk
+        yielded, so a halted row may make up to one more chunk of tokens, for the caller to drop."""
         sampling.validate()
         if sampling.top_k > self.vocab:
             raise ConfigError(f"--top-k {sampling.top_k} exceeds the model's {self.vocab} tokens; pass at most that, "
                               "or 0 for all")
+        budget = np.zeros(self.batch, np.int32)  # filler rows: done at once
+        budget[:len(prompts)] = max_new_tokens
+        most = int(budget.max(initial=0))
         longest = max((len(p) for p in prompts), default=0)
-        if longest + max_new_tokens > self.max_len:
-            raise ConfigError(f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} exceeds "
+        if longest + most > self.max_len:
+            raise ConfigError(f"the longest prompt ({longest} tokens) plus --max-new-tokens {most} exceeds "
                               f"the {self.max_len} tokens of the cache; shorten the prompt or ask for fewer tokens")
+        if budget[:len(prompts)].min(initial=1) < 1:
+            raise ConfigError(f"--max-new-tokens {budget[:len(prompts)].min()} must be at least 1")
         # Prompt lengths rounded up to a bucket, so prompts of similar length share one prefill compile.
-        bucket = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_len - max_new_tokens)
+        bucket = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_len - most)
         tokens, valid = self.left_pad(prompts, bucket)
         prefill, decode = self._compiled(sampling)
-        key = jax.random.key(seed)
+        eod = np.int32(self.eod if stop_at_eod and self.eod is not None else PAD)
+        halted = np.zeros(self.batch, bool)
+        rows = len(prompts)
         with jax.set_mesh(self.mesh):
-            tok, state = prefill(self.params, tokens, valid, jax.random.fold_in(key, 0))
-            done = np.zeros(len(prompts), bool)
-            for i in range(max_new_tokens):
-                # The next step is dispatched before this token is copied to the host, so the device
-                # never waits on Python (at worst one step runs past the end-of-document).
+            first, state = prefill(self.params, tokens, valid, budget, eod, jax.random.key(seed))
+            made = 1
+            pending = None
+            while True:
+                # The next chunk is dispatched before this one is copied to the host, so the device never
+                # waits on Python (at worst one chunk runs past the end, doing nothing once all rows are done).
+                ask = min(self.chunk, most - made)
+                if halt is not None:
+                    halted[:rows] = halt
                 nxt = None
-                if i + 1 < max_new_tokens:
-                    nxt, state = decode(self.params, state, tok, jax.random.fold_in(key, i + 1))
-                host = np.asarray(tok)
-                yield host
-                done |= host[:len(prompts)] == self.eod
-                if stop_at_eod and done.all():
+                if ask > 0:
+                    nxt, state = decode(self.params, state, np.int32(ask), halted)
+                    made += ask
+                if pending is None:
+                    yield np.asarray(first)[None, :rows].T
+                else:
+                    got = jax.device_get(pending)
+                    yield got["tokens"][:rows, :int(got["made"])]
+                    if (got["done"][:rows] | (False if halt is None else halt)).all():
+                        return
+                if nxt is None:
                     return
-                tok = nxt
+                pending = nxt
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True),
-                 seed: int = 0) -> list[list[int]]:
-        """The `max_new_tokens` continuation tokens of each prompt."""
-        out = np.stack(list(self.stream(prompts, max_new_tokens, sampling, seed)), axis=1)
-        return [list(map(int, row)) for row in out[:len(prompts)]]
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                 sampling: Sampling = Sampling(greedy=True), seed: int = 0, stop_at_eod: bool = False
+                 ) -> list[list[int]]:
+        """The continuation tokens of each prompt: `max_new_tokens` of them, or up to and with `eod`
+        when `stop_at_eod`."""
+        out = np.concatenate(list(self.stream(prompts, max_new_tokens, sampling, seed, stop_at_eod)), axis=1)
+        return [[int(t) for t in row if t != PAD] for row in out]
 
 
 def greedy_without_cache(model, params, prompt: list[int], max_new_tokens: int, vocab: int) -> list[int]:
@@ -273,9 +347,9 @@ def load_gpt_checkpoint(load: str, step: int = -1):
 
 
 def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
-                  tp: int = 1, dtype=jnp.float32, checkpoint: str = "") -> Generator:
-    """A Generator sized for these token prompts, tensor parallel over the first `tp` devices. `checkpoint`
-    is the --load directory `cfg` came from, for errors to name."""
+                  tp: int = 1, dtype=jnp.float32, checkpoint: str = "", batch: int = 0) -> Generator:
+    """A Generator sized for these token prompts, `batch` of them at a time (0: all), tensor parallel over the
+    first `tp` devices. `checkpoint` is the --load directory `cfg` came from, for errors to name."""
     from jax3d.config import Config, ParallelConfig, TrainConfig
     from jax3d.parallel.plan import resolve
 
@@ -293,19 +367,22 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
     size = getattr(tokenizer, "vocab_size", 0)
     if size and not cfg.unpadded_vocab_size and size < cfg.vocab_size:  # a train.py run: the rest is padding
         cfg = dataclasses.replace(cfg, unpadded_vocab_size=size)
-    return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=len(prompts), dtype=dtype,
+    return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=min(batch or len(prompts), len(prompts)),
+                     dtype=dtype,
                      max_len=min(cfg.max_position_embeddings, longest + max_new_tokens + PROMPT_BUCKET),
                      eod=getattr(tokenizer, "eod", None))
 
 
 def generate_text(load: str, prompts: list[str], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True), *,
-                  tp: int = 1, dtype=jnp.float32, seed: int = 0, step: int = -1) -> list[str]:
-    """The continuation of each text prompt by checkpoint `load` (up to the end-of-document token)."""
+                  tp: int = 1, dtype=jnp.float32, seed: int = 0, step: int = -1, stop: tuple[str, ...] = ()) -> list[str]:
+    """The continuation of each text prompt by checkpoint `load`, up to the end-of-document token or the
+    first of the `stop` strings (left out)."""
+    from jax3d.inference.text import Completions
+
     cfg, params, tok = load_gpt_checkpoint(load, step)
     ids = [tok.tokenize(p) for p in prompts]
     gen = generator_for(cfg, params, tok, ids, max_new_tokens, tp=tp, dtype=dtype, checkpoint=load)
-    out = []
-    for row in gen.generate(ids, max_new_tokens, sampling, seed):
-        cut = row.index(gen.eod) if gen.eod in row else len(row)
-        out.append(tok.detokenize(row[:cut]))
-    return out
+    out = Completions(tok, [list(stop)] * len(ids), gen.eod)
+    for chunk in gen.stream(ids, max_new_tokens, sampling, seed, stop_at_eod=gen.eod is not None, halt=out.halt):
+        out.add(chunk)
+    return [out.text(i) for i in range(len(ids))]
