@@ -1,6 +1,11 @@
 """Generation with a KV cache against transformers' greedy `generate` on an imported tiny GPT-2, against
-jax3d's own forward pass without a cache, and with tensor parallelism."""
+jax3d's own forward pass without a cache, and with tensor parallelism; the device-side token loop against
+the tokens of one long run (chunks, token counts, end-of-document, per-row budgets, compiles, the cache
+updated in place); sampling against itself on other layouts. The command line: tests/test_generate_cli.py."""
+import re
+
 import jax
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -10,6 +15,7 @@ from jax3d.config import ConfigError  # noqa: E402
 from jax3d.checkpoint.export import load_params  # noqa: E402
 from jax3d.hf import import_hf  # noqa: E402
 from jax3d.inference import Generator, Sampling, greedy_without_cache  # noqa: E402
+from jax3d.inference.generate import PAD  # noqa: E402
 from jax3d.parallel.mesh import MeshConfig  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.config import config_from_dict  # noqa: E402
@@ -39,9 +45,9 @@ def _hf_greedy(hf, prompts, use_cache=True):
     return out[:, t:].tolist()
 
 
-def _gen(cfg, params, batch, tp=1):
+def _gen(cfg, params, batch, tp=1, **kw):
     mesh_cfg = MeshConfig(1, 1, tp)
-    return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=batch, max_len=64)
+    return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=batch, max_len=64, **kw)
 
 
 def test_greedy_batch1_equals_transformers_with_and_without_cache(imported):
@@ -78,7 +84,6 @@ def test_a_make_mesh_mesh_with_data_rows_gives_the_same_tokens(imported):
     """A mesh from `jax.make_mesh` (Explicit axes by default) with rows over `data` and heads over
     `model`: the tokens of one device; a batch the data axis can't split, and a layer stack of another
     length (a pipelined state's), are refused with one sentence each."""
-    import numpy as np
 
     _, params, cfg = imported
     single = _gen(cfg, params, batch=4).generate(PROMPTS, NEW)
@@ -167,7 +172,6 @@ def test_a_train_py_checkpoint_never_generates_its_padding_ids(imported):
     import dataclasses
     from types import SimpleNamespace
 
-    import numpy as np
 
     from jax3d.inference.generate import generator_for
 
@@ -179,3 +183,82 @@ def test_a_train_py_checkpoint_never_generates_its_padding_ids(imported):
     assert max(_gen(cfg, params, batch=1).generate([PROMPTS[0]], 4)[0]) >= 1000  # the unguarded generator picks them
     gen = generator_for(cfg, params, SimpleNamespace(vocab_size=1000, eod=None), [PROMPTS[0]], 4)
     assert all(t < 1000 for t in gen.generate([PROMPTS[0]], 4)[0])
+
+
+def test_chunks_and_token_counts_give_the_tokens_of_one_run_from_one_decode_compile(imported):
+    """Decode runs up to `chunk` tokens per call in a device loop: 5-token chunks, and 1, 7 or 32 tokens
+    asked, give the prefixes of one 32-token run, from one decode program."""
+    _, params, cfg = imported
+    want = _gen(cfg, params, batch=4).generate(PROMPTS, NEW)
+    gen = _gen(cfg, params, batch=4, chunk=5)
+    chunks = list(gen.stream(PROMPTS, NEW))
+    assert [c.shape for c in chunks] == [(4, 1)] + [(4, 5)] * 6 + [(4, 1)]  # prefill's token, then 31 in chunks
+    assert np.concatenate(chunks, axis=1).tolist() == want
+    for n in (1, 7, NEW):
+        assert gen.generate(PROMPTS, n) == [row[:n] for row in want]
+    assert gen.compile_counts() == {"prefill": 1, "decode": 1}
+
+
+def test_end_of_document_and_budgets_end_each_row_at_its_token(imported):
+    """A row ends right after its end-of-document token, or after its own number of tokens; its later
+    tokens are PAD, and once every row is done the loop stops."""
+    _, params, cfg = imported
+    want = _gen(cfg, params, batch=4).generate(PROMPTS, NEW)
+    # the token that ends the most rows, at different steps
+    eod = max({t for row in want for t in row}, key=lambda t: (sum(t in row[1:] for row in want), -t))
+    ends = [row.index(eod) + 1 if eod in row else NEW for row in want]
+    assert len(set(ends)) > 1 and min(ends) < NEW, (eod, ends)
+    gen = _gen(cfg, params, batch=4, eod=eod, chunk=4)
+    assert gen.generate(PROMPTS, NEW, stop_at_eod=True) == [row[:e] for row, e in zip(want, ends)]
+    assert gen.generate(PROMPTS, NEW) == want  # stop_at_eod off: the token is one like any other
+    budgets = [3, NEW, 10, 1]
+    assert gen.generate(PROMPTS, budgets) == [row[:n] for row, n in zip(want, budgets)]
+    chunks = list(gen.stream(PROMPTS, budgets))
+    assert chunks[-1].shape[1] < 4 or (chunks[-1][[0, 2, 3]] == PAD).all()
+    assert sum(c.shape[1] for c in chunks) == NEW  # ended with its longest row
+    assert gen.compile_counts()["decode"] == 1
+
+
+def test_a_halted_row_ends_within_one_chunk_and_the_others_go_on(imported):
+    """The host ends a row (a stop string) by setting `halt`; the device learns it with the next chunk it
+    dispatches, so the row gets at most one more chunk."""
+    _, params, cfg = imported
+    want = _gen(cfg, params, batch=4).generate(PROMPTS, NEW)
+    gen = _gen(cfg, params, batch=4, chunk=4)
+    halt = np.zeros(4, bool)
+    rows = [[] for _ in PROMPTS]
+    for chunk in gen.stream(PROMPTS, NEW, halt=halt):
+        for r, c in zip(rows, chunk):
+            r += [int(t) for t in c if t != PAD]
+        halt[1] = len(rows[1]) >= 5
+    assert 5 <= len(rows[1]) <= 5 + 2 * 4 and rows[1] == want[1][:len(rows[1])]
+    assert [rows[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+
+
+def test_the_decode_program_updates_the_cache_in_place(imported):
+    """The compiled decode aliases every cache buffer to its output and copies none of them."""
+    _, params, cfg = imported
+    gen = _gen(cfg, params, batch=4)
+    hlo = gen.decode_hlo(PROMPTS)
+    cache_shape = f"f32[4,{cfg.kv_heads},64,{cfg.head_dim}]"
+    assert hlo.count(cache_shape) > 0
+    aliased = hlo.split("input_output_alias={", 1)[1].split("\n", 1)[0]
+    assert aliased.count("may-alias") + aliased.count("must-alias") >= 2 * cfg.num_layers, aliased[:300]
+    # any copy of as many elements, in any layout (the old (batch, slot, head, dim) cache was copied transposed)
+    size = 4 * cfg.kv_heads * 64 * cfg.head_dim
+    copies = [line for line in hlo.splitlines() if " copy(" in line
+              and np.prod([int(d) for d in re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") if d]) == size]
+    assert not copies, copies[:3]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0.8), Sampling(temperature=0.9, top_k=20, top_p=0.8),
+                                      Sampling(top_p=0.7)], ids=["temperature", "top_k_top_p", "top_p"])
+def test_sampled_tokens_are_the_same_on_every_layout(imported, sampling):
+    """One seed samples the same tokens on one device, with heads over 2 devices, and with rows over 2 data
+    devices as well; another seed samples others."""
+    _, params, cfg = imported
+    one = _gen(cfg, params, batch=4).generate(PROMPTS, 12, sampling, seed=7)
+    assert _gen(cfg, params, batch=4, tp=2).generate(PROMPTS, 12, sampling, seed=7) == one
+    mesh = jax.make_mesh((2, 1, 2), ("data", "stage", "model"), devices=jax.devices()[:4])
+    assert Generator(cfg, params, mesh, batch=4, max_len=64).generate(PROMPTS, 12, sampling, seed=7) == one
+    assert _gen(cfg, params, batch=4).generate(PROMPTS, 12, sampling, seed=8) != one

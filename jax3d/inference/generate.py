@@ -238,6 +238,16 @@ class Generator:
         prompt bucket; decode never again per token)."""
         return dict(self._traces)
 
+    def decode_hlo(self, prompts: list[list[int]], sampling: Sampling = Sampling(greedy=True)) -> str:
+        """The optimised HLO of the decode program (after a prefill of `prompts`), to check for copies of the
+        cache and to count the kernels of a token."""
+        prefill, decode = self._compiled(sampling)
+        tokens, valid = self.left_pad(prompts)
+        with jax.set_mesh(self.mesh):
+            _, state = prefill(self.params, tokens, valid, np.ones(self.batch, np.int32), np.int32(PAD),
+                               jax.random.key(0))
+            return decode.lower(self.params, state, np.int32(1), np.zeros(self.batch, bool)).compile().as_text()
+
     # ---- driving it ---------------------------------------------------------------------------
     def left_pad(self, prompts: list[list[int]], length: int = 0, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, valid) (batch, max(longest prompt, length)), prompts right-aligned; rows past the
