@@ -1,11 +1,15 @@
-"""Decode speed of jax3d's KV-cache generation beside transformers' `generate`, same weights, one device.
+"""Decode speed of jax3d's generation beside transformers' `generate` (eager, and with its static cache, which
+transformers compiles), same weights, same prompts, one device; and the bandwidth limit measured in the same
+call: the bytes a decode step must read over the rate a timed on-device copy moves bytes at.
 
 A GPT-2-shaped HF model with random weights is built from a config (nothing downloaded), saved as
 safetensors, read into jax3d with `jax3d.hf.load_hf_params`, and both generate greedily from the same
-random prompts. Decode tokens/s counts the new tokens after the first (prefill excluded); jax3d also
-reports how often prefill and decode were compiled (decode must stay at 1 however many tokens).
+random prompts. Decode tokens/s counts the new tokens after the first: (generate(new) - generate(1)) over
+(new - 1) steps of every row, for every side. `limit_tok_s` is the weights-only limit (one read of every
+weight per step); `limit_with_cache_tok_s` adds the cache a step must read (its filled part, averaged over
+the run). jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
 
-    python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU
+    python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU: batch 1 and 32
     python -m benchmarks.generate_speed --small --batch 1 4  # a tiny model on CPU
 """
 from __future__ import annotations
@@ -17,6 +21,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from benchmarks.profile_decode import copy_rate
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
 
@@ -35,32 +41,54 @@ def hf_model(shape: str, path: str, vocab: int, positions: int, device: str, dty
     return model
 
 
-def time_hf(model, prompts: np.ndarray, new: int, device: str) -> dict:
+def _best(fn, repeats: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def time_hf(model, prompts: np.ndarray, new: int, device: str, static: bool, repeats: int) -> dict:
+    """transformers' greedy generate: eager with its dynamic cache, or with a static cache of prompt + `new`
+    slots, whose decode step transformers compiles (torch.compile, CUDA graphs on a GPU)."""
     import torch
+    import transformers
 
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
     mask = torch.ones_like(ids)
+    extra = {}
+    if static:  # one cache length for every call, so the compiled step is not compiled again per length
+        compile_config = transformers.CompileConfig()
+        compile_config._compile_all_devices = device == "cpu"  # transformers compiles on accelerators only
+        extra = dict(compile_config=compile_config)
 
     def run(n):
+        kw = dict(extra)
+        if static:
+            kw["past_key_values"] = transformers.StaticCache(config=model.config, max_cache_len=prompts.shape[1] + new)
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=0, use_cache=True)
+                                 pad_token_id=0, use_cache=True, **kw)
         if device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
+        return out
 
-    run(8)  # warm-up
-    t_one, _ = run(1)  # prefill and the first token
-    t_all, out = run(new)
+    run(new), run(1)  # warm-up: compiles, and records CUDA graphs, at the lengths timed
+    t_one, _ = _best(lambda: run(1), repeats)  # prefill and the first token
+    t_all, out = _best(lambda: run(new), repeats)
     b = prompts.shape[0]
-    return {"decode_tokens_per_s": b * (new - 1) / max(t_all - t_one, 1e-9), "total_s": t_all,
-            "tokens": out[:, prompts.shape[1]:].cpu().numpy()}
+    rec = {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
+           "tokens": out[:, prompts.shape[1]:].cpu().numpy()}
+    if static:
+        rec["compiled"] = hasattr(model, "_compiled_call")
+    return rec
 
 
-def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype) -> dict:
+def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int) -> dict:
     import jax
 
     from jax3d.inference import Generator
@@ -71,29 +99,35 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype) -> dict:
                     max_len=prompts.shape[1] + new, dtype=dtype)
     rows = [list(map(int, r)) for r in prompts]
     t0 = time.perf_counter()
-    gen.generate(rows, 2)  # warm-up: prefill and decode compile here, for these shapes
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    stamps, toks = [], []
-    for tok in gen.stream(rows, new):
-        stamps.append(time.perf_counter())
-        toks.append(tok)
-    total = stamps[-1] - t0
-    return {"decode_tokens_per_s": b * (new - 1) / max(stamps[-1] - stamps[0], 1e-9), "total_s": total,
-            "compiles": gen.compile_counts(), "warmup_s": compile_s, "tokens": np.stack(toks, 1)}
+    gen.generate(rows, new)  # warm-up: prefill and decode compile here, for these shapes
+    warmup_s = time.perf_counter() - t0
+    t_one, _ = _best(lambda: gen.generate(rows, 1), repeats)
+    t_all, toks = _best(lambda: gen.generate(rows, new), repeats)
+    return {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
+            "compiles": gen.compile_counts(), "warmup_s": warmup_s, "tokens": np.asarray(toks)}
 
 
-def main() -> None:
+def decode_rate(batch: int, new: int, t_one: float, t_all: float) -> float:
+    """Tokens/s of the steps after the first: generate(new) less generate(1), the same way for every side
+    (nan where the difference is lost in the noise, as for tiny models on a CPU)."""
+    return batch * (new - 1) / (t_all - t_one) if t_all > t_one else float("nan")
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="gpt-1.3b")
-    p.add_argument("--small", action="store_true", help="the tiny shape in fp32 on CPU, short prompts")
+    p.add_argument("--small", action="store_true", help="the small shape in fp32 on CPU, short prompts")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=256)
-    p.add_argument("--no-peer", action="store_true", help="skip transformers")
-    a = p.parse_args()
+    p.add_argument("--peers", nargs="*", choices=("static", "eager"), default=["static", "eager"],
+                   help="transformers' generate beside jax3d: with its compiled static cache, eager (none: only jax3d)")
+    p.add_argument("--eager-new", type=int, default=64, help="new tokens for the eager peer (its rate is steady, and "
+                   "256 of them take it a while)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
+    a = p.parse_args(argv)
     if a.small:
-        a.shape, a.prompt_len, a.new = "small", 16, 16
+        a.shape, a.prompt_len, a.new, a.eager_new = "small", 16, 16, 16
     import jax
     import jax.numpy as jnp
     import torch
@@ -103,32 +137,55 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
     bf16 = on_gpu and not a.small
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
     vocab, positions = 50257, 2048 if a.shape == "gpt-1.3b" else 64
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         model = hf_model(a.shape, d, vocab, positions, device, torch.bfloat16 if bf16 else torch.float32)
         cfg, params = load_hf_params(d)
         convert_s = time.perf_counter() - t0
+    # What one decode step reads: every weight once (the position table only a row, left out), and the cache.
+    weight_bytes = sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size
+    weight_bytes *= jnp.dtype(dtype).itemsize
+    rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
+    print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
+                      "prompt_len": a.prompt_len, "new_tokens": a.new, "save_and_import_s": round(convert_s, 1),
+                      "weight_gb": round(weight_bytes / 1e9, 3), "copy_tb_s": round(rate / 1e12, 3)}), flush=True)
     rs = np.random.RandomState(0)
-    print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": "bfloat16" if bf16 else
-                      "float32", "prompt_len": a.prompt_len, "new_tokens": a.new, "save_and_import_s": round(convert_s, 1)}))
     for b in a.batch:
         prompts = rs.randint(0, vocab, (b, a.prompt_len)).astype(np.int32)
-        ours = time_jax3d(cfg, params, prompts, a.new, jnp.bfloat16 if bf16 else jnp.float32)
-        rec = {"batch": b, "jax3d_decode_tok_s": round(ours["decode_tokens_per_s"], 1),
+        ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats)
+        # the filled cache a step reads, averaged over the run: keys and values of every layer
+        cache_bytes = (2 * cfg.num_layers * b * cfg.hidden_size * jnp.dtype(dtype).itemsize
+                       * (a.prompt_len + a.new / 2))
+        limit = b * rate / weight_bytes
+        rec = {"batch": b, "jax3d_decode_tok_s": round(ours["decode_tok_s"], 1),
+               "limit_tok_s": round(limit, 1), "limit_with_cache_tok_s": round(b * rate / (weight_bytes + cache_bytes), 1),
+               "jax3d_of_limit": round(ours["decode_tok_s"] / limit, 3),
                "jax3d_total_s": round(ours["total_s"], 3), "jax3d_compiles": ours["compiles"],
                "jax3d_warmup_s": round(ours["warmup_s"], 1)}
-        if not a.no_peer:
-            peer = time_hf(model, prompts, a.new, device)
-            rec.update(hf_decode_tok_s=round(peer["decode_tokens_per_s"], 1), hf_total_s=round(peer["total_s"], 3),
-                       speedup=round(ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"], 2),
-                       # in bf16 near-ties can flip a greedy pick, so agreement is reported, not asserted
-                       same_tokens_frac=float(np.mean(ours["tokens"] == peer["tokens"])))
+        for peer in a.peers:
+            new = a.eager_new if peer == "eager" else a.new
+            try:
+                hf = time_hf(model, prompts, new, device, peer == "static", a.repeats)
+            except Exception as e:  # noqa: BLE001 (a peer that can't run here is reported, not fatal)
+                rec[f"hf_{peer}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                print(f"note: transformers' {peer} generate failed here ({rec[f'hf_{peer}_error']}); skipped",
+                      flush=True)
+                continue
+            rec[f"hf_{peer}_decode_tok_s"] = round(hf["decode_tok_s"], 1)
+            rec[f"jax3d_over_hf_{peer}"] = round(ours["decode_tok_s"] / hf["decode_tok_s"], 2)
+            if peer == "static":
+                rec["hf_static_compiled"] = hf["compiled"]
+            # in bf16 near-ties can flip a greedy pick, so agreement is reported, not asserted
+            n = min(new, ours["tokens"].shape[1])
+            rec[f"same_tokens_frac_{peer}"] = round(float(np.mean(ours["tokens"][:, :n] == hf["tokens"][:, :n])), 3)
         print(json.dumps(rec), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
+    return 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
-    main()
+    raise SystemExit(main())

@@ -1,20 +1,27 @@
-"""Where a decoded token's time goes: a device trace of jax3d's KV-cache generation.
+"""Where a decoded token's time goes: a device trace of jax3d's generation, against the bytes a step must read.
 
 A GPT of the shape asked (random weights; bf16 on a GPU, fp32 on a CPU) generates `--new` tokens for `--batch`
-random prompts of `--prompt-len` tokens. Per decoded token it reports the wall time (median interval of the
-stream), the kernel time by operation class (benchmarks.profile_step's classes: matmul, attention,
-elementwise_norm, copies, ...), how many kernels ran, how busy the device was, and the floor the weights set:
-their bytes over the rate a timed on-device copy moves bytes at (read and written, as the bandwidth figures
-in the issues count them). The trace spans the whole stream, prefill included (one call of many).
+random prompts of `--prompt-len` tokens. Per decode step (one token of every row) it reports:
+- the wall time: (generate(new) - generate(1)) / (new - 1), so prefill is left out;
+- the breakdown: `weights_ms`, the weights' bytes over the rate a timed on-device copy moves bytes at (read and
+  written, as the bandwidth figures in the issues count them); `cache_ms`, the KV cache the step reads (every
+  slot: the attention reads the whole cache, see jax3d/models/cached_attention.py); `else_ms`, the rest of
+  the wall time (launch gaps, the host, kernels slower than the bandwidth);
+- the kernel time by operation class (benchmarks.profile_step's classes: matmul, attention, elementwise_norm,
+  copies, ...), how many kernels ran and how busy the device was, from traces of generate(new) and
+  generate(1), the second subtracted from the first;
+- `hlo_kernels_per_step`: the kernels of one pass of the compiled token loop's body (fusions, GEMMs, copies,
+  collectives), read from the compiled program (on a CPU too).
 
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
-    python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU
+    python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU (16-token prompts)
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import re
 import tempfile
 import time
 
@@ -24,6 +31,9 @@ from benchmarks.profile_step import CLASSES, classify, traced_kernels
 
 SHAPES = {"gpt-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50304, seq_length=2048),
           "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64)}
+# HLO operations that are no kernel of their own
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "call", "while", "conditional",
+         "after-all", "partition-id", "replica-id"}
 
 
 def copy_rate(dtype, gib: float) -> float:
@@ -43,21 +53,61 @@ def copy_rate(dtype, gib: float) -> float:
     return 2 * n * jnp.dtype(dtype).itemsize / best
 
 
-def profile(gen, rows: list[list[int]], new: int) -> dict:
-    """Per decoded token: wall ms, kernel ms by class, kernels and device busy fraction."""
+def loop_body_kernels(hlo: str) -> collections.Counter:
+    """Kernels by HLO operation in one pass of the body of the (outermost) while loop of a compiled program's
+    text, counting into the computations it calls (command buffers on a GPU) but not into fusions."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            comps[name] = []
+        elif name is not None and line.startswith("  "):
+            comps[name].append(line)
+    body = next(re.search(r"body=%?([\w.\-]+)", line).group(1) for lines in comps.values() for line in lines
+                if " while(" in line)
+    counts = collections.Counter()
+
+    def count(comp: str) -> None:
+        for line in comps.get(comp, []):
+            op = re.search(r"= (?:\([^=]*\)|[\w\[\]{},:\d]+) ([\w\-]+)\(", line)
+            if op is None:
+                continue
+            if op.group(1) == "call":
+                count(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+            elif op.group(1) not in _FREE and not op.group(1).endswith("-done"):
+                counts[op.group(1)] += 1
+
+    count(body)
+    return counts
+
+
+def _trace(fn) -> list:
     import jax
 
-    stamps = [time.perf_counter() for _ in gen.stream(rows, new)]
-    wall = float(np.median(np.diff(stamps))) * 1e3
     logdir = tempfile.mkdtemp(prefix="jax3d-decode-prof-")
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
-        for _ in gen.stream(rows, new):
-            pass
-    kernels = traced_kernels(logdir, {})
+        fn()
+    return traced_kernels(logdir, {})
+
+
+def profile(gen, rows: list[list[int]], new: int, repeats: int = 3) -> dict:
+    """Per decode step: wall ms, kernel ms by class, kernels and device busy fraction."""
+    def timed(n):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gen.generate(rows, n)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    wall = (timed(new) - timed(1)) / (new - 1) * 1e3
+    long, short = _trace(lambda: gen.generate(rows, new)), _trace(lambda: gen.generate(rows, 1))
     by_class = collections.Counter()
-    for name, hlo_op, scope, us, _ in kernels:
-        by_class[classify(name, hlo_op, scope)] += us
-    spans = sorted((ts, ts + us) for *_, us, ts in kernels)
+    for sign, kernels in ((1, long), (-1, short)):
+        for name, hlo_op, scope, us, _ in kernels:
+            by_class[classify(name, hlo_op, scope)] += sign * us
+    spans = sorted((ts, ts + us) for *_, us, ts in long)
     busy, first, end = 0.0, spans[0][0], spans[0][0]
     start = first
     for s, e in spans:
@@ -65,11 +115,11 @@ def profile(gen, rows: list[list[int]], new: int) -> dict:
             busy, start = busy + end - start, s
         end = max(end, e)
     busy += end - start
-    per = 1.0 / new
-    return {"wall_ms_per_token": round(wall, 3),
-            "kernel_ms_per_token": {c: round(by_class[c] / 1e3 * per, 3) for c in CLASSES},
-            "kernel_ms_total_per_token": round(sum(by_class.values()) / 1e3 * per, 3),
-            "kernels_per_token": round(len(kernels) * per, 1),
+    per = 1.0 / (new - 1)
+    return {"wall_ms_per_step": round(wall, 3),
+            "kernel_ms_per_step": {c: round(by_class[c] / 1e3 * per, 3) for c in CLASSES},
+            "kernel_ms_total_per_step": round(sum(by_class.values()) / 1e3 * per, 3),
+            "kernels_per_step": round((len(long) - len(short)) * per, 1),
             "device_busy": round(busy / max(end - first, 1e-9), 3)}
 
 
@@ -77,9 +127,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="gpt-1.3b")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=0, help="default 128 (16 for the tiny shape)")
     p.add_argument("--new", type=int, default=256)
     a = p.parse_args(argv)
+    a.prompt_len = a.prompt_len or (16 if a.shape == "tiny" else 128)
     import jax
     import jax.numpy as jnp
 
@@ -90,21 +141,32 @@ def main(argv=None) -> int:
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    item = jnp.dtype(dtype).itemsize
     cfg = ModelConfig(**SHAPES[a.shape], hidden_dropout=0.0, attention_dropout=0.0)
     params = build_model(cfg).init(jax.random.key(0))
-    weight_bytes = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
+    # every weight is read once a step; of the position table only a row
+    weight_bytes = (sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size) * item
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
+    weights_ms = weight_bytes / rate * 1e3
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
                       "weight_gb": round(weight_bytes / 1e9, 3), "copy_tb_s": round(rate / 1e12, 3),
-                      "floor_ms_per_token": round(weight_bytes / rate * 1e3, 3)}), flush=True)
+                      "weights_ms": round(weights_ms, 3)}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
     for b in a.batch:
-        gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=dtype)
+        max_len = a.prompt_len + a.new
+        gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype)
         rows = [list(map(int, r)) for r in rs.randint(0, cfg.vocab_size, (b, a.prompt_len))]
-        gen.generate(rows, 2)  # compiles prefill and decode
+        gen.generate(rows, a.new)  # compiles prefill and decode
         rec = profile(gen, rows, a.new)
-        rec = {"batch": b, "tokens_per_s": round(b * 1e3 / rec["wall_ms_per_token"], 1), **rec,
+        cache_ms = 2 * cfg.num_layers * b * cfg.kv_heads * cfg.head_dim * max_len * item / rate * 1e3
+        wall = rec["wall_ms_per_step"]
+        body = loop_body_kernels(gen.decode_hlo(rows))
+        rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1),
+               "breakdown_ms": {"weights": round(weights_ms, 3), "cache": round(cache_ms, 3),
+                                "else": round(wall - weights_ms - cache_ms, 3)},
+               "of_weights_limit": round(weights_ms / wall, 3), **rec,
+               "hlo_kernels_per_step": sum(body.values()), "hlo_kernels_by_op": dict(body.most_common(8)),
                "compiles": gen.compile_counts()}
         print(json.dumps(rec), flush=True)
     return 0

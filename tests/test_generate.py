@@ -235,17 +235,18 @@ def test_a_halted_row_ends_within_one_chunk_and_the_others_go_on(imported):
     assert [rows[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
 
 
-def test_the_decode_program_updates_the_cache_in_place(imported):
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_decode_program_updates_the_cache_in_place(imported, batch):
     """The compiled decode aliases every cache buffer to its output and copies none of them."""
     _, params, cfg = imported
-    gen = _gen(cfg, params, batch=4)
-    hlo = gen.decode_hlo(PROMPTS)
-    cache_shape = f"f32[4,{cfg.kv_heads},64,{cfg.head_dim}]"
+    gen = _gen(cfg, params, batch=batch)
+    hlo = gen.decode_hlo(PROMPTS[:batch])
+    cache_shape = f"f32[{batch},{cfg.kv_heads},64,{cfg.head_dim}]"
     assert hlo.count(cache_shape) > 0
     aliased = hlo.split("input_output_alias={", 1)[1].split("\n", 1)[0]
     assert aliased.count("may-alias") + aliased.count("must-alias") >= 2 * cfg.num_layers, aliased[:300]
     # any copy of as many elements, in any layout (the old (batch, slot, head, dim) cache was copied transposed)
-    size = 4 * cfg.kv_heads * 64 * cfg.head_dim
+    size = batch * cfg.kv_heads * 64 * cfg.head_dim
     copies = [line for line in hlo.splitlines() if " copy(" in line
               and np.prod([int(d) for d in re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") if d]) == size]
     assert not copies, copies[:3]

@@ -1,18 +1,18 @@
 """Attention of generation's queries over a KV cache (jax3d.inference.generate): the Attention layer's cache
 branch.
 
-The cache is laid out (batch, kv_heads, max_len, head_dim): the two dots below then take (batch, KV head)
-as their batch dimensions, major, with the cache slots and head dims minor and contiguous, as a batched GEMM
-wants them. With the slots before the heads (the projection's order, as before), XLA transposed the whole
-cache into that layout for every layer and token: a copy of all of it per step. Grouped-query heads are a
-dimension of the query, so a KV head is read once for its g query heads.
+The cache is laid out (batch, kv_heads, max_len, head_dim): (batch, KV head) major, each head's slots and
+dims contiguous. With the slots before the heads (the projection's order, as before), XLA transposed the
+whole cache for every layer and token to feed its batched dots: a copy of all of it per step. Grouped-query
+heads are a dimension of the query, so a KV head is read once for its g query heads. A decode step (one
+query row) is products and sums rather than dots, so the compiler has no layout of its own to ask for.
 
 Why no fused kernel: cuDNN (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one
 query row only with its mask as a bias over every (query, key) pair, and wants the slots before the heads;
 Pallas' GPU decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on
-every call. The dots here read every slot of the cache, filled or not; at the gpt-1.3b shape that is 3% of
-a step's bytes at batch 1 and about a third at batch 32 (a kernel bounded by the filled length is what is
-left to gain there). The mask is two iotas and compares, which XLA fuses into the softmax.
+every call. The sums here read every slot of the cache, filled or not; at the gpt-1.3b shape that is 3% of
+a step's bytes at batch 1 and about half at batch 32, where a kernel bounded by the filled length is what is
+left to gain. The mask is two iotas and compares, which XLA fuses into the softmax.
 """
 from __future__ import annotations
 
@@ -41,10 +41,21 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     g = n // kv
     # Query head n is KV head n // g's (layers.split_qkv's order).
     q_bkgth = jnp.transpose(q_btnh.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
-    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32)
+    if t == 1:
+        # Decode: products and sums, not dots. A dot of one query row lets the compiler pick the cache's layout
+        # for it, and XLA on the CPU copied the cache transposed for every token at batch 1; a reduction reads
+        # it where it lies, in one pass.
+        scores = jnp.sum(q_bkgth.astype(jnp.float32) * k_bksh[:, :, None].astype(jnp.float32), axis=-1)[:, :, :, None]
+    else:
+        scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32)
     scores = jnp.where(mask_b1tT[:, :, None], scores / math.sqrt(h), -jnp.inf)  # each query sees itself at least
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
-    ctx_btkgh = jnp.transpose(jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh), (0, 3, 1, 2, 4))  # t = 1: a bitcast
+    probs = jax.nn.softmax(scores, axis=-1)
+    if t == 1:
+        ctx_bkgth = jnp.sum(probs[:, :, :, 0, :, None] * v_bksh[:, :, None].astype(jnp.float32), axis=-2,
+                            keepdims=True).astype(v_bksh.dtype)
+    else:
+        ctx_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v_bksh.dtype), v_bksh)
+    ctx_btkgh = jnp.transpose(ctx_bkgth, (0, 3, 1, 2, 4))  # t = 1: a bitcast
     ctx_btkgh = rules.constrain(ctx_btkgh, ("batch", "seq", "heads", None, "kv"))
     # dot_general with the contracting dims in memory order: jnp.einsum lists them reversed, and XLA on the
     # CPU then copied the (heads, head_dim, embed) weight transposed on every token.
