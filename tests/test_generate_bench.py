@@ -1,0 +1,83 @@
+"""The generation benchmarks on a CPU with tiny shapes, so that a GPU run does not fail on a typo: generate_speed's
+jax3d tokens against both transformers peers' (the compiled static cache and eager), its compile counts and
+limits; profile_decode's breakdown against its own wall time; the loop-body kernel count against a hand-written HLO."""
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def _records(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_generate_speed_small_agrees_with_both_peers(capsys):
+    from benchmarks import generate_speed
+
+    assert generate_speed.main(["--small", "--batch", "1", "2", "--repeats", "1"]) == 0
+    head, *rows = _records(capsys)
+    assert head["shape"] == "small" and head["weight_gb"] > 0 and head["copy_tb_s"] > 0
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["jax3d_compiles"] == {"prefill": 1, "decode": 1}
+        assert r["hf_static_compiled"] is True  # transformers' compiled path, not a silent eager fallback
+        assert r["same_tokens_frac_static"] == 1.0 and r["same_tokens_frac_eager"] == 1.0  # fp32: token for token
+        assert r["limit_tok_s"] == pytest.approx(r["batch"] * rows[0]["limit_tok_s"], rel=1e-3)
+        assert r["limit_with_cache_tok_s"] < r["limit_tok_s"]
+
+
+def test_profile_decode_tiny_breakdown_adds_up(capsys):
+    from benchmarks import profile_decode
+
+    assert profile_decode.main(["--shape", "tiny", "--batch", "1", "2", "--new", "6"]) == 0
+    head, *rows = _records(capsys)
+    for r in rows:
+        parts = r["breakdown_ms"]
+        assert parts["weights"] == head["weights_ms"]
+        assert parts["weights"] + parts["cache"] + parts["else"] == pytest.approx(r["wall_ms_per_step"], abs=2e-3)
+        assert r["compiles"] == {"prefill": 1, "decode": 1}
+        assert r["hlo_kernels_per_step"] > 10 * 2  # a few kernels a layer at least
+        assert r["kernels_per_step"] > 0
+
+
+def test_loop_body_kernels_counts_into_calls_not_fusions():
+    from benchmarks.profile_decode import loop_body_kernels
+
+    hlo = """HloModule m
+
+%fused (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %n = f32[2]{0} negate(%p)
+}
+
+%command_buffer (a: f32[2]) -> f32[2] {
+  %a = f32[2]{0} parameter(0)
+  %f1 = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused
+  ROOT %f2 = f32[2]{0} fusion(%f1), kind=kLoop, calls=%fused
+}
+
+%body (t: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %t = (s32[], f32[2]{0}) parameter(0)
+  %x = f32[2]{0} get-tuple-element(%t), index=1
+  %c = f32[2]{0} call(%x), to_apply=%command_buffer
+  %d = f32[2]{0} custom-call(%c), custom_call_target="__cublas$gemm"
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %r = (s32[], f32[2]{0}) tuple(%i, %d)
+}
+
+%cond (t: (s32[], f32[2])) -> pred[] {
+  %t = (s32[], f32[2]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[2]) -> (s32[], f32[2]) {
+  %x = f32[2]{0} parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[2]{0}) tuple(%z, %x)
+  ROOT %w = (s32[], f32[2]{0}) while(%t), condition=%cond, body=%body
+}
+"""
+    assert loop_body_kernels(hlo) == {"fusion": 2, "custom-call": 1}
