@@ -54,6 +54,9 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
     untie_embeddings_and_output_weights: bool = False
+    # FP8 GEMMs in the blocks ("" | hybrid | e4m3, jax3d.models.fp8). Only the train step's own copy of the model
+    # sets it, from PrecisionConfig.fp8: the parameters are the same, and evaluation and export run without.
+    fp8: str = ""
 
     def __post_init__(self):
         if self.activation not in ("gelu_tanh", "gelu_erf"):
@@ -167,6 +170,30 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     hysteresis: int = 2
+    # FP8 GEMMs with delayed scaling (jax3d.train.fp8), Megatron-DeepSpeed's flags and defaults.
+    fp8: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3
+    fp8_margin: int = 0  # scales leave 2**margin of headroom
+    fp8_interval: int = 1  # steps between scale updates (only 1 is built)
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"  # most_recent | max (of the history)
+
+    def __post_init__(self):
+        if not self.fp8:
+            return
+        if self.fp8 not in ("hybrid", "e4m3"):
+            raise ConfigError(f"FP8 format {self.fp8!r} is not built; pass --fp8-hybrid or --fp8-e4m3")
+        if self.dtype == "float16":
+            raise ConfigError("FP8 GEMMs run here inside --bf16 (or fp32) compute, not --fp16 and its loss scaling; "
+                              "pass --bf16 instead of --fp16")
+        if self.fp8_interval != 1:
+            raise ConfigError(f"--fp8-interval {self.fp8_interval} is not built: scales are updated every step "
+                              "(Transformer Engine has dropped the interval too); pass 1 or leave it out")
+        if self.fp8_amax_history_len < 1:
+            raise ConfigError(f"--fp8-amax-history-len {self.fp8_amax_history_len} must be at least 1")
+        if self.fp8_amax_compute_algo not in ("most_recent", "max"):
+            raise ConfigError(f"--fp8-amax-compute-algo {self.fp8_amax_compute_algo!r} must be most_recent or max")
+        if self.fp8_margin < 0:
+            raise ConfigError(f"--fp8-margin {self.fp8_margin} must not be negative")
 
 
 # DataConfig's tokenizer files, as Megatron's flags name them; a checkpoint's tokenizer record uses the same keys.

@@ -3,7 +3,8 @@
 One checkpoint is a step directory `DIR/<step>/` with three orbax items:
 
 - `params`: the fp32 master parameters, one array per logical parameter (global shapes);
-- `train`: the rest of the train state (step, optimizer state, RNG key data, loss scale);
+- `train`: the rest of the train state (step, optimizer state, RNG key data, loss scale, and with FP8 the amax
+  histories, per logical layer like the parameters);
 - `meta`: JSON with the full run config, the tokenizer, the data-loader position and the jax3d version.
 
 The saved pytree and its global shapes don't depend on the (data, stage, model) layout or the ZeRO stage;
@@ -152,7 +153,7 @@ class Checkpointer:
                 _log(f"jax3d: no checkpoint in {self.load_dir} yet; starting from scratch")
             return None, 0
         tr = self.cfg.train
-        fresh = {"step", "opt_state", "rng", "loss_scale"} if tr.finetune else \
+        fresh = {"step", "opt_state", "rng", "loss_scale", "fp8"} if tr.finetune else \
             {k for k, off in (("opt_state", tr.no_load_optim), ("rng", tr.no_load_rng)) if off}
         state, meta, fresh = restore_state(self.load_dir, step, steps, fresh)
         if self.save_dir and _same_dir(self.save_dir, self.load_dir):
@@ -206,7 +207,8 @@ class Checkpointer:
         tr = self.cfg.train
         train_part = {"step": state.step, "loss_scale": state.loss_scale,
                       **({} if tr.no_save_optim else {"opt_state": state.opt_state}),
-                      **({} if tr.no_save_rng else {"rng": state.rng})}
+                      **({} if tr.no_save_rng else {"rng": state.rng}),
+                      **({} if state.fp8 is None else {"fp8": state.fp8})}
         args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
                                   train=ocp.args.StandardSave(train_part),
                                   meta=ocp.args.JsonSave(self._meta(step, loader_state, mesh)))
@@ -319,7 +321,7 @@ class Checkpointer:
 
 def restore_state(directory: str, step: int, steps, fresh=frozenset()):
     """Restores checkpoint `step` onto `steps` (its model checked first); returns (TrainState, meta, the parts
-    started anew). The parts `fresh` names ("step", "opt_state", "rng", "loss_scale"), and those the checkpoint
+    started anew). The parts `fresh` names ("step", "opt_state", "rng", "loss_scale", "fp8"), and those the checkpoint
     was saved without (--no-save-optim, --no-save-rng), are not read but started as a new run starts them; a
     fresh optimizer state under a restored step counts from that step, so the learning-rate schedule goes on."""
     from jax3d.train.state import TrainState, initial_loss_scale, seed_keys
@@ -329,10 +331,14 @@ def restore_state(directory: str, step: int, steps, fresh=frozenset()):
     saved = meta.get("saved") or {}
     fresh = set(fresh) | {k for k, key in (("opt_state", "optim"), ("rng", "rng")) if not saved.get(key, True)}
     targets = with_shardings(steps.abstract_logical_state, steps.logical_shardings)
-    parts = ("step", "opt_state", "rng", "loss_scale")
+    parts = ("step", "opt_state", "rng", "loss_scale") + (("fp8",) if targets.fp8 is not None else ())
+    if targets.fp8 is not None and not _same_fp8_history(meta["config"].get("precision", {}), steps.cfg.precision):
+        fresh.add("fp8")  # saved without FP8, or with another history length: this run's history starts empty
     train_t = {k: getattr(targets, k) for k in parts if k not in fresh}
     items = {"params": targets.params, **({"train": train_t} if train_t else {})}
-    r = restore_arrays(directory, step, items, partial={"train"} if fresh else ())
+    saved_fp8 = bool(meta["config"].get("precision", {}).get("fp8"))  # histories this run leaves unread
+    r = restore_arrays(directory, step, items, partial={"train"} if fresh or (saved_fp8 and targets.fp8 is None)
+                       else ())
     t = dict(r.train) if train_t else {}
     shardings = steps.logical_shardings
     if "step" in fresh:
@@ -341,13 +347,21 @@ def restore_state(directory: str, step: int, steps, fresh=frozenset()):
         t["loss_scale"] = jax.device_put(initial_loss_scale(steps.cfg.precision), shardings.loss_scale)
     if "rng" in fresh:
         t["rng"] = jax.device_put(jax.random.key_data(seed_keys(steps.cfg.train.seed)[1]), shardings.rng)
+    if "fp8" in fresh and targets.fp8 is not None:
+        t["fp8"] = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), targets.fp8)
     if "opt_state" in fresh:
         applied = int(t["step"]) - int(t["loss_scale"].skipped)  # optax counts the updates applied
         t["opt_state"] = jax.jit(lambda p: _counting_from(steps.optimizer.init(p), applied),
                                  out_shardings=shardings.opt_state)(r.params)
     state = TrainState(step=t["step"], params=r.params, opt_state=t["opt_state"], rng=t["rng"],
-                       loss_scale=t["loss_scale"])
+                       loss_scale=t["loss_scale"], fp8=t.get("fp8"))
     return steps.state_from_logical(state), meta, fresh
+
+
+def _same_fp8_history(saved_precision: dict, precision) -> bool:
+    """Whether a checkpoint's run kept the FP8 amax history this run keeps (FP8 on, the same length)."""
+    return bool(saved_precision.get("fp8")) and saved_precision.get("fp8_amax_history_len") == \
+        precision.fp8_amax_history_len
 
 
 def _counting_from(opt_state, count: int):

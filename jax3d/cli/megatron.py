@@ -58,6 +58,7 @@ _ON = {"action": "store_true"}
 _RUN, _LOG, _DS, _DATA, _TORCH, _MOE_G = (
     "run length and schedule", "logging", "DeepSpeed", "data", "PyTorch and CUDA switches", "mixture of experts")
 _MOE, _MOE_FIX = "a mixture of experts", "pass --num-experts 1 (a dense model) or leave it out"
+_FP8 = "FP8 (Transformer Engine's recipe)"
 
 
 def _more_than_one_expert(_, a) -> bool:
@@ -165,6 +166,29 @@ FLAGS: tuple[Flag, ...] = (
     _accepted("--use-flash-attn --use-flash-attn-v1 --use-flash-attn-v2 --use-flash-attn-triton",
               "FlashAttention kernels", "--attention-impl auto already runs cuDNN's flash attention on GPUs in bf16 "
               "and fp16", _TORCH, **_ON),
+    # FP8: jax3d.models.fp8 (the GEMMs) and jax3d.train.fp8 (delayed scaling), on GPUs of compute capability 8.9+.
+    _act("--fp8-hybrid", "FP8 GEMMs in the transformer blocks: e4m3 forward, e5m2 gradients (Ada or Hopper GPUs)",
+         "QKV, attention-out and MLP GEMMs (SwiGLU's too) in FP8 with per-tensor delayed scaling, both backward "
+         "GEMMs too; master weights, optimizer, LM head and attention itself stay as they were", _FP8, **_ON),
+    _act("--fp8-e4m3", "FP8 GEMMs in the transformer blocks, e4m3 forward and backward", "as --fp8-hybrid, with "
+         "the gradients in e4m3", _FP8, **_ON),
+    _act("--fp8-margin", "FP8 scales leave 2**margin of headroom (default: 0)", "scale = amax x 2**margin / the "
+         "format's largest value", _FP8, type=int, default=0, metavar="N"),
+    _refused("--fp8-interval", "steps between FP8 scale updates (default: 1)", _FP8, "FP8 scales updated less often "
+             "than every step", "pass 1 or leave it out (Transformer Engine has dropped the interval too)",
+             asks=lambda v, a: v != 1, when="other than 1", otherwise="1: the scales follow every step",
+             decision=ACT, type=int, default=1, metavar="N"),
+    _act("--fp8-amax-history-len", "steps of amax history kept per FP8 tensor (default: 1)", "the history is part "
+         "of the train state and its checkpoints", _FP8, type=int, default=1, metavar="N"),
+    _act("--fp8-amax-compute-algo", "the amax a scale comes from: the most recent, or the max of the history "
+         "(default: most_recent)", "most_recent or max over the history", _FP8, choices=["most_recent", "max"],
+         default="most_recent"),
+    _refused("--no-fp8-wgrad", "weight-gradient GEMMs in higher precision under FP8", _FP8, "weight-gradient GEMMs "
+             "in bf16 under FP8", "drop it (the weight-gradient GEMMs run in FP8)", action="store_false",
+             dest="fp8_wgrad"),
+    _accepted("--transformer-impl", "local or transformer_engine layers (default: none, Megatron's is local)",
+              "jax3d's layers are one implementation; FP8 comes from --fp8-hybrid / --fp8-e4m3", _FP8,
+              choices=["local", "transformer_engine"], default=None),
     # Mixture of experts: refused with more than one expert; with one they change nothing, as in Megatron.
     _refused("--num-experts", "experts per MoE layer, one number or one per layer", _MOE_G, _MOE, _MOE_FIX,
              asks=lambda v, a: max(v) > 1, when="above 1", otherwise="1 is a dense model", type=int, nargs="+",
@@ -270,6 +294,10 @@ def _translate(a, cfg: Config) -> tuple[Config, list[str]]:
         par["pipeline_schedule"] = "zb-h1"
     logs = tuple(k for k in ("timers", "batch_size", "validation_ppl", "optimizer_states", "memory")
                  if getattr(a, f"log_{k}_to_tensorboard"))
+    cfg = cfg.replace(precision={"fp8": "hybrid" if a.fp8_hybrid else "e4m3" if a.fp8_e4m3 else "",
+                                 "fp8_margin": a.fp8_margin, "fp8_interval": a.fp8_interval,
+                                 "fp8_amax_history_len": a.fp8_amax_history_len,
+                                 "fp8_amax_compute_algo": a.fp8_amax_compute_algo})
     cfg = cfg.replace(parallel=par, data={"tokenizer_model": a.tokenizer_model},
                       train={"exit_duration_in_mins": a.exit_duration_in_mins or 0.0,
                              "tensorboard_dir": a.tensorboard_dir or "", "tensorboard_log": logs})
@@ -292,6 +320,8 @@ def _refuse_combinations(a) -> None:
             if v:
                 raise ConfigError(f"{flag} {' '.join(map(str, v)) if isinstance(v, list) else v} needs a run counted "
                                   "in samples; pass --train-samples instead of --train-iters, as Megatron asks")
+    if a.fp8_hybrid and a.fp8_e4m3:
+        raise ConfigError("--fp8-hybrid and --fp8-e4m3 ask for two FP8 formats; pass one (Megatron refuses both too)")
     if a.no_pipeline_parallel and (a.pipeline_model_parallel_size or 1) > 1:
         raise ConfigError(f"--no-pipeline-parallel and --pipeline-model-parallel-size "
                           f"{a.pipeline_model_parallel_size} disagree; drop one")

@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
-from jax3d.models import cached_attention, fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu, rope
+from jax3d.models import cached_attention, fp8, fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu, rope
 from jax3d.parallel.rules import ShardingRules, traced_platform
 
 
@@ -89,10 +89,11 @@ _ACTIVATIONS = {
 }
 
 
-def _activate_then_dense(h, b, w_fd, activation: str):
-    """act(h + b) @ w; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and the up projection."""
+def _activate_then_dense(h, b, w_fd, activation: str, scales=None, fp8_format: str = ""):
+    """act(h + b) @ w, in FP8 with `scales`; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and
+    the up projection."""
     g_btf = checkpoint_name(_ACTIVATIONS[activation](_plus(h, b)), "gelu_out")
-    return jnp.einsum("btf,fd->btd", g_btf, w_fd)
+    return fp8.einsum("btf,fd->btd", g_btf, w_fd, scales, fp8_format)
 
 
 # Keeps the GEMM's output h (the bias is re-added in the backward fusion, so h + b is never written) and
@@ -100,7 +101,7 @@ def _activate_then_dense(h, b, w_fd, activation: str):
 # recomputes only GELU's derivative, inside the fusion that applies it. At 1.3B b16 (docs/performance.md),
 # keeping every intermediate took 12 GiB more for 0.3% of speed; recomputing GELU's output as well took
 # 12 GiB less and 3.2% of speed. SwiGLU keeps its gate and up projections and their product the same way.
-_activate_then_dense_lean = jax.checkpoint(_activate_then_dense, static_argnums=(3,),
+_activate_then_dense_lean = jax.checkpoint(_activate_then_dense, static_argnums=(3, 5),
                                            policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
 
 
@@ -164,11 +165,12 @@ class Attention(nn.Module):
         b_qkv = _bias(self, cfg, "qkv_bias", ("qkv", "heads", "kv"), (g + 2, kv, h))
         w_out = _param(self, "out_kernel", ("heads", "kv", "embed"), (n, h, d), out_init)
         b_out = _bias(self, cfg, "out_bias", ("embed",), (d,))
+        s_qkv, s_out = fp8.scales_param(self, cfg.fp8, "qkv"), fp8.scales_param(self, cfg.fp8, "out")
 
         x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
         # The fused attention kernel reads q, k and v as strided views of this layout; putting the q/k/v
         # axis first instead cost a transpose and three copies forward, a stack backward (2% at 1.3B).
-        qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w_qkv)
+        qkv = fp8.einsum("btd,dcnh->btcnh", x_btd, w_qkv, s_qkv, cfg.fp8)
         qkv_axes = ("batch", "seq", "qkv", "heads", "kv")
         tuning = pallas_gpu.tuning(fused_qkv)
         if b_qkv is not None and fused_qkv.supported(qkv, self.rules, tuning):
@@ -194,7 +196,7 @@ class Attention(nn.Module):
         else:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
         ctx = self.rules.constrain(ctx, ("batch", "seq", "heads", "kv"))
-        return _plus(jnp.einsum("btnh,nhd->btd", ctx, w_out), b_out)
+        return _plus(fp8.einsum("btnh,nhd->btd", ctx, w_out, s_out, cfg.fp8), b_out)
 
     def _core_with_dropout(self, q, k, v, mask, rng):
         # Fused attention kernels take no dropout, so with attention dropout we spell softmax out.
@@ -239,15 +241,16 @@ class MLP(nn.Module):
         b_up = _bias(self, cfg, "up_bias", up_axes[1:], up_shape[1:])
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
         b_down = _bias(self, cfg, "down_bias", ("embed",), (d,))
-        h = jnp.einsum("btd,dcf->btcf" if cfg.swiglu else "btd,df->btf", x_btd, w_up)
+        s_up, s_down = fp8.scales_param(self, cfg.fp8, "up"), fp8.scales_param(self, cfg.fp8, "down")
+        h = fp8.einsum("btd,dcf->btcf" if cfg.swiglu else "btd,df->btf", x_btd, w_up, s_up, cfg.fp8)
         activation = "swiglu" if cfg.swiglu else cfg.activation
         tuning = pallas_gpu.tuning(fused_gelu)
         if activation == "gelu_tanh" and b_up is not None and fused_gelu.supported(h, self.rules, tuning):
             # Keeps h (inside the kernel's vjp) and GELU's output (the down-projection's input), as
             # _activate_then_dense_lean does.
-            return jnp.einsum("btf,fd->btd", fused_gelu.gelu_bias(h, b_up, tuning), w_down) + b_down
+            return fp8.einsum("btf,fd->btd", fused_gelu.gelu_bias(h, b_up, tuning), w_down, s_down, cfg.fp8) + b_down
         h = self.rules.constrain(h, ("batch", "seq", *up_axes[1:]))
-        return _plus(_activate_then_dense_lean(h, b_up, w_down, activation), b_down)
+        return _plus(_activate_then_dense_lean(h, b_up, w_down, activation, s_down, cfg.fp8), b_down)
 
 
 class Block(nn.Module):

@@ -121,7 +121,28 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *
         raise ConfigError(_blame_checkpoint(str(e), cfg.model, from_checkpoint, checkpoint)) from None
 
 
+# The least CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
+FP8_COMPUTE_CAPABILITY = (8, 9)
+
+
+def fp8_device_error(precision, devices) -> str:
+    """Why FP8 can't run on `devices` (GPUs without FP8 tensor cores), or "". CPUs emulate the f8 types (tests)."""
+    if not precision.fp8 or not devices or devices[0].platform != "gpu":
+        return ""
+    cc = str(getattr(devices[0], "compute_capability", ""))
+    try:
+        have = tuple(int(p) for p in cc.split(".")[:2])
+    except ValueError:
+        return ""  # not a CUDA device (ROCm names its architecture): XLA decides
+    if have >= FP8_COMPUTE_CAPABILITY:
+        return ""
+    return (f"--fp8-{precision.fp8} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper) and this "
+            f"{devices[0].device_kind} has {cc}; drop the --fp8-* flags")
+
+
 def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_from_checkpoint: str) -> Plan:
+    if cfg.precision.fp8 and fp8_device_error(cfg.precision, jax.devices()):
+        raise ConfigError(fp8_device_error(cfg.precision, jax.devices()))
     if cfg.model.scan_layers is None:
         deep = cfg.model.num_layers >= SCAN_LAYERS_FROM
         cfg = cfg.replace(model={"scan_layers": deep and jax.default_backend() == "cpu"})

@@ -61,7 +61,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
                             *, mesh, schedule: Schedule, layers_per_virtual_stage=None,
                             params_in_pipeline_order=False, rng=None,
                             grad_dtype=jnp.float32, data_dims=None, shard_grads=False,
-                            gather_stacked=False, place_x=None):
+                            gather_stacked=False, place_x=None, stats=None):
     """Loss, aux and gradients of a layer-stacked model, run as a pipeline over mesh axis `stage`.
 
     Contract of the user functions (all pure; they never see the pipeline):
@@ -104,6 +104,9 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     place_x: optional function applied to each stage's input, whether embedded or received, e.g. a
       sharding constraint over the automatic axes. The branches that produce the input must agree on
       its sharding, so a first_fn whose output is constrained (sequence parallelism) needs one.
+    stats: optional pytree of bools like stacked_params: True marks a leaf whose "gradient" is a statistic
+      reduced by its maximum over micro-batches and data shards, never summed (FP8 amaxes, jax3d.models.fp8);
+      such a leaf must not be sharded over `data`.
 
     Returns (loss_sum, aux_sums, grads_stacked, grads_shared): sums over all micro-batches and data
     shards (divide by the token count yourself); grads_stacked in the order stacked_params came in.
@@ -135,6 +138,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
         raise PipelineError(f"pipeline-ordered params need {p * v * k} stacked rows, got {rows}")
     if not params_in_pipeline_order:
         stacked_params = to_pipeline_order(stacked_params, layout)
+    stats = jax.tree.map(lambda _: False, stacked_params) if stats is None else stats
     st_dims, sh_dims = data_dims if data_dims is not None else (None, None)
     st_dims = _dims(stacked_params, st_dims if shard_grads else None)
     sh_dims = _dims(shared_params, sh_dims if shard_grads else None)
@@ -159,7 +163,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
 
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
                              use_rng, dp > 1 and not per_sample, p, grad_dtype, layout.num_layers,
-                             (st_dims, sh_dims), gather_stacked, place_x or (lambda x: x))
+                             (st_dims, sh_dims), gather_stacked, place_x or (lambda x: x), stats)
     st_specs = jax.tree.map(lambda d: _spec(d, "stage"), st_dims)
     sh_specs = jax.tree.map(lambda d: _spec(d, None), sh_dims)
     run = jax.shard_map(
@@ -198,7 +202,8 @@ def _spec(d, lead):
 
 
 def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_data, p, grad_dtype,
-                num_layers, dims, gather_stacked, place_x, stacked, shared, mbs, table, sends, layer_rows, rng):
+                num_layers, dims, gather_stacked, place_x, stats, stacked, shared, mbs, table, sends, layer_rows,
+                rng):
     """Body of the shard_map: the view of one (data, stage) shard."""
     st_dims, sh_dims = dims
     stacked, shared = _vary_tree(stacked), _vary_tree(shared)
@@ -279,14 +284,15 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
                             else g + scatter(d.astype(g.dtype), dim), gs, dsh, sh_dims)
 
     def add_chunk_grad(gw, dwc, c):
-        def upd(g, d, dim):
+        def upd(g, d, dim, stat):
             if d.dtype == jax.dtypes.float0:  # integer leaf: no gradient
                 return g
-            # under ZeRO-3 the vjp of the gather already reduce-scattered the grad over `data`
-            d = d.astype(g.dtype) if gather_stacked else scatter(d.astype(g.dtype), dim)
+            # under ZeRO-3 the vjp of the gather already reduce-scattered the grad over `data`; a statistic is
+            # this data shard's maximum, reduced over `data` after the loop
+            d = d.astype(g.dtype) if gather_stacked or stat else scatter(d.astype(g.dtype), dim)
             cur = lax.dynamic_slice_in_dim(g, c * k, k, 0)
-            return lax.dynamic_update_slice_in_dim(g, cur + d, c * k, 0)
-        return jax.tree.map(upd, gw, dwc, st_dims)
+            return lax.dynamic_update_slice_in_dim(g, jnp.maximum(cur, d) if stat else cur + d, c * k, 0)
+        return jax.tree.map(upd, gw, dwc, st_dims, stats)
 
     # Each pass is its own two-way lax.cond that writes only the buffers it owns. XLA updates a
     # buffer in place inside a two-way conditional with one writing branch; a switch over three or
@@ -396,7 +402,8 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
 
     bufs0 = (act_buf, grad_buf, res_bufs, cut_bufs)
     (_, (gw, gs, loss, aux)), _ = lax.scan(tick, (bufs0, acc0), (table, sends))
-    gw = jax.tree.map(lambda g, d: lax.psum(g, "data") if d < 0 else g, gw, st_dims)
+    gw = jax.tree.map(lambda g, d, stat: lax.pmax(g, "data") if stat else lax.psum(g, "data") if d < 0 else g,
+                      gw, st_dims, stats)
     gs = jax.tree.map(lambda g, d: lax.psum(g, _MANUAL if d < 0 else "stage"), gs, sh_dims)
     loss = lax.psum(loss, _MANUAL)
     aux = jax.tree.map(lambda a: lax.psum(a, _MANUAL), aux)

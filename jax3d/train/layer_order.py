@@ -134,14 +134,15 @@ class LayerOrder:
         return {k: jax.tree.map(fn, v) if k == "blocks" else v for k, v in params.items()}
 
     def map_state(self, fn, state):
-        """`fn` on every stack leaf of a TrainState (params['blocks'] and its optimizer-state mirrors),
+        """`fn` on every stack leaf of a TrainState (params['blocks'], its optimizer-state mirrors, FP8 histories),
         other leaves untouched; leaves may be arrays, abstract arrays or shardings."""
         if self.logical:
             return state
         flags = _stack_flags(state.params)
         opt = optax.tree_utils.tree_map_params(self.optimizer, lambda a, f: fn(a) if f else a,
                                                state.opt_state, flags, is_leaf=_is_sharding)
-        return state.replace(params=self._params(state.params, fn), opt_state=opt)
+        fp8 = None if state.fp8 is None else self._params(state.fp8, fn)  # the FP8 histories mirror the stack too
+        return state.replace(params=self._params(state.params, fn), opt_state=opt, fp8=fp8)
 
 
 def _is_sharding(x):

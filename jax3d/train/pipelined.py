@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax3d.models import fp8
 from jax3d.parallel import cast_for_compute, constrain_tree
 from jax3d.parallel.pipeline_spec import PipelineSpec
 from jax3d.parallel.plan import Plan
@@ -84,7 +85,7 @@ def pipeline_grads_fn(plan: Plan, mesh, model, specs, dtype):
             layers_per_virtual_stage=pipeline.layer_counts, params_in_pipeline_order=in_pipeline_order,
             rng=None if deterministic else rng,
             data_dims=(stacked_dims, shared_dims), shard_grads=zero.gradients, gather_stacked=zero.parameters,
-            place_x=place_x)
+            place_x=place_x, stats=fp8.stat_mask(stacked))
         grads = {k: v for k, v in g_shared.items() if k not in ("_norms", "_scale")}
         grads["blocks"] = g_stacked
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)

@@ -1,4 +1,5 @@
-"""The train state: one pytree of step, fp32 master parameters, optimizer state, RNG and loss scale."""
+"""The train state: one pytree of step, fp32 master parameters, optimizer state, RNG, loss scale and, with FP8,
+the amax histories (jax3d.train.fp8)."""
 from __future__ import annotations
 
 import flax.struct
@@ -23,6 +24,7 @@ class TrainState:
     opt_state: object
     rng: jax.Array  # raw uint32 key data, so it checkpoints like any array
     loss_scale: LossScale
+    fp8: dict | None = None  # FP8 amax histories, shaped like the blocks' scales (jax3d.train.fp8); None: off
 
 
 def seed_keys(seed: int) -> tuple[jax.Array, jax.Array]:

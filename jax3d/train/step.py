@@ -6,6 +6,7 @@ the pipeline when the mesh has more than one stage.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -18,11 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax3d import dropout_keys
 from jax3d.config import Config, ConfigError
-from jax3d.models import build_model
+from jax3d.models import build_model, fp8
 from jax3d.parallel import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
                             tree_specs, with_shardings)
 from jax3d.parallel.mesh import MeshConfig, with_auto_axes
 from jax3d.parallel.plan import Plan
+from jax3d.train.fp8 import Recipe, history_specs
 from jax3d.train.layer_order import LayerOrder, state_layout
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
@@ -124,7 +126,7 @@ def accumulate_grads(model, params, batch, rng, scale, norms, *, dtype, specs):
         g_acc, obj_acc, aux_acc = carry
         i, mb, keys = xs
         (_, (obj, aux)), g = grad_fn(params, mb, keys if per_sample else jax.random.fold_in(rng, i))
-        g_acc = constrain_tree(jax.tree.map(jnp.add, g_acc, g), specs["grads"])
+        g_acc = constrain_tree(fp8.accumulate(g_acc, g), specs["grads"])  # FP8 amaxes: their maximum
         return (g_acc, obj_acc + obj, jax.tree.map(jnp.add, aux_acc, aux)), None
 
     aux0 = _zero_aux(model, params, batch, norms)
@@ -161,6 +163,10 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     # even split divides, and an uneven or interleaved layout stores the stack padded in pipeline order.
     rules = ShardingRules.create(cfg.parallel.sequence_parallel)
     model = build_model(cfg.model, rules)
+    # With FP8 the train step runs its own copy of the model, whose GEMMs take scales; the state's parameters,
+    # their init, evaluation and `loss_and_grads` are the plain model's.
+    recipe = Recipe.of(cfg.precision)
+    step_model = model if recipe is None else build_model(dataclasses.replace(cfg.model, fp8=recipe.format), rules)
     optimizer = make_optimizer(cfg.optim, cfg.train.train_iters)
     order = LayerOrder(state_layout(plan.pipeline, cfg.model.num_layers), optimizer)
     schedule = lr_schedule(cfg.optim, cfg.train.train_iters)
@@ -171,11 +177,19 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     param_specs = tree_specs(rules, model.logical_axes())
     specs = state_specs(param_specs, abstract_params, mesh_cfg.data, plan.zero)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    step_specs, fp8_abstract = specs, None
+    if recipe is not None:  # the step's params hold each GEMM's scales too, never sharded over `data`
+        scales_axes = fp8.split(step_model.logical_axes())[1]
+        fp8_abstract = fp8.split(jax.eval_shape(lambda k: order.params_from_logical(step_model.init(k)),
+                                                jax.random.key(0)))[1]
+        scales_specs = tree_specs(rules, scales_axes)
+        step_specs = {k: fp8.merge(v, scales_specs) for k, v in specs.items()}
     opt_specs = optax.tree_utils.tree_map_params(
         optimizer, lambda _, spec: spec, abstract_opt, specs["opt"],
         transform_non_params=lambda _: P(), is_leaf=_is_spec)
     ls_specs = jax.tree.map(lambda _: P(), initial_loss_scale(cfg.precision))
-    state_spec = TrainState(step=P(), params=specs["params"], opt_state=opt_specs, rng=P(), loss_scale=ls_specs)
+    state_spec = TrainState(step=P(), params=specs["params"], opt_state=opt_specs, rng=P(), loss_scale=ls_specs,
+                            fp8=None if recipe is None else history_specs(scales_specs))
     state_shardings = named_shardings(mesh, state_spec)
     batch_spec = P(None, "data")
     batch_sharding = NamedSharding(mesh, batch_spec)
@@ -185,9 +199,11 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         k_params, k_run = seed_keys(seed)
         params = order.params_from_logical(model.init(k_params))  # reordered once, here
         return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
-                          rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision))
+                          rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision),
+                          fp8=None if recipe is None else recipe.init(fp8_abstract))
 
     grads_fn = _make_grads_fn(plan, mesh, model, specs, dtype)
+    step_grads_fn = grads_fn if recipe is None else _make_grads_fn(plan, mesh, step_model, step_specs, dtype)
 
     def check_batch(batch):
         """At trace time, so it costs nothing per step: a batch the model would misread (a sequence one
@@ -212,8 +228,11 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         rng = step_keys(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), batch)
         scale = state.loss_scale.scale
         norms = model.normalizers(batch)
+        params = state.params if recipe is None else fp8.merge(state.params, recipe.scales(state.fp8))
         with jax.named_scope("forward_backward"):
-            grads, obj, aux = grads_fn(state.params, batch, rng, scale, norms)
+            grads, obj, aux = step_grads_fn(params, batch, rng, scale, norms)
+        if recipe is not None:  # the scales' "gradients" are the amaxes seen: the history's next entry
+            grads, amaxes = fp8.split(grads)
         with jax.named_scope("optimizer"):  # the scope profiles class the update by
             grads = constrain_tree(jax.tree.map(lambda g: g / scale, grads), specs["grads"])
             grad_norm = optax.tree.norm(grads)
@@ -226,6 +245,8 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         new_opt = _where_tree(finite, new_opt, state.opt_state)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt,
                                   loss_scale=update_loss_scale(state.loss_scale, finite, cfg.precision))
+        if recipe is not None:
+            new_state = new_state.replace(fp8=_where_tree(finite, recipe.update(state.fp8, amaxes), state.fp8))
         metrics = {**loss_metrics(obj, aux, norms), "grad_norm": grad_norm,
                    "lr": schedule(state.step - state.loss_scale.skipped),  # optax counts applied updates only
                    "loss_scale": scale, "skipped": new_state.loss_scale.skipped}

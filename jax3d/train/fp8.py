@@ -1,0 +1,71 @@
+"""FP8 delayed scaling: the amax history of every FP8 GEMM operand, the scales it gives and its update each step.
+
+Transformer Engine's recipe (`DelayedScaling`), with Megatron-DeepSpeed's flags: each GEMM of the blocks
+(jax3d.models.fp8) quantizes x, w and the output gradient g with a scale taken from amaxes of earlier steps,
+never from the tensor being quantized, so the quantization needs no reduction over the tensor first and fuses
+with the producer. Delayed rather than current scaling: current scaling would put a global max (an all-reduce
+under tensor parallelism) in front of every GEMM.
+
+The state (`TrainState.fp8`) is a tree shaped like the blocks' scales leaves plus a trailing history dim:
+(layers, 3, history) per GEMM, rows x, w, g, entry 0 the latest step's amax, entry i the amax of i steps
+before. The step reads the scales off it (`scales`), the model reports the amaxes it saw (the scales'
+"gradients", max-reduced over micro-batches, data shards and pipeline stages' micro-batches), and `update`
+pushes them in. A step that is skipped (non-finite gradients) leaves the history as it was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jax3d.config import PrecisionConfig
+from jax3d.models import fp8 as fp8_ops
+
+@dataclass(frozen=True)
+class Recipe:
+    """The delayed-scaling recipe of a run: format, margin, history length and how the history gives an amax."""
+
+    format: str
+    margin: int = 0
+    history: int = 1
+    algorithm: str = "most_recent"
+
+    @classmethod
+    def of(cls, precision: PrecisionConfig) -> "Recipe | None":
+        """The run's recipe, or None when FP8 is off."""
+        if not precision.fp8:
+            return None
+        return cls(precision.fp8, precision.fp8_margin, precision.fp8_amax_history_len,
+                   precision.fp8_amax_compute_algo)
+
+    def _largest(self):
+        fwd, grad = fp8_ops.FORMATS[self.format]
+        return jnp.asarray([fp8_ops.largest(fwd), fp8_ops.largest(fwd), fp8_ops.largest(grad)], jnp.float32)
+
+    def init(self, scales_tree):
+        """A fresh history (zeros: scale 1 until an amax is seen) for a tree of (..., 3) scales leaves (abstract)."""
+        return jax.tree.map(lambda a: jnp.zeros((*a.shape, self.history), jnp.float32), scales_tree)
+
+    def scales(self, history):
+        """The dequantizing scales of a history: amax * 2**margin / the format's largest value, where the history
+        holds a positive finite amax, else 1."""
+        top = self._largest()
+
+        def one(h):
+            ref = h[..., 0] if self.algorithm == "most_recent" else jnp.max(h, axis=-1)
+            ok = (ref > 0) & jnp.isfinite(ref)
+            return jnp.where(ok, ref * (2.0 ** self.margin) / top, 1.0)
+        return jax.tree.map(one, history)
+
+    @staticmethod
+    def update(history, amaxes):
+        """The history with this step's amaxes in front and the oldest entry dropped."""
+        return jax.tree.map(lambda h, a: jnp.concatenate([a.astype(h.dtype)[..., None], h[..., :-1]], axis=-1),
+                            history, amaxes)
+
+
+def history_specs(scales_specs):
+    """PartitionSpecs of the history: those of the scales leaves, the history dim unsharded."""
+    return jax.tree.map(lambda s: jax.sharding.PartitionSpec(*s, None), scales_specs,
+                        is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
