@@ -54,18 +54,29 @@ def copy_rate(dtype, gib: float) -> float:
 
 
 def loop_body_kernels(hlo: str) -> collections.Counter:
-    """Kernels by HLO operation in one pass of the body of the (outermost) while loop of a compiled program's
-    text, counting into the computations it calls (command buffers on a GPU) but not into fusions."""
-    comps, name = {}, None
+    """Kernels by HLO operation in one pass of the body of the outermost while loop of a compiled program's
+    text, counting into the computations it calls (command buffers on a GPU) but not into fusions or inner
+    loops (sampling's sort)."""
+    comps, name, entry = {}, None, None
     for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
         if head:
-            name = head.group(1)
+            name = head.group(2)
             comps[name] = []
+            entry = name if head.group(1) else entry
         elif name is not None and line.startswith("  "):
             comps[name].append(line)
-    body = next(re.search(r"body=%?([\w.\-]+)", line).group(1) for lines in comps.values() for line in lines
-                if " while(" in line)
+
+    def loop_in(comp: str):  # the first while loop of `comp` or of the computations it calls
+        for line in comps.get(comp, []):
+            if " while(" in line:
+                return re.search(r"body=%?([\w.\-]+)", line).group(1)
+            called = re.search(r" call\(.*to_apply=%?([\w.\-]+)", line)
+            if called and loop_in(called.group(1)):
+                return loop_in(called.group(1))
+        return None
+
+    body = loop_in(entry)
     counts = collections.Counter()
 
     def count(comp: str) -> None:

@@ -19,6 +19,7 @@ from jax3d.inference.generate import PAD  # noqa: E402
 from jax3d.parallel.mesh import MeshConfig  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.config import config_from_dict  # noqa: E402
+from benchmarks.profile_decode import loop_body_kernels  # noqa: E402
 from tests.hf_fixtures import tiny_gpt2  # noqa: E402
 
 NEW = 32
@@ -78,6 +79,10 @@ def test_tensor_parallel_2_same_tokens(imported):
     tp = _gen(cfg, params, batch=4, tp=2)
     assert tp.params["blocks"][0]["attn"]["qkv_kernel"].sharding.spec[2] == "model"
     assert tp.generate(PROMPTS, NEW) == single
+    # a token's collectives: one all-reduce per block half, one for the vocab-parallel embedding, and the
+    # argmax's gather of each half's best (value, index)
+    body = loop_body_kernels(tp.decode_hlo(PROMPTS))
+    assert (body["all-reduce"], body["all-gather"]) == (2 * cfg.num_layers + 1, 2), body
 
 
 def test_a_make_mesh_mesh_with_data_rows_gives_the_same_tokens(imported):
