@@ -1,7 +1,7 @@
 """Every shell command in the README runs, in README order, in a fresh folder: the README cannot drift.
 
 The folder starts with what a user brings (a `corpus.jsonl`, GPT-2-style `vocab.json` / `merges.txt`,
-Hugging Face `gpt2/` and `llama/` folders, a `notes.txt`), made tiny here. Commands run as written, except that long
+Hugging Face `gpt2/` and `llama/` folders, a `notes.txt`, a `prompts.jsonl`), made tiny here. Commands run as written, except that long
 training gets `--train-iters 2`, and the GPU-only ones run the same flags on tiny shapes: the 1.3B
 command as a `--dry-run` of two layers, the benchmarks on their `tiny` shape without the peer. Each
 throughput run compiles its own step in its own process, so two benchmark commands are cut to what they
@@ -90,6 +90,7 @@ def _user_files(tmp):
                 if chunk.strip():
                     f.write(json.dumps({"text": chunk}) + "\n")
     (tmp / "notes.txt").write_text(texts[0][:4000])
+    (tmp / "prompts.jsonl").write_text('{"prompt": "def fibonacci(n):"}\n{"prompt": "import os", "max_new_tokens": 8}\n')
     train_tokenizer([], str(tmp), "bpe", vocab_size=512, min_frequency=1, texts=iter(texts))
     (tmp / "gpt2").mkdir()
     for name in ("vocab.json", "merges.txt"):
