@@ -10,8 +10,8 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
 - the kernel time by operation class (benchmarks.profile_step's classes: matmul, attention, elementwise_norm,
   copies, ...), how many kernels ran and how busy the device was, from traces of generate(new) and
   generate(1), the second subtracted from the first;
-- `hlo_kernels_per_step`: the kernels of one pass of the compiled token loop's body (fusions, GEMMs, copies,
-  collectives), read from the compiled program (on a CPU too).
+- with `--hlo`, `hlo_kernels_per_step`: the kernels of one pass of the compiled token loop's body (fusions,
+  GEMMs, copies, collectives), read from the compiled program (on a CPU too; it compiles decode once more).
 
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
     python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU (16-token prompts)
@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=0, help="default 128 (16 for the tiny shape)")
     p.add_argument("--new", type=int, default=256)
+    p.add_argument("--hlo", action="store_true", help="count the kernels of the compiled token loop's body")
     a = p.parse_args(argv)
     a.prompt_len = a.prompt_len or (16 if a.shape == "tiny" else 128)
     import jax
@@ -172,13 +173,13 @@ def main(argv=None) -> int:
         rec = profile(gen, rows, a.new)
         cache_ms = 2 * cfg.num_layers * b * cfg.kv_heads * cfg.head_dim * max_len * item / rate * 1e3
         wall = rec["wall_ms_per_step"]
-        body = loop_body_kernels(gen.decode_hlo(rows))
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1),
                "breakdown_ms": {"weights": round(weights_ms, 3), "cache": round(cache_ms, 3),
                                 "else": round(wall - weights_ms - cache_ms, 3)},
-               "of_weights_limit": round(weights_ms / wall, 3), **rec,
-               "hlo_kernels_per_step": sum(body.values()), "hlo_kernels_by_op": dict(body.most_common(8)),
-               "compiles": gen.compile_counts()}
+               "of_weights_limit": round(weights_ms / wall, 3), **rec, "compiles": gen.compile_counts()}
+        if a.hlo:
+            body = loop_body_kernels(gen.decode_hlo(rows))
+            rec.update(hlo_kernels_per_step=sum(body.values()), hlo_kernels_by_op=dict(body.most_common(8)))
         print(json.dumps(rec), flush=True)
     return 0
 

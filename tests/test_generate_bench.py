@@ -32,7 +32,7 @@ def test_generate_speed_small_agrees_with_both_peers(capsys):
 def test_profile_decode_tiny_breakdown_adds_up(capsys):
     from benchmarks import profile_decode
 
-    assert profile_decode.main(["--shape", "tiny", "--batch", "1", "2", "--new", "6"]) == 0
+    assert profile_decode.main(["--shape", "tiny", "--batch", "1", "2", "--new", "6", "--hlo"]) == 0
     head, *rows = _records(capsys)
     for r in rows:
         parts = r["breakdown_ms"]
