@@ -63,6 +63,7 @@ class Run:
     # Kernel settings for this run, as (module, "field=value,...") pairs: ("fused_gelu", "cols_fwd=2048").
     tunings: tuple[tuple[str, str], ...] = ()
     dropout: float = 0.0  # hidden and attention dropout (the peer has none)
+    fp8: str = ""  # FP8 GEMMs in the blocks: "" (off), hybrid or e4m3 (jax3d.models.fp8), delayed scaling's defaults
 
     def __post_init__(self):  # tuples again after a trip through JSON
         object.__setattr__(self, "ablate", tuple(self.ablate))
@@ -86,6 +87,8 @@ class Run:
             parts.append(f"recompute={self.recompute}")
         if self.dropout:
             parts.append(f"dropout={self.dropout:g}")
+        if self.fp8:
+            parts.append(f"fp8={self.fp8}")
         if self.xla_flags:
             parts.append(f"xla[{self.xla_flags}]")
         parts += [f"{module}[{fields}]" for module, fields in self.tunings]
@@ -95,6 +98,11 @@ class Run:
 # Each Pallas kernel (jax3d.models.pallas_gpu.KERNELS), and the pallas_call name a compiled step that runs it holds.
 KERNEL_CALLS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_qkv": "fused_qkv_bwd",
                 "fused_xent": "fused_xent"}
+
+
+# The custom call of a cuBLASLt FP8 GEMM in a compiled GPU step (XLA's GEMM rewriter): how many of the step's GEMMs
+# the rewriter turned into FP8 ones (0 on a CPU, where XLA runs the f8 dots emulated).
+FP8_GEMM_CALL = '"__cublas$lt$matmul$f8"'
 
 
 def kernel_tuning(kernel: str, settings: str):
@@ -127,7 +135,7 @@ def config_for(run: Run):
 
         model = dataclasses.replace(get_preset(LLAMA_SHAPES[run.shape][0])[0], seq_length=seq, hidden_dropout=run.dropout,
                                     attention_dropout=run.dropout, recompute=run.recompute)
-        return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype),
+        return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype, fp8=run.fp8),
                       train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
     if run.shape in ("tiny", "bert-tiny"):
         vocab = 4096
@@ -136,7 +144,7 @@ def config_for(run: Run):
     model = ModelConfig(model_type="bert" if is_bert(run.shape) else "gpt", num_layers=layers, hidden_size=d,
                         num_attention_heads=heads, seq_length=seq, vocab_size=vocab, hidden_dropout=run.dropout,
                         attention_dropout=run.dropout, recompute=run.recompute)
-    return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype),
+    return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype, fp8=run.fp8),
                   train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
 
 
@@ -301,7 +309,8 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
     layers, d, heads, seq, batch_size = m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, cfg.train.global_batch_size
     return {"who": "jax3d", "run": run.label(), "layers": layers, "d": d, "heads": heads, "seq": seq,
             "batch": batch_size, "ablate": list(run.ablate), "recompute": run.recompute, "dropout": run.dropout,
-            "xla_flags": run.xla_flags, "step_s": round(dt, 5), "tokens_per_s": round(tokens / dt),
+            "xla_flags": run.xla_flags, "fp8": run.fp8, "fp8_gemms": hlo.count(FP8_GEMM_CALL),
+            "step_s": round(dt, 5), "tokens_per_s": round(tokens / dt),
             "tflops_per_device": round(tflops, 1), "mfu": round(tflops / peak, 4) if peak else None,
             "compile_s": round(compile_s, 1), "hlo_transposes": transposes, "kernels": kernels,
             "tunings": [list(t) for t in run.tunings], "mem_gb": round(memory_gb(), 2),

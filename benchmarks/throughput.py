@@ -15,6 +15,7 @@ replaced function, say) never reaches the step; kernel settings travel with the 
     python -m benchmarks.throughput --shape 125m-b32 --tune fused_xent:block=2048,warps=4
     python -m benchmarks.throughput --shape bert-large-b32   # BERT (no peer); MFU counts GPT's FLOPs per token
     python -m benchmarks.throughput --shape tiny --dtype float32 --ablate all   # tries it on a CPU
+    python -m benchmarks.throughput --shape 1.3b-b16 llama3.2-1b-b8 --peer --fp8 hybrid   # bf16, FP8, peer
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def main(argv=None) -> int:
                         "(one run per --tune; fields of the kernel module's Tuning). A run in which that "
                         "kernel does not run (a CPU, or settings that do not fit the shape) reports an error")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--fp8", nargs="+", default=[], choices=["hybrid", "e4m3"],
+                   help="also run with FP8 GEMMs in these formats, after the plain runs (at each --recompute), so "
+                        "vs_first is FP8 over the shape's first plain run (default: none)")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="hidden and attention dropout of every jax3d run (Megatron's default is 0.1; the "
                         "peer runs without); attention with dropout is XLA's, not cuDNN's")
@@ -80,6 +84,8 @@ def main(argv=None) -> int:
             if peer:
                 emit(peer)
             runs = [Run(shape, batch, recompute=r, dtype=a.dtype, dropout=a.dropout) for r in a.recompute]
+            runs += [Run(shape, batch, recompute=r, dtype=a.dtype, dropout=a.dropout, fp8=f) for f in a.fp8
+                     for r in a.recompute]
             runs += [Run(shape, batch, ablate=names, dtype=a.dtype, dropout=a.dropout) for names in ablations]
             runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, xla_flags=f) for f in a.xla_flags]
             runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, tunings=t) for t in tunings]
