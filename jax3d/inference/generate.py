@@ -278,6 +278,8 @@ class Generator:
         if sampling.top_k > self.vocab:
             raise ConfigError(f"--top-k {sampling.top_k} exceeds the model's {self.vocab} tokens; pass at most that, "
                               "or 0 for all")
+        if not np.isscalar(max_new_tokens) and len(max_new_tokens) != len(prompts):
+            raise ConfigError(f"{len(max_new_tokens)} token budgets for {len(prompts)} prompts; give one per prompt")
         budget = np.zeros(self.batch, np.int32)  # filler rows: done at once
         budget[:len(prompts)] = max_new_tokens
         most = int(budget.max(initial=0))
@@ -306,7 +308,7 @@ class Generator:
                     halted[:rows] = halt
                 nxt = None
                 if ask > 0:
-                    nxt, state = decode(self.params, state, np.int32(ask), halted)
+                    nxt, state = decode(self.params, state, np.int32(ask), halted.copy())  # (a CPU may not copy)
                     made += ask
                 if pending is None:
                     yield np.asarray(first)[None, :rows].T
