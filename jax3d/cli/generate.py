@@ -21,9 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", default="", help="a UTF-8 file of prompts, one a line, after any --prompt "
                    "(default: none)")
     p.add_argument("--input-jsonl", default="", help='a file of JSON objects, one a line, each {"prompt": TEXT} '
-                   'with optional "max_new_tokens" and "stop" (a string or a list); after any other prompts')
+                   'with optional "max_new_tokens" and "stop" (a string or a list); after any other prompts (default: none)')
     p.add_argument("--output-jsonl", default="", help='write {"prompt", "completion", "finish_reason"} (eod, stop or '
-                   "length) per prompt, in order, to this file instead of printing the text")
+                   "length) per prompt, in order, to this file instead of printing the text (default: none)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (at most)")
     p.add_argument("--stop", action="append", default=[], help="end a continuation at this text, which is left "
                    "out; repeat for several (default: none)")

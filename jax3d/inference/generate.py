@@ -383,18 +383,3 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
                      dtype=dtype,
                      max_len=min(cfg.max_position_embeddings, longest + max_new_tokens + PROMPT_BUCKET),
                      eod=getattr(tokenizer, "eod", None))
-
-
-def generate_text(load: str, prompts: list[str], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True), *,
-                  tp: int = 1, dtype=jnp.float32, seed: int = 0, step: int = -1, stop: tuple[str, ...] = ()) -> list[str]:
-    """The continuation of each text prompt by checkpoint `load`, up to the end-of-document token or the
-    first of the `stop` strings (left out)."""
-    from jax3d.inference.text import Completions
-
-    cfg, params, tok = load_gpt_checkpoint(load, step)
-    ids = [tok.tokenize(p) for p in prompts]
-    gen = generator_for(cfg, params, tok, ids, max_new_tokens, tp=tp, dtype=dtype, checkpoint=load)
-    out = Completions(tok, [list(stop)] * len(ids), gen.eod)
-    for chunk in gen.stream(ids, max_new_tokens, sampling, seed, stop_at_eod=gen.eod is not None, halt=out.halt):
-        out.add(chunk)
-    return [out.text(i) for i in range(len(ids))]

@@ -1,14 +1,16 @@
 """The host's side of generation: each row's text as its tokens arrive in chunks, cut at the end-of-document
-token or the first stop string, and how much of it can be printed while more may come.
+token or the first stop string, and how much of it can be printed while more may come; `generate_text`, the
+continuations of text prompts by a checkpoint.
 
 Stop strings are text, not tokens (a string may end inside a token, or span several), so they are checked on
 the detokenized text after every chunk; a row that hits one is halted, which the Generator hands the device
 with the next chunk it dispatches."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
-from jax3d.inference.generate import PAD
+from jax3d.inference.generate import PAD, Sampling, generator_for, load_gpt_checkpoint
 
 FINISH = ("eod", "stop", "length")  # why a row ended: its end-of-document token, a stop string, its token budget
 
@@ -56,3 +58,16 @@ class Completions:
     def close(self) -> None:
         """The stream has ended: rows that are still open ran out of tokens."""
         self.finish = [f or "length" for f in self.finish]
+
+
+def generate_text(load: str, prompts: list[str], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True), *,
+                  tp: int = 1, dtype=jnp.float32, seed: int = 0, step: int = -1, stop: tuple[str, ...] = ()) -> list[str]:
+    """The continuation of each text prompt by checkpoint `load`, up to the end-of-document token or the
+    first of the `stop` strings (left out)."""
+    cfg, params, tok = load_gpt_checkpoint(load, step)
+    ids = [tok.tokenize(p) for p in prompts]
+    gen = generator_for(cfg, params, tok, ids, max_new_tokens, tp=tp, dtype=dtype, checkpoint=load)
+    out = Completions(tok, [list(stop)] * len(ids), gen.eod)
+    for chunk in gen.stream(ids, max_new_tokens, sampling, seed, stop_at_eod=gen.eod is not None, halt=out.halt):
+        out.add(chunk)
+    return [out.text(i) for i in range(len(ids))]
