@@ -30,7 +30,8 @@ def train_argv(a, log_dir: str, fp8: str) -> list[str]:
             "--lr-warmup-iters", str(min(a.warmup, a.steps - 1)), "--bf16", "--seed", str(a.seed),
             "--log-interval", "1", "--eval-interval", str(a.eval_interval), "--eval-iters", "4",
             "--log-dir", log_dir, "--hidden-dropout", "0", "--attention-dropout", "0", *a.train_flag]
-    return argv + ([f"--fp8-{fp8}"] if fp8 else [])
+    recipe = ["--fp8-amax-history-len", str(a.history), "--fp8-amax-compute-algo", a.algo]
+    return argv + ([f"--fp8-{fp8}", *recipe] if fp8 else [])
 
 
 def read_curve(log_dir: str) -> dict:
@@ -70,6 +71,10 @@ def main(argv=None) -> int:
     p.add_argument("--eval-interval", type=int, default=500, help="steps between validations (default: 500)")
     p.add_argument("--seed", type=int, default=1234, help="seed of both runs (default: 1234)")
     p.add_argument("--fp8", default="hybrid", choices=["hybrid", "e4m3"], help="FP8 format (default: hybrid)")
+    p.add_argument("--history", type=int, default=1024,
+                   help="amax history length (default: 1024, Transformer Engine's; Megatron's flag defaults to 1)")
+    p.add_argument("--algo", default="max", choices=["max", "most_recent"],
+                   help="amax of the history (default: max, Transformer Engine's; Megatron's is most_recent)")
     p.add_argument("--train-flag", action="append", default=[], metavar="FLAG",
                    help="one more train flag for both runs, e.g. --train-flag=--recompute=selective (repeatable)")
     a = p.parse_args(argv)
@@ -77,7 +82,7 @@ def main(argv=None) -> int:
 
     os.makedirs(a.out, exist_ok=True)
     result = {"preset": a.preset, "seq": a.seq, "batch": a.batch, "steps": a.steps, "lr": a.lr, "seed": a.seed,
-              "fp8_format": a.fp8}
+              "fp8_format": a.fp8, "fp8_history": a.history, "fp8_algo": a.algo}
     for name, fp8 in (("bf16", ""), ("fp8", a.fp8)):
         log_dir = os.path.join(a.out, name)
         t0 = time.perf_counter()
