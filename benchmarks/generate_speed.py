@@ -51,23 +51,22 @@ def _best(fn, repeats: int) -> tuple[float, object]:
 
 
 def time_hf(model, prompts: np.ndarray, new: int, device: str, static: bool, repeats: int) -> dict:
-    """transformers' greedy generate: eager with its dynamic cache, or with a static cache of prompt + `new`
-    slots, whose decode step transformers compiles (torch.compile, CUDA graphs on a GPU)."""
+    """transformers' greedy generate: eager with its dynamic cache, or with `cache_implementation="static"`,
+    whose decode step transformers compiles (torch.compile, CUDA graphs on a GPU). The first call sizes the
+    static cache for prompt + `new` tokens, and transformers reuses it (the same buffers, so the same CUDA
+    graphs) for the shorter calls after it."""
     import torch
     import transformers
 
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
     mask = torch.ones_like(ids)
-    extra = {}
-    if static:  # one cache length for every call, so the compiled step is not compiled again per length
+    kw = {}
+    if static:
         compile_config = transformers.CompileConfig()
         compile_config._compile_all_devices = device == "cpu"  # transformers compiles on accelerators only
-        extra = dict(compile_config=compile_config)
+        kw = dict(cache_implementation="static", compile_config=compile_config)
 
     def run(n):
-        kw = dict(extra)
-        if static:
-            kw["past_key_values"] = transformers.StaticCache(config=model.config, max_cache_len=prompts.shape[1] + new)
         if device == "cuda":
             torch.cuda.synchronize()
         with torch.no_grad():
