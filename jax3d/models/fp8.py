@@ -20,7 +20,6 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 # (forward operands, output gradient) formats of each mode; float8_e4m3fn is e4m3 with no infinities, as on Hopper.
 FORMATS = {"hybrid": (jnp.float8_e4m3fn, jnp.float8_e5m2), "e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn)}
@@ -59,29 +58,26 @@ def scales_param(module: nn.Module, fmt: str, gemm: str):
                         jnp.float32)
 
 
-def einsum(spec: str, x, w, scales=None, fmt: str = "", name_x: str = ""):
-    """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given. `name_x` names the f8 copy of
-    x that the backward pass reads (`checkpoint_name`), for a `jax.checkpoint` policy to keep instead of x."""
+def einsum(spec: str, x, w, scales=None, fmt: str = ""):
+    """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given."""
     if scales is None:
         return jnp.einsum(spec, x, w)
-    return _fp8_einsum(spec, fmt, name_x, x, w, scales)
+    return _fp8_einsum(spec, fmt, x, w, scales)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_einsum(spec, fmt, name_x, x, w, scales):
-    return _forward(spec, fmt, name_x, x, w, scales)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_einsum(spec, fmt, x, w, scales):
+    return _forward(spec, fmt, x, w, scales)[0]
 
 
-def _forward(spec, fmt, name_x, x, w, scales):
+def _forward(spec, fmt, x, w, scales):
     f8 = FORMATS[fmt][0]
     qx, qw = quantize(x, scales[X], f8), quantize(w, scales[W], f8)
-    if name_x:
-        qx = checkpoint_name(qx, name_x)
     y = jnp.einsum(spec, dequantize(qx, scales[X], x.dtype), dequantize(qw, scales[W], w.dtype))
     return y, (qx, qw, scales, amax(x), amax(w))
 
 
-def _backward(spec, fmt, name_x, res, g_y):
+def _backward(spec, fmt, res, g_y):
     qx, qw, scales, ax, aw = res
     dt = g_y.dtype
     q_g = quantize(g_y, scales[G], FORMATS[fmt][1])

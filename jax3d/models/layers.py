@@ -92,10 +92,8 @@ _ACTIVATIONS = {
 def _activate_then_dense(h, b, w_fd, activation: str, scales=None, fp8_format: str = ""):
     """act(h + b) @ w, in FP8 with `scales`; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and
     the up projection."""
-    g_btf = _ACTIVATIONS[activation](_plus(h, b))
-    if scales is not None:  # what the down-projection's backward reads is the f8 copy: kept instead, half the bytes
-        return fp8.einsum("btf,fd->btd", g_btf, w_fd, scales, fp8_format, name_x="gelu_out")
-    return jnp.einsum("btf,fd->btd", checkpoint_name(g_btf, "gelu_out"), w_fd)
+    g_btf = checkpoint_name(_ACTIVATIONS[activation](_plus(h, b)), "gelu_out")
+    return fp8.einsum("btf,fd->btd", g_btf, w_fd, scales, fp8_format)
 
 
 # Keeps the GEMM's output h (the bias is re-added in the backward fusion, so h + b is never written) and
