@@ -18,8 +18,9 @@ from jax3d.train.fp8 import Recipe
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
 from tests import test_checkpoint
 from tests.helpers import tiny_config
-from tests.test_checkpoint import GB, global_batch_array
-from tests.test_llama_layouts import counting_batch
+from tests.test_checkpoint import GB
+from tests.test_checkpoint import host_batch as random_batch
+from tests.test_llama_layouts import LLAMA, counting_batch
 
 FP8 = {"fp8": "hybrid", "fp8_amax_history_len": 4, "fp8_amax_compute_algo": "max"}
 # Layouts that sum in another order differ in the last fp32 bit; FP8 rounds some of those values to neighbouring
@@ -98,6 +99,22 @@ def test_amax_history_is_its_definition():
     r = Recipe("e4m3", history=1)
     h = r.update(r.init({"a": leaf}), {"a": jnp.asarray([[0.0, np.inf, 8.96], [1.0, np.nan, 448.0]])})
     np.testing.assert_allclose(r.scales(h)["a"], [[1.0, 1.0, 0.02], [1 / 448, 1.0, 1.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("model_kw, recompute", [({}, "none"), ({}, "selective"), ({}, "full"),
+                                                ({"model_type": "bert"}, "none"),
+                                                ({**LLAMA, "num_layers": 2}, "none")])
+def test_fp8_steps_track_the_plain_steps(model_kw, recompute, monkeypatch):
+    """Five steps of GPT, BERT and Llama, under each recompute policy: FP8 stays within quantization's reach of the
+    plain fp32 step (a NaN, or a GEMM left unscaled, would not)."""
+    monkeypatch.setattr(test_checkpoint, "host_batch", random_batch)  # BERT's batches too
+    curves = {}
+    for precision in ({}, FP8):
+        cfg, mesh_cfg, mesh = tiny_config(data=8, micro=2, global_batch=GB,
+                                          model_kw={**model_kw, "recompute": recompute})
+        s = build_steps(cfg.replace(precision=precision, optim={"lr": 3e-3}), mesh_cfg, mesh)
+        curves[bool(precision)], _ = test_checkpoint.train(s, s.init_state(0), 0, 5)
+    np.testing.assert_allclose(curves[True], curves[False], rtol=0, atol=2e-2)
 
 
 # ---- layouts ---------------------------------------------------------------------------------------------------------
