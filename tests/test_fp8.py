@@ -223,14 +223,15 @@ def dequantized_dots(hlo: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_the_step_lowered_for_cuda_has_fp8_gemms_in_the_rewriters_pattern():
-    """The one-device bf16 step with --fp8-hybrid, lowered for CUDA: each layer's QKV, attention-out, MLP-up and
-    MLP-down GEMMs, forward and both backward ones, take dequantized f8 operands (e4m3 x e4m3 forward, e5m2 with
-    e4m3 backward); with FP8 off, none does."""
+@pytest.mark.parametrize("model_kw", [{}, LLAMA], ids=["gpt", "llama"])
+def test_the_step_lowered_for_cuda_has_fp8_gemms_in_the_rewriters_pattern(model_kw):
+    """The one-device bf16 step with --fp8-hybrid, lowered for CUDA: each layer's QKV, attention-out, MLP-up (with
+    SwiGLU's gate) and MLP-down GEMMs, forward and both backward ones, take dequantized f8 operands (e4m3 x e4m3
+    forward, e5m2 with e4m3 backward); with FP8 off, none does."""
     layers = 2
 
     def lowered(precision):
-        cfg, mesh_cfg, mesh = tiny_config(model_kw={"num_layers": layers})
+        cfg, mesh_cfg, mesh = tiny_config(model_kw={**model_kw, "num_layers": layers})
         s = build_steps(cfg.replace(precision=precision), mesh_cfg, mesh)
         batch = abstract_batch(s, s.model.sample_shapes())
         with jax.set_mesh(s.mesh):
