@@ -7,7 +7,8 @@ safetensors, read into jax3d with `jax3d.hf.load_hf_params`, and both generate g
 random prompts. Decode tokens/s counts the new tokens after the first: (generate(new) - generate(1)) over
 (new - 1) steps of every row, for every side. `limit_tok_s` is the weights-only limit (one read of every
 weight per step); `limit_with_cache_tok_s` adds the cache a step must read (its filled part, averaged over
-the run). jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
+the run); `jax3d_step_ms` splits jax3d's step as profile_decode does (weights, every slot of the cache, the
+rest), without a trace. jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
 
     python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU: batch 1 and 32
     python -m benchmarks.generate_speed --small --batch 1 4  # a tiny model on CPU
@@ -22,7 +23,7 @@ import time
 
 import numpy as np
 
-from benchmarks.profile_decode import copy_rate
+from benchmarks.profile_decode import breakdown, copy_rate, step_bytes
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
 
@@ -143,9 +144,8 @@ def main(argv=None) -> int:
         model = hf_model(a.shape, d, vocab, positions, device, torch.bfloat16 if bf16 else torch.float32)
         cfg, params = load_hf_params(d)
         convert_s = time.perf_counter() - t0
-    # What one decode step reads: every weight once (the position table only a row, left out), and the cache.
-    weight_bytes = sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size
-    weight_bytes *= jnp.dtype(dtype).itemsize
+    item = jnp.dtype(dtype).itemsize
+    weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
                       "prompt_len": a.prompt_len, "new_tokens": a.new, "save_and_import_s": round(convert_s, 1),
@@ -154,13 +154,14 @@ def main(argv=None) -> int:
     for b in a.batch:
         prompts = rs.randint(0, vocab, (b, a.prompt_len)).astype(np.int32)
         ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats)
-        # the filled cache a step reads, averaged over the run: keys and values of every layer
-        cache_bytes = (2 * cfg.num_layers * b * cfg.hidden_size * jnp.dtype(dtype).itemsize
-                       * (a.prompt_len + a.new / 2))
+        filled = step_bytes(cfg, params, b, a.prompt_len + a.new // 2, item)[1]  # the cache's filled part, on average
         limit = b * rate / weight_bytes
         rec = {"batch": b, "jax3d_decode_tok_s": round(ours["decode_tok_s"], 1),
-               "limit_tok_s": round(limit, 1), "limit_with_cache_tok_s": round(b * rate / (weight_bytes + cache_bytes), 1),
+               "limit_tok_s": round(limit, 1), "limit_with_cache_tok_s": round(b * rate / (weight_bytes + filled), 1),
                "jax3d_of_limit": round(ours["decode_tok_s"] / limit, 3),
+               # jax3d's step against the bytes it reads: the weights, every slot of the cache, the rest
+               "jax3d_step_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, a.prompt_len + a.new, item)[1],
+                                          rate, b * 1e3 / ours["decode_tok_s"]),
                "jax3d_total_s": round(ours["total_s"], 3), "jax3d_compiles": ours["compiles"],
                "jax3d_warmup_s": round(ours["warmup_s"], 1)}
         for peer in a.peers:

@@ -53,6 +53,21 @@ def copy_rate(dtype, gib: float) -> float:
     return 2 * n * jnp.dtype(dtype).itemsize / best
 
 
+def step_bytes(cfg, params, batch: int, slots: int, itemsize: int) -> tuple[int, int]:
+    """(weight bytes, cache bytes) one decode step reads: every weight once (of the position table only a
+    row), and keys and values of every slot of every row and layer (the attention reads them all)."""
+    import jax
+
+    weights = (sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size) * itemsize
+    return weights, 2 * cfg.num_layers * batch * cfg.kv_heads * cfg.head_dim * slots * itemsize
+
+
+def breakdown(weight_bytes: int, cache_bytes: int, rate: float, step_ms: float) -> dict:
+    """A decode step's milliseconds: the weights' and the cache's bytes at the copy rate, and the rest."""
+    weights, cache = weight_bytes / rate * 1e3, cache_bytes / rate * 1e3
+    return {"weights": round(weights, 3), "cache": round(cache, 3), "else": round(step_ms - weights - cache, 3)}
+
+
 def loop_body_kernels(hlo: str) -> collections.Counter:
     """Kernels by HLO operation in one pass of the body of the outermost while loop of a compiled program's
     text, counting into the computations it calls (command buffers on a GPU) but not into fusions or inner
@@ -156,8 +171,7 @@ def main(argv=None) -> int:
     item = jnp.dtype(dtype).itemsize
     cfg = ModelConfig(**SHAPES[a.shape], hidden_dropout=0.0, attention_dropout=0.0)
     params = build_model(cfg).init(jax.random.key(0))
-    # every weight is read once a step; of the position table only a row
-    weight_bytes = (sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size) * item
+    weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
     weights_ms = weight_bytes / rate * 1e3
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
@@ -171,11 +185,9 @@ def main(argv=None) -> int:
         rows = [list(map(int, r)) for r in rs.randint(0, cfg.vocab_size, (b, a.prompt_len))]
         gen.generate(rows, a.new)  # compiles prefill and decode
         rec = profile(gen, rows, a.new)
-        cache_ms = 2 * cfg.num_layers * b * cfg.kv_heads * cfg.head_dim * max_len * item / rate * 1e3
         wall = rec["wall_ms_per_step"]
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1),
-               "breakdown_ms": {"weights": round(weights_ms, 3), "cache": round(cache_ms, 3),
-                                "else": round(wall - weights_ms - cache_ms, 3)},
+               "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, max_len, item)[1], rate, wall),
                "of_weights_limit": round(weights_ms / wall, 3), **rec, "compiles": gen.compile_counts()}
         if a.hlo:
             body = loop_body_kernels(gen.decode_hlo(rows))

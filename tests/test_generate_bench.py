@@ -27,6 +27,7 @@ def test_generate_speed_small_agrees_with_both_peers(capsys):
         assert r["same_tokens_frac_static"] == 1.0 and r["same_tokens_frac_eager"] == 1.0  # fp32: token for token
         assert r["limit_tok_s"] == pytest.approx(r["batch"] * rows[0]["limit_tok_s"], rel=1e-3)
         assert r["limit_with_cache_tok_s"] < r["limit_tok_s"]
+        assert sum(r["jax3d_step_ms"].values()) == pytest.approx(r["batch"] * 1e3 / r["jax3d_decode_tok_s"], abs=2e-3)
 
 
 def test_profile_decode_tiny_breakdown_adds_up(capsys):
