@@ -89,11 +89,10 @@ _ACTIVATIONS = {
 }
 
 
-def _activate_then_dense(h, b, w_fd, activation: str, scales=None, fp8_format: str = ""):
-    """act(h + b) @ w, in FP8 with `scales`; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and
-    the up projection."""
+def _activate_then_dense(h, b, w_fd, activation: str):
+    """act(h + b) @ w; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and the up projection."""
     g_btf = checkpoint_name(_ACTIVATIONS[activation](_plus(h, b)), "gelu_out")
-    return fp8.einsum("btf,fd->btd", g_btf, w_fd, scales, fp8_format)
+    return jnp.einsum("btf,fd->btd", g_btf, w_fd)
 
 
 # Keeps the GEMM's output h (the bias is re-added in the backward fusion, so h + b is never written) and
@@ -101,8 +100,11 @@ def _activate_then_dense(h, b, w_fd, activation: str, scales=None, fp8_format: s
 # recomputes only GELU's derivative, inside the fusion that applies it. At 1.3B b16 (docs/performance.md),
 # keeping every intermediate took 12 GiB more for 0.3% of speed; recomputing GELU's output as well took
 # 12 GiB less and 3.2% of speed. SwiGLU keeps its gate and up projections and their product the same way.
-_activate_then_dense_lean = jax.checkpoint(_activate_then_dense, static_argnums=(3, 5),
+_activate_then_dense_lean = jax.checkpoint(_activate_then_dense, static_argnums=(3,),
                                            policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
+
+
+_activate_lean = jax.checkpoint(lambda h, b, activation: _ACTIVATIONS[activation](_plus(h, b)), static_argnums=(2,))
 
 
 class LayerNorm(nn.Module):
@@ -250,7 +252,12 @@ class MLP(nn.Module):
             # _activate_then_dense_lean does.
             return fp8.einsum("btf,fd->btd", fused_gelu.gelu_bias(h, b_up, tuning), w_down, s_down, cfg.fp8) + b_down
         h = self.rules.constrain(h, ("batch", "seq", *up_axes[1:]))
-        return _plus(_activate_then_dense_lean(h, b_up, w_down, activation, s_down, cfg.fp8), b_down)
+        if s_down is not None:
+            # FP8: the down-projection keeps its input's f8 copy for its backward, and the activation only its
+            # own input h, its output recomputed there: no bf16 copy of that output is kept, nor re-quantized.
+            g_btf = _activate_lean(h, b_up, activation)
+            return _plus(fp8.einsum("btf,fd->btd", g_btf, w_down, s_down, cfg.fp8), b_down)
+        return _plus(_activate_then_dense_lean(h, b_up, w_down, activation), b_down)
 
 
 class Block(nn.Module):
