@@ -10,7 +10,9 @@ The state (`TrainState.fp8`) is a tree shaped like the blocks' scales leaves plu
 (layers, 3, history) per GEMM, rows x, w, g, entry 0 the latest step's amax, entry i the amax of i steps
 before. The step reads the scales off it (`scales`), the model reports the amaxes it saw (the scales'
 "gradients", max-reduced over micro-batches, data shards and pipeline stages' micro-batches), and `update`
-pushes them in. A step that is skipped (non-finite gradients) leaves the history as it was.
+pushes them in. A step that is skipped (non-finite gradients) leaves the history as it was. The first step
+quantizes with scale 1, as Transformer Engine's does: its gradients, far below e5m2's normal range, mostly
+round to zero (with Megatron's warm-up its learning rate is 0 anyway), and every later step has amaxes.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 
 from jax3d.config import PrecisionConfig
 from jax3d.models import fp8 as fp8_ops
+
 
 @dataclass(frozen=True)
 class Recipe:
