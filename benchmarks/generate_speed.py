@@ -11,6 +11,7 @@ the run); `jax3d_step_ms` splits jax3d's step as profile_decode does (weights, e
 rest), without a trace. jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
 
     python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU: batch 1 and 32
+    python -m benchmarks.generate_speed --trace              # and profile_decode's trace of jax3d's decode
     python -m benchmarks.generate_speed --small --batch 1 4  # a tiny model on CPU
 """
 from __future__ import annotations
@@ -88,7 +89,7 @@ def time_hf(model, prompts: np.ndarray, new: int, device: str, static: bool, rep
     return rec
 
 
-def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int) -> dict:
+def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, trace: bool = False) -> dict:
     import jax
 
     from jax3d.inference import Generator
@@ -103,8 +104,12 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int) 
     warmup_s = time.perf_counter() - t0
     t_one, _ = _best(lambda: gen.generate(rows, 1), repeats)
     t_all, toks = _best(lambda: gen.generate(rows, new), repeats)
-    return {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
-            "compiles": gen.compile_counts(), "warmup_s": warmup_s, "tokens": np.asarray(toks)}
+    rec = {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
+           "compiles": gen.compile_counts(), "warmup_s": warmup_s, "tokens": np.asarray(toks)}
+    if trace:  # profile_decode's kernel classes, from the same compiled programs
+        from benchmarks.profile_decode import profile
+        rec["trace"] = {k: v for k, v in profile(gen, rows, new, repeats).items() if k != "wall_ms_per_step"}
+    return rec
 
 
 def decode_rate(batch: int, new: int, t_one: float, t_all: float) -> float:
@@ -125,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--eager-new", type=int, default=64, help="new tokens for the eager peer (its rate is steady, and "
                    "256 of them take it a while)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
+    p.add_argument("--trace", action="store_true", help="also trace jax3d's decode as profile_decode does (kernel "
+                   "time by class, kernels per step, device busy), without compiling it again")
     a = p.parse_args(argv)
     if a.small:
         a.shape, a.prompt_len, a.new, a.eager_new = "small", 16, 16, 16
@@ -153,7 +160,7 @@ def main(argv=None) -> int:
     rs = np.random.RandomState(0)
     for b in a.batch:
         prompts = rs.randint(0, vocab, (b, a.prompt_len)).astype(np.int32)
-        ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats)
+        ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace)
         filled = step_bytes(cfg, params, b, a.prompt_len + a.new // 2, item)[1]  # the cache's filled part, on average
         limit = b * rate / weight_bytes
         rec = {"batch": b, "jax3d_decode_tok_s": round(ours["decode_tok_s"], 1),
@@ -162,6 +169,7 @@ def main(argv=None) -> int:
                # jax3d's step against the bytes it reads: the weights, every slot of the cache, the rest
                "jax3d_step_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, a.prompt_len + a.new, item)[1],
                                           rate, b * 1e3 / ours["decode_tok_s"]),
+               **({"jax3d_trace": ours["trace"]} if a.trace else {}),
                "jax3d_total_s": round(ours["total_s"], 3), "jax3d_compiles": ours["compiles"],
                "jax3d_warmup_s": round(ours["warmup_s"], 1)}
         for peer in a.peers:

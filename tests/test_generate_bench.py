@@ -17,7 +17,7 @@ def _records(capsys) -> list[dict]:
 def test_generate_speed_small_agrees_with_both_peers(capsys):
     from benchmarks import generate_speed
 
-    assert generate_speed.main(["--small", "--batch", "1", "2", "--repeats", "1"]) == 0
+    assert generate_speed.main(["--small", "--batch", "1", "2", "--repeats", "1", "--trace"]) == 0
     head, *rows = _records(capsys)
     assert head["shape"] == "small" and head["weight_gb"] > 0 and head["copy_tb_s"] > 0
     assert [r["batch"] for r in rows] == [1, 2]
@@ -27,6 +27,7 @@ def test_generate_speed_small_agrees_with_both_peers(capsys):
         assert r["same_tokens_frac_static"] == 1.0 and r["same_tokens_frac_eager"] == 1.0  # fp32: token for token
         assert r["limit_tok_s"] == pytest.approx(r["batch"] * rows[0]["limit_tok_s"], rel=1e-3)
         assert r["limit_with_cache_tok_s"] < r["limit_tok_s"]
+        assert r["jax3d_trace"]["kernels_per_step"] > 0
         assert sum(r["jax3d_step_ms"].values()) == pytest.approx(r["batch"] * 1e3 / r["jax3d_decode_tok_s"], abs=2e-3)
 
 
