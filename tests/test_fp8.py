@@ -179,6 +179,11 @@ def test_fp8_resume_is_bit_exact_and_restores_onto_another_layout(tmp_path_facto
     s, state = restored(ref, *fp8_layout(1, 2, 4, pipeline_schedule="zb-h1"))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(s.logical_state(state).fp8), ref["fp8_10"])
     assert np.any(jax.tree.leaves(ref["fp8_10"])[0] > 0)
+    # Without FP8 the histories are left unread; with another history length they start empty.
+    s, state = restored(ref, *fp8_layout(8, 1, 1, precision={}))
+    assert state.fp8 is None and np.isfinite(test_checkpoint.train(s, state, 10, 11)[0]).all()
+    s, state = restored(ref, *fp8_layout(8, 1, 1, precision={**FP8, "fp8_amax_history_len": 2}))
+    assert all(not np.any(a) for a in jax.tree.leaves(jax.device_get(state.fp8)))
 
 
 # ---- the GPU program ------------------------------------------------------------------------------------------------
@@ -279,6 +284,12 @@ def test_fp8_needs_fp8_tensor_cores():
         PrecisionConfig(dtype="float16", fp8="hybrid")
     with pytest.raises(ConfigError, match="^--fp8-amax-compute-algo 'mean' must be most_recent or max$"):
         PrecisionConfig(fp8="e4m3", fp8_amax_compute_algo="mean")
+
+
+def test_dry_run_compiles_the_fp8_step(capsys):
+    assert main([*BASE, "--fp8-hybrid", "--dry-run"]) == 0
+    report = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1]
+    assert '"fp8": "hybrid"' in report and '"peak"' in report
 
 
 def test_fp8_flags_reach_the_config():
