@@ -81,3 +81,18 @@ def test_kv_heads_that_tensor_parallelism_cannot_split_are_refused_in_one_senten
         resolve(cfg, 8)
     with pytest.raises(ConfigError, match="--num-attention-heads 8 is not divisible by --num-key-value-heads 3"):
         tiny_model(**{**LLAMA, "num_key_value_heads": 3})
+
+
+@pytest.mark.parametrize("model_kw", [{}, LLAMA], ids=["gpt", "llama"])
+def test_fp16_without_dropout_tracks_fp32_on_the_cpu(model_kw):
+    """--fp16 with no dropout (Llama's default) on a CPU, whose XLA has no f16 x f16 -> f32 dot for attention:
+    five steps stay within fp16's reach of the fp32 ones (the step failed to compile before)."""
+    curves = {}
+    # A fixed loss scale: the dynamic one starts at 2**32 and skips the first steps while it comes down.
+    for dtype, scale in (("float32", 0.0), ("float16", 1024.0)):
+        cfg, mesh_cfg, mesh = tiny_config(data=8, micro=2, global_batch=GB,
+                                          model_kw={**model_kw, "num_layers": 2, "hidden_dropout": 0.0,
+                                                    "attention_dropout": 0.0})
+        s = test_checkpoint.build_steps(cfg.replace(precision={"dtype": dtype, "loss_scale": scale}), mesh_cfg, mesh)
+        curves[dtype], _ = test_checkpoint.train(s, s.init_state(0), 0, 5)
+    np.testing.assert_allclose(curves["float16"], curves["float32"], rtol=0, atol=2e-2)

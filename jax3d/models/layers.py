@@ -195,6 +195,11 @@ class Attention(nn.Module):
             return _plus(out, b_out), cache
         if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
             ctx = self._core_with_dropout(q, k, v, mask, rng)
+        elif q.dtype == jnp.float16 and traced_platform() == "cpu":
+            # XLA's attention asks for an f16 x f16 -> f32 dot, which the CPU has not: run it in fp32 there.
+            q32, k32, v32 = (a.astype(jnp.float32) for a in (q, k, v))
+            ctx = jax.nn.dot_product_attention(q32, k32, v32, mask=mask, is_causal=causal,
+                                               implementation=impl).astype(q.dtype)
         else:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
         ctx = self.rules.constrain(ctx, ("batch", "seq", "heads", "kv"))
