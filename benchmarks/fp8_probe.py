@@ -83,7 +83,7 @@ GEMM_VARIANTS = ("bf16", "jax3d", "direct", "dq-bf16", "bf16-grad", "jax3d-grad"
                  "flax-grad", "dq-f32", "dq-div", "direct-f32out")
 STEP_VARIANTS = ("step-bf16", "step-fp8", "step-fp8-no-pallas")  # the last only when --only names it
 FP8_CALL = "__cublas$lt$matmul$f8"
-RESERVE = {"gemms": 20.0, "steps": 40.0}  # seconds of --budget kept for each child still to run
+RESERVE = {"gemms": 15.0, "steps": 35.0}  # seconds of --budget kept for each child still to run
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
 
