@@ -65,15 +65,16 @@ def test_small_probe_lists_every_variant_under_every_flag_set():
             assert "ERROR" not in row, row
     for variant in ("step-bf16", "step-fp8"):
         assert "ERROR" not in rows[("default", variant)]
-    # jax3d's dots take dequantized bf16; the candidate fix's take the f8 arrays (forward e4m3 x e4m3, backward
-    # e5m2 against e4m3)
-    assert "bf16,bf16->bf16" in rows[("default", "jax3d")]
+    # jax3d's dots take the f8 arrays (forward e4m3 x e4m3, backward e5m2 against e4m3); its first pattern's take
+    # dequantized bf16
+    assert "f8E4M3FN,f8E4M3FN->bf16" in rows[("default", "jax3d")]
     assert "f8E4M3FN,f8E4M3FN->bf16" in rows[("default", "direct")]
-    assert "f8E5M2,f8E4M3FN->bf16;f8E4M3FN,f8E5M2->bf16" in rows[("default", "jax3d-direct-grad")]
+    assert "f8E5M2,f8E4M3FN->bf16;f8E4M3FN,f8E5M2->bf16" in rows[("default", "jax3d-grad")]
+    assert "bf16,bf16->bf16" in rows[("default", "dequantized-grad")]
     assert "# default step-fp8: each GEMM" in text
 
 
-def test_the_candidate_fix_computes_what_jax3ds_fp8_einsum_does():
+def test_the_dequantized_pattern_computes_what_jax3ds_fp8_einsum_does():
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,7 +87,7 @@ def test_the_candidate_fix_computes_what_jax3ds_fp8_einsum_does():
     g = jax.random.normal(kg, (2, 8, 16), jnp.float32)
     s = jnp.array([1 / 64, 1 / 512, 1 / 1024], jnp.float32)
     ref, ref_pull = jax.vjp(lambda x, w, s: fp8.einsum("btd,df->btf", x, w, s, "hybrid"), x, w, s)
-    got, pull = jax.vjp(lambda x, w, s: fp8_probe.direct_einsum("hybrid", x, w, s), x, w, s)
+    got, pull = jax.vjp(lambda x, w, s: fp8_probe.dequantized_einsum("hybrid", x, w, s), x, w, s)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(pull(g), ref_pull(g)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

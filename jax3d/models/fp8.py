@@ -1,11 +1,17 @@
-"""FP8 matrix products with per-tensor scales, written in the form XLA's GPU rewriter turns into cuBLASLt FP8 GEMMs.
+"""FP8 matrix products with per-tensor scales: dots of f8 arrays, which XLA's GPU compiler runs as FP8 GEMMs.
 
 A GEMM `einsum(spec, x, w)` in FP8: x and w are quantized (divided by their scale, clipped to the format's
-range, converted to f8), then dequantized (converted back to the compute dtype, multiplied by the scalar scale)
-right before the dot. XLA's GEMM rewriter on Hopper folds `convert(f8) * broadcast(scale) -> dot` into one
-FP8 cuBLASLt call; on CPU the same program runs with XLA's emulated f8 types. The backward pass quantizes the
-output gradient g the same way (e5m2 under `hybrid`, e4m3 under `e4m3`) and runs the two transposed dots on
-the stored f8 operands, so the residuals kept from forward to backward are f8, half of bf16's bytes.
+range, converted to f8), the dot takes the f8 arrays themselves (accumulating in f32, giving the compute
+dtype), and its output is multiplied by the product of the two scales. On Hopper XLA runs such a dot as a
+cuBLASLt FP8 GEMM (the scale multiply folded into it) or a Triton GEMM with f8 operands; on CPU the same
+program runs with XLA's emulated f8 types. Dequantizing first (convert, scale, then a bf16 dot) is the older
+pattern the GEMM rewriter matched; newer XLA fuses that convert into a Triton bf16 GEMM, and measured no FP8
+GEMM at all in the step (docs/performance.md, FP8). The backward pass quantizes the output gradient g the same
+way (e5m2 under `hybrid`, e4m3 under `e4m3`) and runs the two transposed dots on the stored f8 operands, so
+the residuals kept from forward to backward are f8, half of bf16's bytes.
+
+Scales are powers of two (jax3d.train.fp8), so quantizing divides exactly and the product of two scales is
+exact in bf16: scaling the bf16 output equals scaling inside the GEMM.
 
 Scales are a parameter of the layer, one (3,) leaf per GEMM named `<gemm>_fp8`: the dequantizing multipliers of
 x, w and g, computed by the train step from an amax history (jax3d.train.fp8). The "gradient" of that leaf is
@@ -38,11 +44,6 @@ def quantize(a, scale, f8):
     return jnp.clip(a / scale.astype(a.dtype), -top, top).astype(f8)
 
 
-def dequantize(q, scale, dtype):
-    """The pattern the GPU rewriter folds into an FP8 GEMM: convert, then multiply by a broadcast scalar."""
-    return q.astype(dtype) * scale.astype(dtype)
-
-
 def amax(a):
     return jnp.max(jnp.abs(a))
 
@@ -70,10 +71,23 @@ def _fp8_einsum(spec, fmt, x, w, scales):
     return _forward(spec, fmt, x, w, scales)[0]
 
 
+def scaled_dot(spec: str, a, b, scale_a, scale_b, dtype):
+    """`einsum(spec, a, b)` of two f8 arrays, accumulated in f32 and given in `dtype`, times scale_a * scale_b."""
+    y = jnp.einsum(spec, a, b, preferred_element_type=dtype)
+    return y * (scale_a * scale_b).astype(dtype)
+
+
+def _transposed(spec: str) -> tuple[str, str]:
+    """The specs of a GEMM's input gradients: "x,w->y" gives ("y,w->x", "x,y->w")."""
+    ins, y = spec.replace(" ", "").split("->")
+    x, w = ins.split(",")
+    return f"{y},{w}->{x}", f"{x},{y}->{w}"
+
+
 def _forward(spec, fmt, x, w, scales):
     f8 = FORMATS[fmt][0]
     qx, qw = quantize(x, scales[X], f8), quantize(w, scales[W], f8)
-    y = jnp.einsum(spec, dequantize(qx, scales[X], x.dtype), dequantize(qw, scales[W], w.dtype))
+    y = scaled_dot(spec, qx, qw, scales[X], scales[W], x.dtype)
     return y, (qx, qw, scales, amax(x), amax(w))
 
 
@@ -81,10 +95,9 @@ def _backward(spec, fmt, res, g_y):
     qx, qw, scales, ax, aw = res
     dt = g_y.dtype
     q_g = quantize(g_y, scales[G], FORMATS[fmt][1])
-    # The transposed dots, as autodiff writes them, of the dequantized f8 operands: both are FP8 GEMMs.
-    _, pullback = jax.vjp(functools.partial(jnp.einsum, spec), dequantize(qx, scales[X], dt),
-                          dequantize(qw, scales[W], dt))
-    dx, dw = pullback(dequantize(q_g, scales[G], dt))
+    for_x, for_w = _transposed(spec)  # both FP8 GEMMs: e5m2 x e4m3 under hybrid
+    dx = scaled_dot(for_x, q_g, qw, scales[G], scales[W], dt)
+    dw = scaled_dot(for_w, qx, q_g, scales[X], scales[G], dt)
     observed = jnp.stack([ax.astype(scales.dtype), aw.astype(scales.dtype), amax(g_y).astype(scales.dtype)])
     return dx, dw, observed
 

@@ -51,14 +51,16 @@ class Recipe:
         return jax.tree.map(lambda a: jnp.zeros((*a.shape, self.history), jnp.float32), scales_tree)
 
     def scales(self, history):
-        """The dequantizing scales of a history: amax * 2**margin / the format's largest value, where the history
-        holds a positive finite amax, else 1."""
+        """The dequantizing scales of a history: amax * 2**margin / the format's largest value, rounded up to a
+        power of two, where the history holds a positive finite amax, else 1. A power of two divides exactly and
+        makes the product of two scales, which multiplies an FP8 GEMM's bf16 output, exact (jax3d.models.fp8);
+        rounding up keeps amax / scale within the format's range, at most one binade below its top."""
         top = self._largest()
 
         def one(h):
             ref = h[..., 0] if self.algorithm == "most_recent" else jnp.max(h, axis=-1)
             ok = (ref > 0) & jnp.isfinite(ref)
-            return jnp.where(ok, ref * (2.0 ** self.margin) / top, 1.0)
+            return jnp.where(ok, power_of_two_above(ref * (2.0 ** self.margin) / top), 1.0)
         return jax.tree.map(one, history)
 
     @staticmethod
@@ -66,6 +68,13 @@ class Recipe:
         """The history with this step's amaxes in front and the oldest entry dropped."""
         return jax.tree.map(lambda h, a: jnp.concatenate([a.astype(h.dtype)[..., None], h[..., :-1]], axis=-1),
                             history, amaxes)
+
+
+def power_of_two_above(v):
+    """The least power of two >= v, for positive finite v (exact: frexp, not a rounded log2); at least the
+    smallest normal float, so that a scale is never zero."""
+    mantissa, exponent = jnp.frexp(jnp.maximum(v, jnp.finfo(v.dtype).tiny))  # v = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return jnp.ldexp(jnp.ones_like(v), jnp.where(mantissa == 0.5, exponent - 1, exponent))
 
 
 def history_specs(scales_specs):
