@@ -89,6 +89,12 @@ def _top_p(sorted_logits, top_p: float):
 
 PAD = -1  # a finished row's token in a chunk
 CHUNK = 32  # tokens per decode call at most: how often the host sees the stream (and stop strings)
+# On a GPU XLA captures sequences of kernels as CUDA graphs (command buffers); with WHILE and CONDITIONAL in the set,
+# the token loop itself is one graph, so a decode step pays no launch per kernel from the host. Measured on one H100
+# (gpt-1.3b, bf16, docs/decode.md): 486 -> 530 tokens/s at batch 1, 11.9k -> 12.4k at batch 32. Other backends
+# ignore the option.
+DECODE_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 
 
 class Generator:
@@ -229,7 +235,7 @@ class Generator:
                                                                             "done", "eod", "step", "key")}}
             prefill = jax.jit(self._prefill(sampling), out_shardings=(r, state_sh))
             decode = jax.jit(self._decode(sampling), out_shardings=({"tokens": r, "made": r, "done": r}, state_sh),
-                             donate_argnums=1)
+                             donate_argnums=1, compiler_options=DECODE_COMPILER_OPTIONS)
             self._jits[sampling] = (prefill, decode)
         return self._jits[sampling]
 
