@@ -14,6 +14,7 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
   GEMMs, copies, collectives), read from the compiled program (on a CPU too; it compiles decode once more).
 
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
+    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel   # the Pallas attention
     python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU (16-token prompts)
 """
 from __future__ import annotations
@@ -156,14 +157,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=0, help="default 128 (16 for the tiny shape)")
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--hlo", action="store_true", help="count the kernels of the compiled token loop's body")
+    p.add_argument("--decode-kernel", action="store_true",
+                   help="decode's attention as jax3d.models.decode_attention (a Pallas kernel reading only the "
+                        "filled slots; off by default until measured), not XLA's")
     a = p.parse_args(argv)
     a.prompt_len = a.prompt_len or (16 if a.shape == "tiny" else 128)
     import jax
     import jax.numpy as jnp
 
     from jax3d.config import ModelConfig
-    from jax3d.inference import Generator
-    from jax3d.models import build_model
+    from jax3d.models import build_model, decode_attention
+    from jax3d.models.pallas_gpu import kernel_settings
     from jax3d.parallel.mesh import MeshConfig
 
     on_gpu = jax.default_backend() == "gpu"
@@ -176,9 +180,19 @@ def main(argv=None) -> int:
     weights_ms = weight_bytes / rate * 1e3
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
                       "weight_gb": round(weight_bytes / 1e9, 3), "copy_tb_s": round(rate / 1e12, 3),
-                      "weights_ms": round(weights_ms, 3)}), flush=True)
+                      "weights_ms": round(weights_ms, 3), "decode_kernel": a.decode_kernel}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
+    kernels = (decode_attention.Tuning(),) if a.decode_kernel else ()
+    with kernel_settings(*kernels):  # read when decode is traced, in the first generate below
+        _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, item)
+    return 0
+
+
+def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, item) -> None:
+    from jax3d.inference import Generator
+
+    weights_ms = weight_bytes / rate * 1e3
     for b in a.batch:
         max_len = a.prompt_len + a.new
         gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype)
@@ -193,7 +207,6 @@ def main(argv=None) -> int:
             body = loop_body_kernels(gen.decode_hlo(rows))
             rec.update(hlo_kernels_per_step=sum(body.values()), hlo_kernels_by_op=dict(body.most_common(8)))
         print(json.dumps(rec), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -51,6 +51,30 @@ def _gen(cfg, params, batch, tp=1, **kw):
     return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=batch, max_len=64, **kw)
 
 
+def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported, monkeypatch):
+    """Decode's attention as jax3d.models.decode_attention (Pallas' interpreter standing in for the GPU), walking
+    the 64 slots in blocks of 16 from each row's first token: transformers' greedy tokens; off (its default),
+    the same without it."""
+    from jax3d.models import decode_attention, pallas_gpu
+
+    hf, params, cfg = imported
+    calls, run = [], decode_attention.decode_attention
+
+    def interpreted(*args, **kw):
+        calls.append(1)
+        return run(*args, interpret=True, **kw)
+
+    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+    monkeypatch.setattr(decode_attention, "decode_attention", interpreted)
+    want = _hf_greedy(hf, PROMPTS)
+    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16)):
+        assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
+    assert calls, "the kernel did not run"
+    calls.clear()
+    assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
+    assert not calls
+
+
 def test_greedy_batch1_equals_transformers_with_and_without_cache(imported):
     hf, params, cfg = imported
     prompt = PROMPTS[0]

@@ -161,7 +161,8 @@ class Generator:
         mask = self._mask(start_b, query_slots_t)
         new_cache = []
         for p, c in zip(params["blocks"], cache):
-            x, c = m.block.apply({"params": p}, x, mask, None, True, {**c, "index": index}, positions_bt)
+            x, c = m.block.apply({"params": p}, x, mask, None, True, {**c, "index": index, "start": start_b},
+                                 positions_bt)
             new_cache.append({"k": c["k"], "v": c["v"]})
         logits = m.final_logits(params, x[:, -1:])[:, 0]  # the head of the last token only (prefill)
         if self.vocab < logits.shape[-1]:  # padding columns are never picked

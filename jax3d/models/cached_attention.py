@@ -7,12 +7,14 @@ whole cache for every layer and token to feed its batched dots: a copy of all of
 heads are a dimension of the query, so a KV head is read once for its g query heads. A decode step (one
 query row) is products and sums rather than dots, so the compiler has no layout of its own to ask for.
 
-Why no fused kernel: cuDNN (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one
-query row only with its mask as a bias over every (query, key) pair, and wants the slots before the heads;
-Pallas' GPU decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on
-every call. The sums here read every slot of the cache, filled or not; at the gpt-1.3b shape that is 3% of
-a step's bytes at batch 1 and about half at batch 32, where a kernel bounded by the filled length is what is
-left to gain. The mask is two iotas and compares, which XLA fuses into the softmax.
+On one GPU a decode step can run jax3d.models.decode_attention, one Pallas kernel that reads only the filled
+slots, when the cache carries the rows' first slots (`cache['start']`, as generation's does); it is off until
+measured on a GPU. cuDNN
+(`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row only with its mask as a
+bias over every (query, key) pair, and wants the slots before the heads; Pallas' own GPU decode kernel
+(`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on every call. Elsewhere the sums
+here read every slot of the cache, filled or not: at the gpt-1.3b shape 3% of a step's bytes at batch 1 and
+about half at batch 32. The mask is two iotas and compares, which XLA fuses into the softmax.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax3d.models import decode_attention, pallas_gpu
+
 CACHE_AXES = ("batch", "heads", "seq", "kv")
 
 
@@ -28,7 +32,9 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     """(output (batch, seq, embed) before the out-projection's bias, updated cache): the keys and values
     written at slot `cache['index']` of `cache['k']`, `cache['v']` (batch, kv_heads, max_len, head_dim), in
     place when the cache is donated; the queries' softmax, in fp32, over the slots `mask_b1tT` (batch, 1, seq,
-    max_len) allows; and the out-projection `w_out_nhd` of the context."""
+    max_len) allows; and the out-projection `w_out_nhd` of the context. With `cache['start']` (batch,), the
+    rows' first slots, a decode step's mask must be the one those give (from `start` to the query's slot, and
+    that slot always): on one GPU the kernel builds it from them."""
     idx = cache["index"]
 
     def write(c, new_btkh):
@@ -40,6 +46,10 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     kv = k_bksh.shape[1]
     g = n // kv
     # Query head n is KV head n // g's (layers.split_qkv's order).
+    tuning = pallas_gpu.tuning(decode_attention)
+    if t == 1 and "start" in cache and decode_attention.supported(k_bksh, rules, tuning):
+        ctx_bnh = decode_attention.decode_attention(q_btnh[:, 0], k_bksh, v_bksh, cache["start"], idx, tuning)
+        return _out(ctx_bnh.reshape(b, 1, kv, g, h), w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
     q_bkgth = jnp.transpose(q_btnh.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
     if t == 1:
         # Decode: products and sums, not dots. A dot of one query row lets the compiler pick the cache's layout
@@ -56,8 +66,17 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     else:
         ctx_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v_bksh.dtype), v_bksh)
     ctx_btkgh = jnp.transpose(ctx_bkgth, (0, 3, 1, 2, 4))  # t = 1: a bitcast
+    return _out(ctx_btkgh, w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
+
+
+def _out(ctx_btkgh, w_out_nhd, rules):
+    """The out-projection of the context (batch, seq, kv_heads, group, head_dim)."""
+    kv, g, h = ctx_btkgh.shape[2:]
     ctx_btkgh = rules.constrain(ctx_btkgh, ("batch", "seq", "heads", None, "kv"))
     # dot_general with the contracting dims in memory order: jnp.einsum lists them reversed, and XLA on the
     # CPU then copied the (heads, head_dim, embed) weight transposed on every token.
-    out = jax.lax.dot_general(ctx_btkgh, w_out_nhd.reshape(kv, g, h, -1), (((2, 3, 4), (0, 1, 2)), ((), ())))
-    return out, {"k": k_bksh, "v": v_bksh, "index": idx}
+    return jax.lax.dot_general(ctx_btkgh, w_out_nhd.reshape(kv, g, h, -1), (((2, 3, 4), (0, 1, 2)), ((), ())))
+
+
+def _kept(k_bksh, v_bksh, cache):
+    return {"k": k_bksh, "v": v_bksh, **{key: cache[key] for key in ("index", "start") if key in cache}}

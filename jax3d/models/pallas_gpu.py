@@ -10,8 +10,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from jax3d.parallel.rules import ShardingRules, traced_platform
 
-# The kernel modules of jax3d.models, each with a `Tuning` of block shapes and warps and its `DEFAULT`.
+# The kernel modules of jax3d.models, each with a `Tuning` of block shapes and warps and its `DEFAULT`: the train
+# step's, and generation's.
 KERNELS = ("fused_gelu", "fused_norm", "fused_qkv", "fused_xent")
+DECODE_KERNELS = ("decode_attention",)
 
 
 def on_one_gpu(rules: ShardingRules) -> bool:
@@ -73,9 +75,9 @@ def kernel_settings(*tunings, off=()):
     its DEFAULT, and the kernels named in `off` (KERNELS) not at all: their plain JAX function runs, as on a
     CPU. For benchmarks. Only tracing reads it, so a function jitted outside and called inside keeps the
     settings it was traced with."""
-    unknown = sorted(set(off) - set(KERNELS))
+    unknown = sorted(set(off) - set(KERNELS + DECODE_KERNELS))
     if unknown:
-        raise ValueError(f"no kernel {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
+        raise ValueError(f"no kernel {', '.join(unknown)}; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
     token = _SETTINGS.set({**_SETTINGS.get(), **{_kernel(type(t)): t for t in tunings}, **dict.fromkeys(off)})
     try:
         yield

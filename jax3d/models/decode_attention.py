@@ -1,0 +1,95 @@
+"""A decode step's attention over the KV cache as one Pallas (Triton) kernel that reads only the filled slots.
+
+XLA's attention for one query row (jax3d.models.cached_attention) reads every slot of the cache, filled or
+not, in a few kernels (scores, softmax, context). At batch 32 of 128 + 256 tokens the cache is 2.4 GB of
+bf16 against 2.6 GB of weights, and the filled part averages two thirds of it. Here one program per (row,
+query head) walks the row's slots in blocks from its first token's block to the block of the slot being
+decoded, with an online softmax (running max and sum) in fp32, so the bytes read are the filled blocks' and
+the three steps are one kernel. A KV head's slots are read once per query head of its group (grouped-query
+attention): the other heads' programs find them in L2.
+
+The slots a row's query sees are those of cached_attention's mask: from the row's first token (`start`) up to
+the query's own slot, and always its own slot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
+from jax3d.parallel.rules import ShardingRules
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Slots per step of the walk (a power of two that divides the cache's slots) and warps per program."""
+
+    block: int = 64
+    warps: int = 4
+
+    def __post_init__(self):
+        check_powers_of_two(self, "block", "warps")
+
+
+# Off until measured on a GPU (docs/decode.md says how): a benchmark turns it on with
+# `pallas_gpu.kernel_settings(Tuning())`.
+DEFAULT = None
+
+
+def supported(k_bksh, rules: ShardingRules, tuning: Tuning | None) -> bool:
+    """Whether `decode_attention` takes this cache: on one GPU, its slots in whole blocks (never with `tuning`
+    None: the kernel is off, pallas_gpu.kernel_settings)."""
+    return tuning is not None and on_one_gpu(rules) and k_bksh.shape[2] % tuning.block == 0
+
+
+def _kernel(start_ref, index_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, group: int, scale: float):
+    row, head = pl.program_id(0), pl.program_id(1)
+    kv = head // group
+    start, index = start_ref[row], index_ref[0]
+    q = q_ref[row, head, :].astype(jnp.float32) * scale  # (head_dim,)
+    first = jnp.minimum(start, index) // block
+
+    def step(j, carry):
+        m, l, acc = carry
+        at = pl.ds(pl.multiple_of(j * block, block), block)
+        k = k_ref[row, kv, at, :].astype(jnp.float32)  # (block, head_dim)
+        v = v_ref[row, kv, at, :].astype(jnp.float32)
+        s = jnp.sum(k * q[None, :], axis=1)  # (block,)
+        slot = j * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+        seen = ((slot >= start) & (slot <= index)) | (slot == index)
+        s = jnp.where(seen, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s))
+        p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m - m_new)
+        return m_new, l * alpha + jnp.sum(p), acc * alpha + jnp.sum(p[:, None] * v, axis=0)
+
+    h = q.shape[0]
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((h,), jnp.float32))
+    # The first block holds a seen slot (the row's first token, or the query's own), so m is finite after it.
+    _, l, acc = jax.lax.fori_loop(first, index // block + 1, step, init)
+    o_ref[row, head, :] = (acc / l).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def decode_attention(q_bnh, k_bksh, v_bksh, start_b, index, tuning: Tuning = Tuning(), interpret: bool = False):
+    """Context (batch, heads, head_dim) of one query row per batch row over the cache `k_bksh`, `v_bksh`
+    (batch, kv_heads, slots, head_dim): softmax(q k / sqrt(head_dim)) v over the slots from `start_b` (batch,)
+    to `index` (the query's own slot, a scalar), and always slot `index`. The slots must be a multiple of
+    `tuning.block`. `interpret=True` runs it in Pallas' interpreter, on any backend (for tests)."""
+    b, n, h = q_bnh.shape
+    kv, slots = k_bksh.shape[1], k_bksh.shape[2]
+    if slots % tuning.block:
+        raise ValueError(f"a cache of {slots} slots is not a multiple of {tuning}'s block")
+    kernel = functools.partial(_kernel, block=tuning.block, group=n // kv, scale=1.0 / math.sqrt(h))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, n, h), q_bnh.dtype),
+        grid=(b, n),
+        compiler_params=compiler_params(tuning.warps, interpret),
+        interpret=interpret,
+    )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), q_bnh, k_bksh, v_bksh)

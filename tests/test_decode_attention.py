@@ -1,0 +1,58 @@
+"""jax3d.models.decode_attention (the decode step's attention kernel, which reads only the filled slots) in Pallas'
+interpreter, against a softmax over the whole cache under generation's mask. Inside generation, against
+transformers' greedy tokens: tests/test_generate.py."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax3d.models import decode_attention
+
+
+def reference(q_bnh, k_bksh, v_bksh, start_b, index):
+    """Softmax attention of one query row over every slot, masked as generation masks it."""
+    g = q_bnh.shape[1] // k_bksh.shape[1]
+    k, v = jnp.repeat(k_bksh, g, axis=1), jnp.repeat(v_bksh, g, axis=1)
+    s = jnp.einsum("bnh,bnsh->bns", q_bnh, k) / math.sqrt(q_bnh.shape[-1])
+    slot = jnp.arange(k.shape[2])[None]
+    seen = ((slot >= start_b[:, None]) & (slot <= index)) | (slot == index)
+    return jnp.einsum("bns,bnsh->bnh", jax.nn.softmax(jnp.where(seen[:, None], s, -jnp.inf), -1), v)
+
+
+@pytest.mark.parametrize("heads, kv_heads, slots, block", [(4, 4, 128, 64), (8, 2, 96, 16)], ids=["mha", "gqa"])
+def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, slots, block):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    b, h = 3, 32
+    q = jax.random.normal(kq, (b, heads, h))
+    k = jax.random.normal(kk, (b, kv_heads, slots, h))
+    v = jax.random.normal(kv, (b, kv_heads, slots, h))
+    tuning = decode_attention.Tuning(block=block)
+    for index in (0, 5, block - 1, block, slots - 1):
+        # a row from slot 0, a left-padded row, and a row whose first token is past the query (a pad query)
+        start = jnp.array([0, min(index, 7), index + 1], jnp.int32)
+        got = decode_attention.decode_attention(q, k, v, start, jnp.int32(index), tuning, interpret=True)
+        np.testing.assert_allclose(got, reference(q, k, v, start, index), rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
+    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+    cache = jnp.zeros((1, 1, 96, 8))
+    assert decode_attention.supported(cache, None, decode_attention.Tuning(block=32))
+    assert not decode_attention.supported(cache, None, decode_attention.Tuning(block=64))
+    assert not decode_attention.supported(cache, None, None)  # off
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention.Tuning(block=48)
+
+
+def test_the_kernel_lowers_to_one_triton_call_for_cuda():
+    """What a GPU would compile, lowered on this CPU: the kernel's Pallas-to-Triton lowering at gpt-1.3b's decode
+    shape (batch 32, 16 heads of 128, 384 slots, bf16) is one Triton custom call."""
+    b, n, h, slots = 32, 16, 128, 384
+    bf = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((b, n, h), bf), jax.ShapeDtypeStruct((b, n, slots, h), bf),
+            jax.ShapeDtypeStruct((b, n, slots, h), bf), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    text = decode_attention.decode_attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
