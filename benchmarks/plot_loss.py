@@ -59,7 +59,8 @@ def svg(result: dict) -> str:
         out.append(line(running_mean(curves[k]), COLOURS[k], 1.8, 1.0))
     for n, k in enumerate(curves):
         label = result[k].get("label", k)
-        out.append(f'<text x="{W - PAD - 250}" y="{PAD + 16 * n}" fill="{COLOURS[k]}">{label} (20-step mean, bold)</text>')
+        out.append(f'<text x="{W - PAD - 250}" y="{PAD + 16 * n}" fill="{COLOURS[k]}">'
+                   f'{label} (20-step mean, bold)</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
 
 

@@ -5,8 +5,8 @@ range, converted to f8), the dot takes the f8 arrays themselves (accumulating in
 dtype), and its output is multiplied by the product of the two scales. On Hopper XLA runs such a dot as a
 cuBLASLt FP8 GEMM (the scale multiply folded into it) or a Triton GEMM with f8 operands; on CPU the same
 program runs with XLA's emulated f8 types. Dequantizing first (convert, scale, then a bf16 dot) is the older
-pattern the GEMM rewriter matched; newer XLA fuses that convert into a Triton bf16 GEMM, and measured no FP8
-GEMM at all in the step (docs/performance.md, FP8). The backward pass quantizes the output gradient g the same
+pattern the GEMM rewriter matched; this XLA compiles it to a bf16 GEMM unless Triton GEMMs are off, and the
+step had no FP8 GEMM at all (docs/performance.md, FP8). The backward pass quantizes the output gradient g the same
 way (e5m2 under `hybrid`, e4m3 under `e4m3`) and runs the two transposed dots on the stored f8 operands, so
 the residuals kept from forward to backward are f8, half of bf16's bytes.
 

@@ -72,8 +72,8 @@ _SETTINGS: contextvars.ContextVar[dict] = contextvars.ContextVar("jax3d_pallas_s
 @contextlib.contextmanager
 def kernel_settings(*tunings, off=()):
     """Within it, what is traced runs each kernel that one of `tunings` belongs to with that Tuning instead of
-    its DEFAULT, and the kernels named in `off` (KERNELS) not at all: their plain JAX function runs, as on a
-    CPU. For benchmarks. Only tracing reads it, so a function jitted outside and called inside keeps the
+    its DEFAULT, and the kernels named in `off` (KERNELS, DECODE_KERNELS) not at all: their plain JAX function
+    runs, as on a CPU. For benchmarks. Only tracing reads it, so a function jitted outside and called inside keeps the
     settings it was traced with."""
     unknown = sorted(set(off) - set(KERNELS + DECODE_KERNELS))
     if unknown:

@@ -73,7 +73,8 @@ class Recipe:
 def power_of_two_above(v):
     """The least power of two >= v, for positive finite v (exact: frexp, not a rounded log2); at least the
     smallest normal float, so that a scale is never zero."""
-    mantissa, exponent = jnp.frexp(jnp.maximum(v, jnp.finfo(v.dtype).tiny))  # v = mantissa * 2**exponent, mantissa in [0.5, 1)
+    # v = mantissa * 2**exponent, mantissa in [0.5, 1): a power of two has mantissa 0.5
+    mantissa, exponent = jnp.frexp(jnp.maximum(v, jnp.finfo(v.dtype).tiny))
     return jnp.ldexp(jnp.ones_like(v), jnp.where(mantissa == 0.5, exponent - 1, exponent))
 
 
