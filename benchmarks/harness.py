@@ -298,6 +298,7 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
         return {"who": "jax3d", "run": run.label(), "error": f"{', '.join(unused)} does not run in this step "
                 "(not on one GPU, or the settings do not fit the shape), so its settings were not measured"}
     transposes = hlo_transposes(hlo)
+    gemms = gemm_kinds(hlo) if run.fp8 else {}
     with GpuLog() as gpu:
         state, metrics, t0, t1 = time_steps(steps, compiled, state, batch, steps_timed, warmup)
     dt = (t1 - t0) / steps_timed
@@ -314,7 +315,17 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
             "tflops_per_device": round(tflops, 1), "mfu": round(tflops / peak, 4) if peak else None,
             "compile_s": round(compile_s, 1), "hlo_transposes": transposes, "kernels": kernels,
             "tunings": [list(t) for t in run.tunings], "mem_gb": round(memory_gb(), 2),
-            "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind, **gpu.summary(t0, t1)}
+            "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind, **gpu.summary(t0, t1),
+            **({"gemm_kinds": gemms} if gemms else {})}
+
+
+def gemm_kinds(hlo: str) -> dict[str, int]:
+    """How the compiled step's GEMMs run, counted by kind (benchmarks.fp8_probe.gemm_lowering's labels: a cuBLASLt
+    FP8 call, a Triton GEMM whose dot takes f8 operands, a bf16 GEMM, ...), so an FP8 run shows what each of its
+    GEMMs became, not only the cuBLASLt FP8 calls that `fp8_gemms` counts."""
+    from benchmarks.fp8_probe import gemm_lowering  # fp8_probe imports this module
+
+    return dict(gemm_lowering(hlo).most_common())
 
 
 def child_env() -> dict:

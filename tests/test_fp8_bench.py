@@ -25,6 +25,7 @@ def test_throughput_runs_fp8_after_the_plain_run(monkeypatch, capsys):
     recs = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["run"] for r in recs] == ["tiny", "tiny fp8=hybrid"]
     assert recs[1]["fp8"] == "hybrid" and recs[1]["fp8_gemms"] == 0 and recs[1]["vs_first"] > 0
+    assert "gemm_kinds" not in recs[0] and sum(recs[1]["gemm_kinds"].values()) > 0
     assert np.isfinite(recs[1]["loss"])
 
 

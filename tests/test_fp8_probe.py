@@ -46,6 +46,7 @@ def test_gemm_lowering_reads_gpu_hlo():
         "__triton_gemm dot[bf16,bf16->bf16] f8-in-fusion": 1,  # fake quantization: a bf16 dot, f8 prologue
         "__triton_gemm dot[f8e4m3fn,f8e4m3fn->bf16]": 1,  # an FP8 GEMM in Triton
         "custom-call __cublas$gemm [bf16,bf16->bf16]": 1}
+    assert harness.gemm_kinds(GPU_HLO) == found  # what throughput.py records for an FP8 run
     where = dict(fp8_probe.gemm_details(GPU_HLO))
     assert where["custom-call __cublas$lt$matmul$f8 [f8e4m3fn,f8e4m3fn->bf16]"] == "mlp/transpose(jvp(btd,df->btf))"
     assert where["__triton_gemm dot[bf16,bf16->bf16] f8-in-fusion"] == "mlp/btd,df->btf"
