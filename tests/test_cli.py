@@ -36,6 +36,7 @@ def _losses(log_dir):
     (["--process-id", "1"], "--process-id 1 is no run jax3d can join"),  # it ran as one process
     (["--seq-length", "256", "--max-position-embeddings", "128"], "error: --seq-length 256 exceeds --max-position-embeddings 128"),
     (["--data-path", "/nonexistent/corpus", "--tokenizer-type", "GPT2BPETokenizer"], "error:"),
+    (["--compilation-cache-dir", TRAIN], f"--compilation-cache-dir {TRAIN} is a file; pass a directory"),
 ])
 def test_bad_input_fails_with_one_sentence(argv, message, tmp_path):
     out = subprocess.run([sys.executable, TRAIN, *argv, "--log-dir", str(tmp_path)], capture_output=True,
@@ -150,6 +151,28 @@ def test_two_processes_match_one(layout_losses, tmp_path):
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     np.testing.assert_allclose(_losses(log_dir), ref, atol=1e-5)
+
+
+def test_a_second_run_reads_its_compiled_step_from_the_compilation_cache(tmp_path):
+    """With --compilation-cache-dir, a second run of the same command compiles nothing it can read back (JAX logs
+    the cache hit of its train step) and trains as the first did."""
+    cache = tmp_path / "xla"
+    # JAX then logs persistent-cache hits as warnings, and keeps every program, however quick its compile
+    env = {**subprocess_env(), "JAX_LOG_COMPILES": "1", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+    def run(name):
+        log_dir = str(tmp_path / name)
+        out = subprocess.run([sys.executable, TRAIN, *BASE, "--train-iters", "2", "--compilation-cache-dir", str(cache),
+                              "--log-dir", log_dir], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stderr, _losses(log_dir)
+
+    first, losses = run("first")
+    assert "Persistent compilation cache hit for 'jit_train_step'" not in first
+    assert any(f.name.startswith("jit_train_step") for f in cache.iterdir())
+    second, again = run("second")
+    assert "Persistent compilation cache hit for 'jit_train_step'" in second
+    np.testing.assert_array_equal(again, losses)
 
 
 def test_no_progress_prints_one_line_per_log_interval(tmp_path, capsys):

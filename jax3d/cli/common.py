@@ -88,6 +88,10 @@ def add_device_flags(p) -> None:
     p.add_argument("--process-id", type=int, default=-1, metavar="I",
                    help="this process's index in a multi-host run, from 0 to --num-processes - 1 (default: -1: one "
                         "process, or SLURM's or Open MPI's rank)")
+    p.add_argument("--compilation-cache-dir", default="", metavar="DIR",
+                   help="keep compiled programs in DIR and reuse them in later runs of the same shapes and layout, "
+                        "so a resumed run skips compiling its step (JAX's persistent compilation cache; FP8 steps "
+                        "take minutes to compile on a GPU) (default: none)")
 
 
 def add_model_parallel_flags(p, pipeline: bool = True) -> None:

@@ -33,6 +33,8 @@ def claim_device_memory(env=os.environ) -> None:
 
 
 def setup_devices(args) -> None:
+    if args.compilation_cache_dir:
+        use_compilation_cache(args.compilation_cache_dir)
     if args.cpu_devices is not None:
         emulate_cpu_devices(args.cpu_devices)
     elif not _accelerator_installed():
@@ -40,6 +42,16 @@ def setup_devices(args) -> None:
     else:
         claim_device_memory()
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+
+
+def use_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache in `path`: programs compiled here are kept there and read back by a
+    later process that compiles the same program for the same devices."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--compilation-cache-dir {path} is a file; pass a directory (it is created if missing)")
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
 
 
 def _bad_input() -> tuple:
