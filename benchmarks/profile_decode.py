@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     from jax3d.config import ModelConfig
     from jax3d.models import build_model, decode_attention
     from jax3d.models.pallas_gpu import kernel_settings
+    from jax3d.parallel import ShardingRules
     from jax3d.parallel.mesh import MeshConfig
 
     on_gpu = jax.default_backend() == "gpu"
@@ -184,15 +185,19 @@ def main(argv=None) -> int:
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
     kernels = (decode_attention.Tuning(),) if a.decode_kernel else ()
+    cache = jax.ShapeDtypeStruct((1, cfg.num_key_value_heads or cfg.num_attention_heads, a.prompt_len + a.new,
+                                  cfg.hidden_size // cfg.num_attention_heads), dtype)
+    if kernels and not decode_attention.supported(cache, ShardingRules.create(False), kernels[0]):
+        p.error(f"--decode-kernel would not run here (it needs one GPU, {a.prompt_len + a.new} slots in blocks of "
+                f"{kernels[0].block} and a power-of-two head size), so there would be nothing to measure")
     with kernel_settings(*kernels):  # read when decode is traced, in the first generate below
-        _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, item)
+        _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item)
     return 0
 
 
-def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, item) -> None:
+def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item) -> None:
     from jax3d.inference import Generator
 
-    weights_ms = weight_bytes / rate * 1e3
     for b in a.batch:
         max_len = a.prompt_len + a.new
         gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype)

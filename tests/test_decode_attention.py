@@ -24,14 +24,15 @@ def reference(q_bnh, k_bksh, v_bksh, start_b, index):
 @pytest.mark.parametrize("heads, kv_heads, slots, block", [(4, 4, 128, 64), (8, 2, 96, 16)], ids=["mha", "gqa"])
 def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, slots, block):
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    b, h = 3, 32
+    b, h = 4, 32
     q = jax.random.normal(kq, (b, heads, h))
     k = jax.random.normal(kk, (b, kv_heads, slots, h))
     v = jax.random.normal(kv, (b, kv_heads, slots, h))
     tuning = decode_attention.Tuning(block=block)
     for index in (0, 5, block - 1, block, slots - 1):
-        # a row from slot 0, a left-padded row, and a row whose first token is past the query (a pad query)
-        start = jnp.array([0, min(index, 7), index + 1], jnp.int32)
+        # a row from slot 0, a left-padded row, one whose walk begins in a later block, and a row whose first
+        # token is past the query (a pad query)
+        start = jnp.array([0, min(index, 7), min(index, block + 3), index + 1], jnp.int32)
         got = decode_attention.decode_attention(q, k, v, start, jnp.int32(index), tuning, interpret=True)
         np.testing.assert_allclose(got, reference(q, k, v, start, index), rtol=1e-5, atol=1e-5)
 
@@ -42,6 +43,8 @@ def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
     assert decode_attention.supported(cache, None, decode_attention.Tuning(block=32))
     assert not decode_attention.supported(cache, None, decode_attention.Tuning(block=64))
     assert not decode_attention.supported(cache, None, None)  # off
+    # Triton's arrays are powers of two: a head of 80 (gpt-2.7b) runs XLA's attention
+    assert not decode_attention.supported(jnp.zeros((1, 1, 96, 80)), None, decode_attention.Tuning(block=32))
     with pytest.raises(ValueError, match="power of two"):
         decode_attention.Tuning(block=48)
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.parallel.mesh import with_auto_axes
 from jax3d.models import build_model
-from jax3d.models.cached_attention import CACHE_AXES
+from jax3d.models.cached_attention import CACHE_AXES, visible
 from jax3d.parallel import ShardingRules, named_shardings, tree_specs
 
 PROMPT_BUCKET = 16
@@ -172,12 +172,10 @@ class Generator:
 
     def _mask(self, start_b, query_slots_t):
         """(batch, 1, t, max_len): the query at slot s sees the row's keys from its first token (slot
-        `start`) to s, and always itself (a pad query would otherwise softmax over nothing). Built from two
-        iotas and compares, which XLA fuses into the attention's softmax: nothing of max_len is stored."""
+        `start`) to s, and always itself (cached_attention.visible). Built from two iotas and compares, which
+        XLA fuses into the attention's softmax: nothing of max_len is stored."""
         slots = jax.lax.broadcasted_iota(jnp.int32, (1, 1, self.max_len), 2)
-        q = query_slots_t[None, :, None]
-        mask = ((slots >= start_b[:, None, None]) & (slots <= q)) | (slots == q)
-        return mask[:, None]
+        return visible(slots, start_b[:, None, None], query_slots_t[None, :, None])[:, None]
 
     def _prefill(self, sampling: Sampling):
         def prefill(params, tokens_bt, valid_bt, budget_b, eod, key):

@@ -8,8 +8,9 @@ decoded, with an online softmax (running max and sum) in fp32, so the bytes read
 the three steps are one kernel. A KV head's slots are read once per query head of its group (grouped-query
 attention): the other heads' programs find them in L2.
 
-The slots a row's query sees are those of cached_attention's mask: from the row's first token (`start`) up to
-the query's own slot, and always its own slot.
+The slots a row's query sees are `cached_attention.visible`'s: from the row's first token (`start`) up to the
+query's own slot, and always its own slot. Pallas' Triton lowering takes arrays whose sizes are powers of two,
+so the head size must be one (64 and 128 are; gpt-2.7b's 80 is not, and runs XLA's attention).
 """
 from __future__ import annotations
 
@@ -42,12 +43,13 @@ DEFAULT = None
 
 
 def supported(k_bksh, rules: ShardingRules, tuning: Tuning | None) -> bool:
-    """Whether `decode_attention` takes this cache: on one GPU, its slots in whole blocks (never with `tuning`
-    None: the kernel is off, pallas_gpu.kernel_settings)."""
-    return tuning is not None and on_one_gpu(rules) and k_bksh.shape[2] % tuning.block == 0
+    """Whether `decode_attention` takes this cache: on one GPU, its slots in whole blocks, a power-of-two head
+    size (never with `tuning` None: the kernel is off, pallas_gpu.kernel_settings)."""
+    slots, h = k_bksh.shape[2], k_bksh.shape[3]
+    return tuning is not None and on_one_gpu(rules) and slots % tuning.block == 0 and h & (h - 1) == 0
 
 
-def _kernel(start_ref, index_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, group: int, scale: float):
+def _kernel(start_ref, index_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, group: int, scale: float, visible):
     row, head = pl.program_id(0), pl.program_id(1)
     kv = head // group
     start, index = start_ref[row], index_ref[0]
@@ -61,7 +63,7 @@ def _kernel(start_ref, index_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, gro
         v = v_ref[row, kv, at, :].astype(jnp.float32)
         s = jnp.sum(k * q[None, :], axis=1)  # (block,)
         slot = j * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
-        seen = ((slot >= start) & (slot <= index)) | (slot == index)
+        seen = visible(slot, start, index)
         s = jnp.where(seen, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s))
         p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
@@ -85,7 +87,9 @@ def decode_attention(q_bnh, k_bksh, v_bksh, start_b, index, tuning: Tuning = Tun
     kv, slots = k_bksh.shape[1], k_bksh.shape[2]
     if slots % tuning.block:
         raise ValueError(f"a cache of {slots} slots is not a multiple of {tuning}'s block")
-    kernel = functools.partial(_kernel, block=tuning.block, group=n // kv, scale=1.0 / math.sqrt(h))
+    from jax3d.models.cached_attention import visible  # which imports this module
+
+    kernel = functools.partial(_kernel, block=tuning.block, group=n // kv, scale=1.0 / math.sqrt(h), visible=visible)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, n, h), q_bnh.dtype),
