@@ -151,8 +151,8 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     t0 = time.perf_counter()
     if chief and progress and cfg.precision.fp8 and jax.default_backend() == "gpu":
         # Measured on an H100: 200 s at the 1.3B shape against bf16's 20 s (docs/performance.md, FP8).
-        print("jax3d: compiling the train step; with FP8 GEMMs this takes minutes, as XLA autotunes each of them",
-              file=sys.stderr)
+        print("jax3d: compiling the train step; with FP8 GEMMs that can take minutes (--compilation-cache-dir keeps "
+              "it for later runs)", file=sys.stderr)
     train_step = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
     if chief and progress:
         print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
