@@ -292,3 +292,16 @@ def test_sampled_tokens_are_the_same_on_every_layout(imported, sampling):
     mesh = jax.make_mesh((2, 1, 2), ("data", "stage", "model"), devices=jax.devices()[:4])
     assert Generator(cfg, params, mesh, batch=4, max_len=64).generate(PROMPTS, 12, sampling, seed=7) == one
     assert _gen(cfg, params, batch=4).generate(PROMPTS, 12, sampling, seed=8) != one
+
+
+def test_decode_compiles_with_its_command_buffers_unless_xla_flags_set_them():
+    from jax3d.inference.generate import DECODE_COMPILER_OPTIONS, decode_compiler_options
+
+    assert decode_compiler_options({}) == DECODE_COMPILER_OPTIONS
+    assert decode_compiler_options({"XLA_FLAGS": "--xla_gpu_autotune_level=4"}) == DECODE_COMPILER_OPTIONS
+    assert decode_compiler_options({"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"}) == {}
+    # the option's value is one XLA parses: an unknown command-buffer kind fails to compile even on a CPU
+    bad = jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_enable_command_buffer": "FUSION,NOT_A_KIND"})
+    with pytest.raises(Exception, match="not a valid enum value"):
+        bad(np.ones(2))
+    jax.jit(lambda x: x + 1, compiler_options=DECODE_COMPILER_OPTIONS)(np.ones(2))

@@ -14,6 +14,7 @@ it in place.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -95,6 +96,12 @@ CHUNK = 32  # tokens per decode call at most: how often the host sees the stream
 # ignore the option.
 DECODE_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+
+
+def decode_compiler_options(env=os.environ) -> dict:
+    """DECODE_COMPILER_OPTIONS, unless XLA_FLAGS sets the command buffers itself: then that wins (to debug, or to
+    measure decode without the graph), as an option passed per program would otherwise override it."""
+    return {} if "xla_gpu_enable_command_buffer" in env.get("XLA_FLAGS", "") else DECODE_COMPILER_OPTIONS
 
 
 class Generator:
@@ -234,7 +241,7 @@ class Generator:
                                                                             "done", "eod", "step", "key")}}
             prefill = jax.jit(self._prefill(sampling), out_shardings=(r, state_sh))
             decode = jax.jit(self._decode(sampling), out_shardings=({"tokens": r, "made": r, "done": r}, state_sh),
-                             donate_argnums=1, compiler_options=DECODE_COMPILER_OPTIONS)
+                             donate_argnums=1, compiler_options=decode_compiler_options())
             self._jits[sampling] = (prefill, decode)
         return self._jits[sampling]
 
