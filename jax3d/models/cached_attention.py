@@ -26,12 +26,7 @@ from jax3d.models import decode_attention, pallas_gpu
 
 CACHE_AXES = ("batch", "heads", "seq", "kv")
 
-
-def visible(slot, start, query):
-    """Whether the query at cache slot `query` sees the key at `slot`, in a row whose first token is at slot
-    `start`: from `start` up to the query, and always the query's own slot (a pad query, before `start`, would
-    otherwise softmax over nothing). Arrays broadcast; generation's mask and the decode kernel both use it."""
-    return ((slot >= start) & (slot <= query)) | (slot == query)
+visible = decode_attention.visible  # which cached slots a query sees; generation's mask is built from it
 
 
 def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, rules):
@@ -39,7 +34,7 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     written at slot `cache['index']` of `cache['k']`, `cache['v']` (batch, kv_heads, max_len, head_dim), in
     place when the cache is donated; the queries' softmax, in fp32, over the slots `mask_b1tT` (batch, 1, seq,
     max_len) allows; and the out-projection `w_out_nhd` of the context. With `cache['start']` (batch,), the
-    rows' first slots, a decode step's mask must be `visible` of them: where the decode kernel runs, it builds
+    rows' first slots, a decode step's mask must be `visible`'s of them: where the decode kernel runs, it builds
     the mask from them rather than reading `mask_b1tT`."""
     idx = cache["index"]
 

@@ -8,7 +8,7 @@ decoded, with an online softmax (running max and sum) in fp32, so the bytes read
 the three steps are one kernel. A KV head's slots are read once per query head of its group (grouped-query
 attention): the other heads' programs find them in L2.
 
-The slots a row's query sees are `cached_attention.visible`'s: from the row's first token (`start`) up to the
+The slots a row's query sees are `visible`'s: from the row's first token (`start`) up to the
 query's own slot, and always its own slot. Pallas' Triton lowering takes arrays whose sizes are powers of two,
 so the head size must be one (64 and 128 are; gpt-2.7b's 80 is not, and runs XLA's attention).
 """
@@ -49,7 +49,15 @@ def supported(k_bksh, rules: ShardingRules, tuning: Tuning | None) -> bool:
     return tuning is not None and on_one_gpu(rules) and slots % tuning.block == 0 and h & (h - 1) == 0
 
 
-def _kernel(start_ref, index_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, group: int, scale: float, visible):
+def visible(slot, start, query):
+    """Whether the query at cache slot `query` sees the key at `slot`, in a row whose first token is at slot
+    `start`: from `start` up to the query, and always the query's own slot (a pad query, before `start`, would
+    otherwise softmax over nothing). Arrays broadcast; generation's mask (cached_attention.visible) and this
+    kernel both use it."""
+    return ((slot >= start) & (slot <= query)) | (slot == query)
+
+
+def _kernel(start_ref, index_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, group: int, scale: float):
     row, head = pl.program_id(0), pl.program_id(1)
     kv = head // group
     start, index = start_ref[row], index_ref[0]
@@ -87,9 +95,7 @@ def decode_attention(q_bnh, k_bksh, v_bksh, start_b, index, tuning: Tuning = Tun
     kv, slots = k_bksh.shape[1], k_bksh.shape[2]
     if slots % tuning.block:
         raise ValueError(f"a cache of {slots} slots is not a multiple of {tuning}'s block")
-    from jax3d.models.cached_attention import visible  # which imports this module
-
-    kernel = functools.partial(_kernel, block=tuning.block, group=n // kv, scale=1.0 / math.sqrt(h), visible=visible)
+    kernel = functools.partial(_kernel, block=tuning.block, group=n // kv, scale=1.0 / math.sqrt(h))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, n, h), q_bnh.dtype),
