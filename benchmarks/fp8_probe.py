@@ -56,7 +56,6 @@ import functools
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -310,16 +309,6 @@ def gemm_programs(small: bool):
     return {name: programs[name] for name in GEMM_VARIANTS}
 
 
-def _time(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _save(hlo_dir, flagset, name, hlo):
     if hlo_dir:
         os.makedirs(hlo_dir, exist_ok=True)
@@ -343,7 +332,7 @@ def probe_gemms(flagset: str, small: bool, repeats: int, hlo_dir: str, only=()):
             _save(hlo_dir, flagset, name, hlo)
             rec.update(compile_s=round(time.perf_counter() - t0, 2), lowered=lowered_dots(lowered.as_text()),
                        gemms=dict(gemm_lowering(hlo)), fp8_gemms=hlo.count(f'"{FP8_CALL}"'))
-            dt = _time(compiled, args, repeats)
+            dt = harness.median_seconds(compiled, args, repeats)
             rec.update(ms=round(dt * 1e3, 3), tflops=round(flops / dt / 1e12, 1))
         except Exception as e:  # noqa: BLE001 - one failing variant must not cost the others
             rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

@@ -328,6 +328,20 @@ def gemm_kinds(hlo: str) -> dict[str, int]:
     return dict(gemm_lowering(hlo).most_common())
 
 
+def median_seconds(fn, args, repeats: int, warmup: int = 1) -> float:
+    """The median wall time of `fn(*args)` over `repeats` calls, after `warmup` calls (the first compiles)."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def child_env() -> dict:
     """This process's environment, for a child that imports this checkout's `benchmarks` and `jax3d`."""
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -23,27 +23,13 @@ import dataclasses
 import json
 import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.harness import host_shortfall
+from benchmarks.harness import host_shortfall, median_seconds
 from jax3d.models import build_model, get_preset
 from jax3d.pipeline import make_schedule, passes, pipeline_value_and_grad
-
-
-def _time(fn, *args, reps=10):
-    jax.block_until_ready(fn(*args))
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def _gemms(fn, *args) -> tuple[int, int]:
@@ -106,13 +92,14 @@ def api_check(model, blocks, x_shape, dtype, m):
         (l1, g1), (l2, g2) = piped(blocks, mbs), ref(blocks, mbs)
         err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
                   for a, b in zip(jax.tree.leaves((l1, g1)), jax.tree.leaves((l2, g2))))
-        return _time(piped, blocks, mbs, reps=5) * 1e3, _time(ref, blocks, mbs, reps=5) * 1e3, err
+        return (median_seconds(piped, (blocks, mbs), 5, warmup=3) * 1e3,
+                median_seconds(ref, (blocks, mbs), 5, warmup=3) * 1e3, err)
 
 
 def print_stage_times(a, cfg, layers, model, blocks, x, dtype):
     """Times the pass functions and prints their JSON line."""
     fns, stored, cut = stage_passes(lambda w, x: model.run_blocks(w, x), blocks, x)
-    ms = {k: _time(fn, *args, reps=a.reps) * 1e3 for k, (fn, args) in fns.items()}
+    ms = {k: median_seconds(fn, args, a.reps, warmup=3) * 1e3 for k, (fn, args) in fns.items()}
     counts = {k: _gemms(fn, *args) for k, (fn, args) in fns.items()}
     gemms = {k: c[0] for k, c in counts.items()}
     attention_calls = {k: c[1] for k, c in counts.items()}
