@@ -182,7 +182,8 @@ class Generator:
         `start`) to s, and always itself (cached_attention.visible). Built from two iotas and compares, which
         XLA fuses into the attention's softmax: nothing of max_len is stored."""
         slots = jax.lax.broadcasted_iota(jnp.int32, (1, 1, self.max_len), 2)
-        return visible(slots, start_b[:, None, None], query_slots_t[None, :, None])[:, None]
+        q = query_slots_t[None, :, None]
+        return visible(slots, start_b[:, None, None], q)[:, None]
 
     def _prefill(self, sampling: Sampling):
         def prefill(params, tokens_bt, valid_bt, budget_b, eod, key):
