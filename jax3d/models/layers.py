@@ -148,9 +148,8 @@ class Attention(nn.Module):
 
     With `cache` ({'k', 'v': (batch, kv_heads, max_len, head_dim), 'index': where this call's tokens go, and
     optionally 'start': each row's first slot}) it writes its keys and values into the cache, attends over all of
-    it under the caller's `mask`
-    (batch, 1, seq, max_len), and returns (output, updated cache): the decoding path of generation
-    (jax3d.models.cached_attention).
+    it under the caller's `mask` (batch, 1, seq, max_len), and returns (output, updated cache): the decoding
+    path of generation (jax3d.models.cached_attention).
     `positions_bt` (batch, seq) place the tokens for rotary embeddings (default 0, 1, ...).
     """
 

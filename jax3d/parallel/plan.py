@@ -141,8 +141,9 @@ def fp8_device_error(precision, devices) -> str:
 
 
 def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_from_checkpoint: str) -> Plan:
-    if cfg.precision.fp8 and fp8_device_error(cfg.precision, jax.devices()):
-        raise ConfigError(fp8_device_error(cfg.precision, jax.devices()))
+    refused = fp8_device_error(cfg.precision, jax.devices())  # "" when FP8 is off
+    if refused:
+        raise ConfigError(refused)
     if cfg.model.scan_layers is None:
         deep = cfg.model.num_layers >= SCAN_LAYERS_FROM
         cfg = cfg.replace(model={"scan_layers": deep and jax.default_backend() == "cpu"})
