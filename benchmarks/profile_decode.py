@@ -14,13 +14,14 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
   GEMMs, copies, collectives), read from the compiled program (on a CPU too; it compiles decode once more).
 
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
-    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel   # the Pallas attention
+    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel off   # XLA's attention
     python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU (16-token prompts)
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import re
 import tempfile
@@ -38,16 +39,20 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "call
 
 
 def copy_rate(dtype, gib: float) -> float:
-    """Bytes per second an on-device copy of a `gib` GiB array moves (read plus written), best of 5."""
+    """Bytes per second an on-device copy of a `gib` GiB array moves (read plus written), best of 10 after a
+    second of copies. Measured straight after start, with 5 copies, one H100 gave 2.03-2.11 TB/s where earlier calls
+    gave 2.43-2.66; an idle GPU starts at low clocks (405 MHz), which may be why."""
     import jax
     import jax.numpy as jnp
 
     n = int(gib * 2**30) // jnp.dtype(dtype).itemsize
     x = jnp.ones((n,), dtype)
     copy = jax.jit(lambda a: a + jnp.asarray(1, dtype))
-    copy(x).block_until_ready()
+    until = time.perf_counter() + 1.0
+    while time.perf_counter() < until:
+        copy(x).block_until_ready()
     best = float("inf")
-    for _ in range(5):
+    for _ in range(10):
         t0 = time.perf_counter()
         copy(x).block_until_ready()
         best = min(best, time.perf_counter() - t0)
@@ -157,18 +162,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=0, help="default 128 (16 for the tiny shape)")
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--hlo", action="store_true", help="count the kernels of the compiled token loop's body")
-    p.add_argument("--decode-kernel", action="store_true",
-                   help="decode's attention as jax3d.models.decode_attention (a Pallas kernel reading only the "
-                        "filled slots; off by default until measured), not XLA's")
+    p.add_argument("--decode-kernel", choices=["auto", "on", "off"], default="auto",
+                   help="decode's attention as jax3d.models.decode_attention, a Pallas kernel reading only the "
+                        "filled slots: where it runs by default (auto: on one GPU, batch x heads >= its "
+                        "min_programs), at every batch (on), or never: XLA's attention (off)")
     a = p.parse_args(argv)
     a.prompt_len = a.prompt_len or (16 if a.shape == "tiny" else 128)
     import jax
     import jax.numpy as jnp
 
     from jax3d.config import ModelConfig
-    from jax3d.models import build_model, decode_attention
-    from jax3d.models.pallas_gpu import kernel_settings
-    from jax3d.parallel import ShardingRules
+    from jax3d.models import build_model, decode_attention, pallas_gpu
     from jax3d.parallel.mesh import MeshConfig
 
     on_gpu = jax.default_backend() == "gpu"
@@ -184,19 +188,30 @@ def main(argv=None) -> int:
                       "weights_ms": round(weights_ms, 3), "decode_kernel": a.decode_kernel}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
-    kernels = (decode_attention.Tuning(),) if a.decode_kernel else ()
-    cache = jax.ShapeDtypeStruct((1, cfg.num_key_value_heads or cfg.num_attention_heads, a.prompt_len + a.new,
-                                  cfg.hidden_size // cfg.num_attention_heads), dtype)
-    if kernels and not decode_attention.supported(cache, ShardingRules.create(False), kernels[0]):
-        p.error(f"--decode-kernel would not run here (it needs one GPU, {a.prompt_len + a.new} slots in blocks of "
-                f"{kernels[0].block} and a power-of-two head size), so there would be nothing to measure")
-    with kernel_settings(*kernels):  # read when decode is traced, in the first generate below
+    forced = dataclasses.replace(decode_attention.DEFAULT, min_programs=1)
+    tunings, off = {"auto": ((), ()), "on": ((forced,), ()), "off": ((), pallas_gpu.DECODE_KERNELS)}[a.decode_kernel]
+    if a.decode_kernel == "on" and not _kernel_runs(cfg, 1, a.prompt_len + a.new, dtype, forced):
+        p.error(f"--decode-kernel on: the kernel would not run here (it needs one GPU, {a.prompt_len + a.new} slots "
+                f"in blocks of {forced.block} and a power-of-two head size), so there would be nothing to measure")
+    with pallas_gpu.kernel_settings(*tunings, off=off):  # read when decode is traced, in the first generate below
         _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item)
     return 0
 
 
+def _kernel_runs(cfg, batch: int, slots: int, dtype, tuning) -> bool:
+    """Whether decode's attention at this batch is jax3d.models.decode_attention's, with `tuning`."""
+    import jax
+
+    from jax3d.models import decode_attention
+    from jax3d.parallel import ShardingRules
+
+    cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), dtype)
+    return decode_attention.supported(cache, cfg.num_attention_heads, ShardingRules.create(False), tuning)
+
+
 def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item) -> None:
     from jax3d.inference import Generator
+    from jax3d.models import decode_attention, pallas_gpu
 
     for b in a.batch:
         max_len = a.prompt_len + a.new
@@ -205,8 +220,11 @@ def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weight
         gen.generate(rows, a.new)  # compiles prefill and decode
         rec = profile(gen, rows, a.new)
         wall = rec["wall_ms_per_step"]
-        rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1),
-               "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, max_len, item)[1], rate, wall),
+        kernel = _kernel_runs(cfg, b, max_len, dtype, pallas_gpu.tuning(decode_attention))
+        # The kernel reads the filled slots only: over the decode steps, the prompt and half the new tokens.
+        read = a.prompt_len + a.new // 2 if kernel else max_len
+        rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1), "decode_kernel_ran": kernel,
+               "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, read, item)[1], rate, wall),
                "of_weights_limit": round(weights_ms / wall, 3), **rec, "compiles": gen.compile_counts()}
         if a.hlo:
             body = loop_body_kernels(gen.decode_hlo(rows))

@@ -40,11 +40,25 @@ def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, sl
 def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     cache = jnp.zeros((1, 1, 96, 8))
-    assert decode_attention.supported(cache, None, decode_attention.Tuning(block=32))
-    assert not decode_attention.supported(cache, None, decode_attention.Tuning(block=64))
-    assert not decode_attention.supported(cache, None, None)  # off
+    every = decode_attention.Tuning(block=32, min_programs=1)
+    assert decode_attention.supported(cache, 1, None, every)
+    assert not decode_attention.supported(cache, 1, None, decode_attention.Tuning(block=64, min_programs=1))
+    assert not decode_attention.supported(cache, 1, None, None)  # off
     # Triton's arrays are powers of two: a head of 80 (gpt-2.7b) runs XLA's attention
-    assert not decode_attention.supported(jnp.zeros((1, 1, 96, 80)), None, decode_attention.Tuning(block=32))
+    assert not decode_attention.supported(jnp.zeros((1, 1, 96, 80)), 1, None, every)
+
+
+def test_a_batch_too_small_to_fill_the_gpu_runs_xla_attention(monkeypatch):
+    """The default runs the kernel from min_programs (row, query head) pairs: gpt-1.3b's 16 heads at batch 32,
+    where it measured faster than XLA's attention, and not at batch 1, where it measured slower."""
+    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+    default = decode_attention.DEFAULT
+    assert default.min_programs == 512
+    assert decode_attention.supported(jnp.zeros((32, 16, 384, 128)), 16, None, default)
+    assert not decode_attention.supported(jnp.zeros((1, 16, 384, 128)), 16, None, default)
+    # grouped-query attention counts query heads: 8 KV heads of 4 queries each at batch 16 are 512 programs
+    assert decode_attention.supported(jnp.zeros((16, 8, 384, 128)), 32, None, default)
+    assert not decode_attention.supported(jnp.zeros((15, 8, 384, 128)), 32, None, default)
     with pytest.raises(ValueError, match="power of two"):
         decode_attention.Tuning(block=48)
 

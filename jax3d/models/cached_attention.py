@@ -7,9 +7,9 @@ whole cache for every layer and token to feed its batched dots: a copy of all of
 heads are a dimension of the query, so a KV head is read once for its g query heads. A decode step (one
 query row) is products and sums rather than dots, so the compiler has no layout of its own to ask for.
 
-On one GPU a decode step can run jax3d.models.decode_attention, one Pallas kernel that reads only the filled
-slots, when the cache carries the rows' first slots (`cache['start']`, as generation's does); it is off until
-measured on a GPU. cuDNN (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row
+On one GPU a decode step runs jax3d.models.decode_attention, one Pallas kernel that reads only the filled
+slots, when the cache carries the rows' first slots (`cache['start']`, as generation's does) and the batch is
+large enough to fill the GPU with its programs (`Tuning.min_programs`). cuDNN (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row
 only with its mask as a bias over every (query, key) pair, and wants the slots before the heads; Pallas' own
 GPU decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on every call.
 Elsewhere the sums here read every slot of the cache, filled or not: at the gpt-1.3b shape 3% of a step's
@@ -48,7 +48,7 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     g = n // kv
     # Query head n is KV head n // g's (layers.split_qkv's order).
     tuning = pallas_gpu.tuning(decode_attention)
-    if t == 1 and "start" in cache and decode_attention.supported(k_bksh, rules, tuning):
+    if t == 1 and "start" in cache and decode_attention.supported(k_bksh, n, rules, tuning):
         ctx_bnh = decode_attention.decode_attention(q_btnh[:, 0], k_bksh, v_bksh, cache["start"], idx, tuning)
         return _out(ctx_bnh.reshape(b, 1, kv, g, h), w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
     q_bkgth = jnp.transpose(q_btnh.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))

@@ -28,25 +28,30 @@ from jax3d.parallel.rules import ShardingRules
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Slots per step of the walk (a power of two that divides the cache's slots) and warps per program."""
+    """Slots per step of the walk (a power of two that divides the cache's slots), warps per program, and the
+    fewest programs (batch rows x query heads) for which the kernel runs rather than XLA's attention."""
 
     block: int = 64
     warps: int = 4
+    # One program per (row, query head) walks its row alone, so a small batch leaves most of the GPU idle. At
+    # the gpt-1.3b shape on an H100 (profile_decode, one call), 16 programs (batch 1) ran at 0.92x XLA's
+    # attention and 512 (batch 32) at 1.18x; between the two it is not measured, and stays XLA's.
+    min_programs: int = 512
 
     def __post_init__(self):
         check_powers_of_two(self, "block", "warps")
 
 
-# Off until measured on a GPU (docs/decode.md says how): a benchmark turns it on with
-# `pallas_gpu.kernel_settings(Tuning())`.
-DEFAULT = None
+DEFAULT = Tuning()
 
 
-def supported(k_bksh, rules: ShardingRules, tuning: Tuning | None) -> bool:
-    """Whether `decode_attention` takes this cache: on one GPU, its slots in whole blocks, a power-of-two head
-    size (never with `tuning` None: the kernel is off, pallas_gpu.kernel_settings)."""
-    slots, h = k_bksh.shape[2], k_bksh.shape[3]
-    return tuning is not None and on_one_gpu(rules) and slots % tuning.block == 0 and h & (h - 1) == 0
+def supported(k_bksh, query_heads: int, rules: ShardingRules, tuning: Tuning | None) -> bool:
+    """Whether `decode_attention` takes this cache and `query_heads` queries per row: on one GPU, at least
+    `tuning.min_programs` (row, query head) pairs, the slots in whole blocks, a power-of-two head size (never
+    with `tuning` None: the kernel is off, pallas_gpu.kernel_settings)."""
+    b, slots, h = k_bksh.shape[0], k_bksh.shape[2], k_bksh.shape[3]
+    return (tuning is not None and on_one_gpu(rules) and b * query_heads >= tuning.min_programs
+            and slots % tuning.block == 0 and h & (h - 1) == 0)
 
 
 def visible(slot, start, query):
