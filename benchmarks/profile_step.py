@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=0, help="batch size (0: the shape's own)")
     p.add_argument("--ablate", action="append", default=[], choices=KERNELS,
                    help="profile with this Pallas kernel left out, XLA's code in its place (repeatable)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--fp8", default="", choices=["hybrid", "e4m3"], help="profile with FP8 GEMMs in the blocks")
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--peer", nargs="?", const=DEFAULT_PEER, default=None, help="trace the PyTorch peer too")
     p.add_argument("--out", default="", help="also write the JSON lines to this file")
@@ -245,7 +247,7 @@ def main(argv=None) -> int:
     # Command buffers (CUDA graphs) hide which fusion each kernel ran for; the trace then names only
     # the buffer. Profile without them, so every kernel keeps its HLO name and name scope.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    run = Run(a.shape, a.batch, ablate=tuple(a.ablate))
+    run = Run(a.shape, a.batch, ablate=tuple(a.ablate), recompute=a.recompute, fp8=a.fp8)
     short = step_host_shortfall(run)  # starts JAX: after the peer, whose device memory JAX would take
     if short:
         print(f"error: profile_step.py --shape {a.shape} is a GPU benchmark, and its train step {short}; run it "
