@@ -97,7 +97,7 @@ class Run:
 
 # Each Pallas kernel (jax3d.models.pallas_gpu.KERNELS), and the pallas_call name a compiled step that runs it holds.
 KERNEL_CALLS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_qkv": "fused_qkv_bwd",
-                "fused_xent": "fused_xent"}
+                "fused_xent": "fused_xent", "fp8_cast": "fp8_cast_transpose"}
 
 
 # The custom call of a cuBLASLt FP8 GEMM in a compiled GPU step (XLA's GEMM rewriter): how many of the step's GEMMs

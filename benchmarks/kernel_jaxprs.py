@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import SHAPES, Run, config_for, kernel_settings, kernel_tuning
-from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent
+from jax3d.models import fp8_cast, fused_gelu, fused_norm, fused_qkv, fused_xent
 from jax3d.models.pallas_gpu import KERNELS
 
 
@@ -50,6 +50,7 @@ def cases(tokens: int = 32768, d: int = 2048, ffn: int = 8192, vocab: int = 5030
         "fused_layer_norm_bwd": (vjp(norm, x, s, s), (x, s, s, x)),
         "fused_qkv_bwd": (vjp(fused_qkv.split_bias, y, qkv_b), (y, qkv_b, (q, q, q))),
         "fused_xent": (lambda lg, t, w: fused_xent.token_nll(lg, t, w, vocab - 47, bf), (logits, targets, weights)),
+        "fp8_cast_transpose": (lambda a: fp8_cast.cast_transpose(a, jnp.float32(1), jnp.float8_e4m3fn), (x,)),
     }
 
 

@@ -41,7 +41,9 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
                    help="also run with these kernel settings, e.g. fused_gelu:cols_fwd=2048,rows_fwd=2 "
                         "(one run per --tune; fields of the kernel module's Tuning). A run in which that "
-                        "kernel does not run (a CPU, or settings that do not fit the shape) reports an error")
+                        "kernel does not run (a CPU, or settings that do not fit the shape) reports an error. "
+                        "Tuned runs take the first --recompute; fp8_cast's also the first --fp8 format, "
+                        "e.g. --fp8 hybrid --tune fp8_cast:rows=64")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--fp8", nargs="+", default=[], choices=["hybrid", "e4m3"],
                    help="also run with FP8 GEMMs in these formats, after the plain runs (at each --recompute), so "
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
             kernel_tuning(module, fields)
         except ValueError as e:
             p.error(f"--tune {t}: {e}")
+        if module == "fp8_cast" and not a.fp8:
+            p.error(f"--tune {t}: the FP8 cast kernel runs only in FP8 GEMMs; add --fp8 hybrid")
         tunings.append(((module, fields),))
     ablations = [(name,) for name in (KERNELS if "all" in a.ablate else a.ablate) if name != "together"]
     if "together" in a.ablate:
@@ -88,7 +92,8 @@ def main(argv=None) -> int:
                      for r in a.recompute]
             runs += [Run(shape, batch, ablate=names, dtype=a.dtype, dropout=a.dropout) for names in ablations]
             runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, xla_flags=f) for f in a.xla_flags]
-            runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, tunings=t) for t in tunings]
+            runs += [Run(shape, batch, recompute=a.recompute[0], dtype=a.dtype, dropout=a.dropout, tunings=t,
+                         fp8=a.fp8[0] if t[0][0] == "fp8_cast" else "") for t in tunings]
             base = None
             for run in runs:
                 rec = run_isolated(run, a.steps)

@@ -22,10 +22,14 @@ loop's `stats`).
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from jax3d.models import fp8_cast, pallas_gpu
+from jax3d.models.fp8_cast import quantize  # a / scale, clipped, in f8
 
 # (forward operands, output gradient) formats of each mode; float8_e4m3fn is e4m3 with no infinities, as on Hopper.
 FORMATS = {"hybrid": (jnp.float8_e4m3fn, jnp.float8_e5m2), "e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn)}
@@ -36,12 +40,6 @@ X, W, G = 0, 1, 2  # rows of a GEMM's scales, amaxes and amax history
 def largest(f8) -> float:
     """The largest finite value of an f8 format (448 for e4m3, 57344 for e5m2)."""
     return float(jnp.finfo(f8).max)
-
-
-def quantize(a, scale, f8):
-    """a / scale, clipped to the format's range, in f8 (computed in a's dtype)."""
-    top = largest(f8)
-    return jnp.clip(a / scale.astype(a.dtype), -top, top).astype(f8)
 
 
 def amax(a):
@@ -59,10 +57,16 @@ def scales_param(module: nn.Module, fmt: str, gemm: str):
                         jnp.float32)
 
 
-def einsum(spec: str, x, w, scales=None, fmt: str = ""):
-    """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given."""
+def einsum(spec: str, x, w, scales=None, fmt: str = "", rules=None):
+    """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given. With the cast kernel on
+    (jax3d.models.fp8_cast) and on one GPU (`rules`), the operands are quantized in both layouts by it."""
     if scales is None:
         return jnp.einsum(spec, x, w)
+    tuning, layout = pallas_gpu.tuning(fp8_cast), _layout(spec)
+    if rules is not None and layout is not None:
+        t, k, n = _sizes(layout, x.shape, w.shape)
+        if all(fp8_cast.supported(shape, rules, tuning) for shape in ((t, k), (k, n), (t, n))):
+            return _fp8_tn(layout, fmt, tuning, x, w, scales)
     return _fp8_einsum(spec, fmt, x, w, scales)
 
 
@@ -103,6 +107,59 @@ def _backward(spec, fmt, res, g_y):
 
 
 _fp8_einsum.defvjp(_forward, _backward)
+
+
+# ---- the same GEMM with every operand quantized in both layouts (jax3d.models.fp8_cast) -----------------------------
+def _layout(spec: str) -> tuple[int, int] | None:
+    """(batch dims of x, contracted dims) of a spec "x,w->y" whose x is its batch dims then the contracted
+    ones, w the contracted ones then its outputs, y x's batch dims then w's outputs (every GEMM of the blocks:
+    "btd,dcnh->btcnh"); None for another. Such a GEMM is (T, K) x (K, N) -> (T, N) on reshapes that move no data."""
+    ins, y = spec.replace(" ", "").split("->")
+    x, w = ins.split(",")
+    contracted = [c for c in x if c in w]
+    nb, nc = len(x) - len(contracted), len(contracted)
+    if x[nb:] != "".join(contracted) or w[:nc] != x[nb:] or y != x[:nb] + w[nc:]:
+        return None
+    return nb, nc
+
+
+def _sizes(layout, x_shape, w_shape) -> tuple[int, int, int]:
+    """(T, K, N) of the GEMM's 2-D view."""
+    nb, nc = layout
+    return math.prod(x_shape[:nb]), math.prod(x_shape[nb:]), math.prod(w_shape[nc:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_tn(layout, fmt, tuning, x, w, scales):
+    return _tn_forward(layout, fmt, tuning, x, w, scales)[0]
+
+
+def _tn_forward(layout, fmt, tuning, x, w, scales):
+    # Every dot takes both operands with the contracted dimension minor, as Hopper's FP8 GEMMs do, so XLA
+    # transposes nothing: x (T, K) and w transposed (N, K) here, the transposes kept for the backward.
+    nb, nc = layout
+    t, k, n = _sizes(layout, x.shape, w.shape)
+    f8 = FORMATS[fmt][0]
+    qx, qx_t, ax = fp8_cast.cast_transpose(x.reshape(t, k), scales[X], f8, tuning)
+    qw, qw_t, aw = fp8_cast.cast_transpose(w.reshape(k, n), scales[W], f8, tuning)
+    y = scaled_dot("tk,nk->tn", qx, qw_t, scales[X], scales[W], x.dtype)
+    return y.reshape(x.shape[:nb] + w.shape[nc:]), (qx_t, qw.reshape(w.shape), scales, ax, aw)
+
+
+def _tn_backward(layout, fmt, tuning, res, g_y):
+    qx_t, qw, scales, ax, aw = res  # x transposed (K, T); w in its own shape
+    nb, nc = layout
+    dt = g_y.dtype
+    t, n = math.prod(g_y.shape[:nb]), math.prod(g_y.shape[nb:])
+    k = qx_t.shape[0]
+    q_g, q_g_t, ag = fp8_cast.cast_transpose(g_y.reshape(t, n), scales[G], FORMATS[fmt][1], tuning)
+    dx = scaled_dot("tn,kn->tk", q_g, qw.reshape(k, n), scales[G], scales[W], dt)
+    dw = scaled_dot("kt,nt->kn", qx_t, q_g_t, scales[X], scales[G], dt)
+    observed = jnp.stack([ax, aw, ag]).astype(scales.dtype)
+    return dx.reshape(g_y.shape[:nb] + qw.shape[:nc]), dw.reshape(qw.shape), observed
+
+
+_fp8_tn.defvjp(_tn_forward, _tn_backward)
 
 
 # ---- the scales leaves in a parameter tree -----------------------------------------------------------------------

@@ -172,7 +172,7 @@ class Attention(nn.Module):
         x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
         # The fused attention kernel reads q, k and v as strided views of this layout; putting the q/k/v
         # axis first instead cost a transpose and three copies forward, a stack backward (2% at 1.3B).
-        qkv = fp8.einsum("btd,dcnh->btcnh", x_btd, w_qkv, s_qkv, cfg.fp8)
+        qkv = fp8.einsum("btd,dcnh->btcnh", x_btd, w_qkv, s_qkv, cfg.fp8, self.rules)
         qkv_axes = ("batch", "seq", "qkv", "heads", "kv")
         tuning = pallas_gpu.tuning(fused_qkv)
         if b_qkv is not None and fused_qkv.supported(qkv, self.rules, tuning):
@@ -203,7 +203,7 @@ class Attention(nn.Module):
         else:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
         ctx = self.rules.constrain(ctx, ("batch", "seq", "heads", "kv"))
-        return _plus(fp8.einsum("btnh,nhd->btd", ctx, w_out, s_out, cfg.fp8), b_out)
+        return _plus(fp8.einsum("btnh,nhd->btd", ctx, w_out, s_out, cfg.fp8, self.rules), b_out)
 
     def _core_with_dropout(self, q, k, v, mask, rng):
         # Fused attention kernels take no dropout, so with attention dropout we spell softmax out.
@@ -249,19 +249,20 @@ class MLP(nn.Module):
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
         b_down = _bias(self, cfg, "down_bias", ("embed",), (d,))
         s_up, s_down = fp8.scales_param(self, cfg.fp8, "up"), fp8.scales_param(self, cfg.fp8, "down")
-        h = fp8.einsum("btd,dcf->btcf" if cfg.swiglu else "btd,df->btf", x_btd, w_up, s_up, cfg.fp8)
+        h = fp8.einsum("btd,dcf->btcf" if cfg.swiglu else "btd,df->btf", x_btd, w_up, s_up, cfg.fp8, self.rules)
         activation = "swiglu" if cfg.swiglu else cfg.activation
         tuning = pallas_gpu.tuning(fused_gelu)
         if activation == "gelu_tanh" and b_up is not None and fused_gelu.supported(h, self.rules, tuning):
             # Keeps h (inside the kernel's vjp) and GELU's output (the down-projection's input), as
             # _activate_then_dense_lean does.
-            return fp8.einsum("btf,fd->btd", fused_gelu.gelu_bias(h, b_up, tuning), w_down, s_down, cfg.fp8) + b_down
+            return fp8.einsum("btf,fd->btd", fused_gelu.gelu_bias(h, b_up, tuning), w_down, s_down, cfg.fp8,
+                              self.rules) + b_down
         h = self.rules.constrain(h, ("batch", "seq", *up_axes[1:]))
         if s_down is not None:
             # FP8: the down-projection keeps its input's f8 copy for its backward, and the activation only its
             # own input h, its output recomputed there: no bf16 copy of that output is kept, nor re-quantized.
             g_btf = _activate_lean(h, b_up, activation)
-            return _plus(fp8.einsum("btf,fd->btd", g_btf, w_down, s_down, cfg.fp8), b_down)
+            return _plus(fp8.einsum("btf,fd->btd", g_btf, w_down, s_down, cfg.fp8, self.rules), b_down)
         return _plus(_activate_then_dense_lean(h, b_up, w_down, activation), b_down)
 
 

@@ -1,0 +1,95 @@
+"""An FP8 GEMM operand quantized in both layouts, with its amax, in one pass: a Pallas (Triton) kernel.
+
+Hopper's FP8 GEMMs take both operands with the contracted dimension minor ("TN"). A GEMM of x (T, K) and
+w (K, N) needs x with K minor for the forward and with T minor for the weight gradient, w with K minor
+(transposed) for the forward and with N minor for the input gradient, and the output gradient g (T, N) in both
+layouts too. jax3d.models.fp8 left those transposes of the f8 arrays to XLA: at gpt-1.3b, batch 2, full recompute,
+one H100 (profile_step, 2026-12-05), the FP8 GEMMs took 27.5 ms a step against bf16's 51.0, but the transposes
+(XLA's unfused `wrapped_transpose` kernels, 65 us for an 8M-element f8 array) added 13.2 ms of copies and the
+quantizes and amaxes 8.5 ms of elementwise work, so the step was 91.2 ms against bf16's 93.8.
+
+Here one program per (rows, cols) tile reads the bf16 tile once and writes the f8 tile, its transpose and the
+tile's amax: `cast_transpose`. Off until measured on a GPU (`DEFAULT = None`); jax3d.models.fp8 then keeps its
+einsum of the f8 arrays and XLA's transposes. A benchmark turns it on with `pallas_gpu.kernel_settings(Tuning())`
+(`throughput.py --fp8 hybrid --tune fp8_cast:rows=64`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
+from jax3d.parallel.rules import ShardingRules
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The tile (rows x cols of the (T, K) view) each program quantizes, and its warps."""
+
+    rows: int = 64
+    cols: int = 64
+    warps: int = 4
+
+    def __post_init__(self):
+        check_powers_of_two(self, "rows", "cols", "warps")
+
+
+DEFAULT = None
+
+
+def supported(shape: tuple[int, int], rules: ShardingRules, tuning: Tuning | None) -> bool:
+    """Whether `cast_transpose` takes a 2-D operand of `shape`: on one GPU, in whole tiles (never with `tuning`
+    None: the kernel is off)."""
+    return (tuning is not None and on_one_gpu(rules) and shape[0] % tuning.rows == 0
+            and shape[1] % tuning.cols == 0)
+
+
+def quantize(a, scale, f8, dtype=None):
+    """a / scale, clipped to the f8 format's range, in f8, computed in `dtype` (a's by default). Scales are
+    powers of two, so the division is exact in any float type: fp32, as in the kernel, gives the f8 codes that
+    a's own dtype gives."""
+    dtype = dtype or a.dtype
+    top = float(jnp.finfo(f8).max)
+    return jnp.clip(a.astype(dtype) / scale.astype(dtype), -top, top).astype(f8)
+
+
+def reference(a_tk, scale, f8):
+    """What `cast_transpose` computes, in plain JAX: (quantized a, its transpose, max |a|)."""
+    q = quantize(a_tk, scale, f8)
+    return q, q.T, jnp.max(jnp.abs(a_tk)).astype(jnp.float32)
+
+
+def _kernel(scale_ref, a_ref, q_ref, qt_ref, amax_ref):
+    a = a_ref[...]
+    q = quantize(a, scale_ref[0], q_ref.dtype, jnp.float32)
+    q_ref[...] = q
+    qt_ref[...] = q.T
+    amax_ref[...] = jnp.max(jnp.abs(a.astype(jnp.float32))).reshape(1, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("f8", "tuning", "interpret"))
+def cast_transpose(a_tk, scale, f8, tuning: Tuning = Tuning(), interpret: bool = False):
+    """(a / scale clipped and in `f8` (T, K), the same transposed (K, T), max |a| as fp32) of a 2-D `a_tk`
+    whose sizes are multiples of the tile's; `scale` a scalar. `interpret=True` runs it in Pallas'
+    interpreter, on any backend (for tests)."""
+    t, k = a_tk.shape
+    r, c = tuning.rows, tuning.cols
+    if t % r or k % c:
+        raise ValueError(f"a ({t}, {k}) operand is not a whole number of {tuning}'s tiles")
+    q, qt, amax = pl.pallas_call(
+        _kernel,
+        out_shape=(jax.ShapeDtypeStruct((t, k), f8), jax.ShapeDtypeStruct((k, t), f8),
+                   jax.ShapeDtypeStruct((t // r, k // c), jnp.float32)),
+        grid=(t // r, k // c),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((r, c), lambda i, j: (i, j))],
+        out_specs=(pl.BlockSpec((r, c), lambda i, j: (i, j)), pl.BlockSpec((c, r), lambda i, j: (j, i)),
+                   pl.BlockSpec((1, 1), lambda i, j: (i, j))),
+        compiler_params=compiler_params(tuning.warps, interpret),
+        interpret=interpret,
+        name="fp8_cast_transpose",
+    )(jnp.reshape(scale, (1,)).astype(jnp.float32), a_tk)
+    return q, qt, jnp.max(amax)

@@ -1,0 +1,110 @@
+"""jax3d.models.fp8_cast (an FP8 GEMM operand quantized in both layouts, with its amax, in one pass) in Pallas'
+interpreter against plain JAX, and jax3d.models.fp8's GEMMs built on it against its einsum of the f8 arrays."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax3d.models import fp8, fp8_cast, pallas_gpu
+from jax3d.parallel import ShardingRules
+
+F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+@pytest.mark.parametrize("f8", F8)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_equals_quantizing_then_transposing(f8, dtype):
+    # a 2 x 3 grid of 16 x 32 tiles, values past the format's range at a scale of 2**-3 (clipped), and the
+    # largest |a| in the last tile
+    a = jax.random.normal(jax.random.key(0), (32, 96), jnp.float32) * 300
+    a = a.at[31, 95].set(-1e5).astype(dtype)
+    scale = jnp.float32(2.0 ** -3)
+    q, q_t, amax = fp8_cast.cast_transpose(a, scale, f8, fp8_cast.Tuning(rows=16, cols=32), interpret=True)
+    want_q, want_t, want_amax = fp8_cast.reference(a, scale, f8)
+    assert q.dtype == f8 and q_t.shape == (96, 32)
+    np.testing.assert_array_equal(q.astype(jnp.float32), want_q.astype(jnp.float32))
+    np.testing.assert_array_equal(q_t.astype(jnp.float32), want_t.astype(jnp.float32))
+    assert float(amax) == float(want_amax) == float(jnp.asarray(1e5, dtype))
+    # computing the quotient in fp32 (the kernel) or in a's dtype (jax3d.models.fp8) gives the same codes
+    np.testing.assert_array_equal(fp8_cast.quantize(a, scale, f8).astype(jnp.float32),
+                                  fp8_cast.quantize(a, scale, f8, jnp.float32).astype(jnp.float32))
+
+
+def test_tiles_that_do_not_divide_the_operand_are_refused(monkeypatch):
+    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
+    tuning = fp8_cast.Tuning(rows=16, cols=32)
+    assert fp8_cast.supported((32, 96), None, tuning)
+    assert not fp8_cast.supported((24, 96), None, tuning)
+    assert not fp8_cast.supported((32, 96), None, None)  # off, the default
+    assert fp8_cast.DEFAULT is None
+    with pytest.raises(ValueError, match="whole number"):
+        fp8_cast.cast_transpose(jnp.zeros((24, 96)), jnp.float32(1), F8[0], tuning, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        fp8_cast.Tuning(rows=48)
+
+
+# The blocks' GEMMs (jax3d.models.layers): QKV, attention out, MLP up (plain and SwiGLU), MLP down.
+SPECS = {"btd,dcnh->btcnh": ((2, 16, 64), (64, 3, 4, 8)), "btnh,nhd->btd": ((2, 16, 4, 8), (4, 8, 64)),
+         "btd,dcf->btcf": ((2, 16, 64), (64, 2, 32)), "btd,df->btf": ((2, 16, 64), (64, 32)),
+         "btf,fd->btd": ((2, 16, 32), (32, 64))}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_gemm_on_the_kernel_equals_the_einsum_of_f8_arrays(spec, monkeypatch):
+    """Forward, both input gradients and the observed amaxes, with both paths' operands quantized alike: they
+    differ only in the order the dot sums its f8 products (fp32 here, so to about 1e-6)."""
+    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
+    monkeypatch.setattr(fp8_cast, "cast_transpose", functools.partial(fp8_cast.cast_transpose, interpret=True))
+    x_shape, w_shape = SPECS[spec]
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    x, w = jax.random.normal(kx, x_shape) * 3, jax.random.normal(kw, w_shape) * 0.05
+    scales = jnp.array([2.0 ** -4, 2.0 ** -8, 2.0 ** -6], jnp.float32)
+    rules = ShardingRules.create(False)
+    assert fp8._layout(spec) is not None
+
+    def run(tuning, x, w, scales):
+        with pallas_gpu.kernel_settings(*([tuning] if tuning else []), off=() if tuning else ("fp8_cast",)):
+            return fp8.einsum(spec, x, w, scales, "hybrid", rules)
+
+    outs = {}
+    for name, tuning in (("einsum", None), ("kernel", fp8_cast.Tuning(rows=16, cols=8))):
+        y, pull = jax.vjp(functools.partial(run, tuning), x, w, scales)
+        g = jax.random.normal(kg, y.shape)
+        outs[name] = (y, *pull(g))
+    for got, want in zip(outs["kernel"], outs["einsum"]):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    # the kernel path really ran: its forward is a dot of f8 arrays with both contracted dims minor
+    with pallas_gpu.kernel_settings(fp8_cast.Tuning(rows=16, cols=8)):
+        text = str(jax.make_jaxpr(lambda x, w: fp8.einsum(spec, x, w, scales, "hybrid", rules))(x, w))
+    assert "fp8_cast_transpose" in text and "dimension_numbers=(([1], [1]), ([], []))" in text
+
+
+def test_a_gemm_of_another_layout_keeps_the_einsum():
+    assert fp8._layout("btd,df->btf") == (2, 1)
+    assert fp8._layout("btd,fd->btf") is None  # w's contracted dim last
+    assert fp8._layout("dbt,df->btf") is None
+
+
+def test_the_gemm_lowers_for_cuda_to_three_casts_and_three_tn_dots_of_f8(monkeypatch):
+    """What a GPU would compile, lowered on this CPU: a GEMM's forward and backward at gpt-1.3b's MLP-up shape
+    (2 x 2048 tokens) casts x, w and g with one Triton call each, and dots f8 arrays with the contracted
+    dimension minor on both sides (the layout Hopper's FP8 GEMMs take), nothing for XLA to transpose."""
+    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
+    bf = jnp.bfloat16
+    x, w = jax.ShapeDtypeStruct((2, 2048, 2048), bf), jax.ShapeDtypeStruct((2048, 8192), bf)
+    scales = jax.ShapeDtypeStruct((3,), jnp.float32)
+    rules = ShardingRules.create(False)
+
+    def loss(x, w, scales):
+        y = fp8.einsum("btd,df->btf", x, w, scales, "hybrid", rules).astype(jnp.float32)
+        return jnp.sum(y * y)  # its gradient needs y: the forward dot is kept
+
+    with pallas_gpu.kernel_settings(fp8_cast.Tuning()):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, scales).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3 and all("f8E" in d and "contracting_dims = [1] x [1]" in d for d in dots), dots
