@@ -5,8 +5,8 @@ w (K, N) needs x with K minor for the forward and with T minor for the weight gr
 (transposed) for the forward and with N minor for the input gradient, and the output gradient g (T, N) in both
 layouts too. jax3d.models.fp8 left those transposes of the f8 arrays to XLA: at gpt-1.3b, batch 2, full recompute,
 one H100 (profile_step, 2026-12-05), the FP8 GEMMs took 27.5 ms a step against bf16's 51.0, but the transposes
-(XLA's unfused `wrapped_transpose` kernels, 65 us for an 8M-element f8 array) added 13.2 ms of copies and the
-quantizes and amaxes 8.5 ms of elementwise work, so the step was 91.2 ms against bf16's 93.8.
+(XLA's unfused `wrapped_transpose` kernels, 264 a step) added 13.2 ms of copies and the quantizes and amaxes
+8.5 ms of elementwise work, so the step was 91.2 ms against bf16's 93.8 (docs/performance.md, FP8).
 
 Here one program per (rows, cols) tile reads the bf16 tile once and writes the f8 tile, its transpose and the
 tile's amax: `cast_transpose`. Off until measured on a GPU (`DEFAULT = None`); jax3d.models.fp8 then keeps its
