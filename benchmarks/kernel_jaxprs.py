@@ -63,16 +63,16 @@ def _sha1(jaxpr) -> str:
 
 
 def step_fingerprint(shape: str = "1.3b-b16", ablate: tuple[str, ...] = (), layers: int = 2,
-                     tunings: tuple[tuple[str, str], ...] = ()) -> str:
+                     tunings: tuple[tuple[str, str], ...] = (), fp8: str = "") -> str:
     """The hash of the train step's jaxpr at `shape` (cut to `layers`), with the Pallas kernels taken as
-    on one GPU, but for those in `ablate`; `tunings` as `harness.Run`'s."""
+    on one GPU, but for those in `ablate`; `tunings` and `fp8` as `harness.Run`'s."""
     import dataclasses
     from unittest import mock
 
     from jax3d.parallel.plan import resolve
     from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
-    run = Run(shape, ablate=ablate, tunings=tunings)
+    run = Run(shape, ablate=ablate, tunings=tunings, fp8=fp8)
     cfg = config_for(run)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
     with contextlib.ExitStack() as stack:
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="1.3b-b16", choices=list(SHAPES), help="the step's shape (harness.SHAPES)")
     p.add_argument("--ablate", action="append", default=[], choices=KERNELS,
                    help="the step with this Pallas kernel left out (repeatable)")
+    p.add_argument("--fp8", default="", choices=["hybrid", "e4m3"], help="the step with FP8 GEMMs")
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
                    help="the step with these kernel settings (repeatable), as throughput.py's --tune")
     a = p.parse_args(argv)
@@ -106,7 +107,9 @@ def main(argv=None) -> int:
         print(json.dumps({"kernel": name, "jaxpr_sha1": fingerprint(f, args)}), flush=True)
     if a.step:
         print(json.dumps({"step": a.shape, "ablate": a.ablate, **({"tune": a.tune} if a.tune else {}),
-                          "jaxpr_sha1": step_fingerprint(a.shape, tuple(a.ablate), tunings=tunings)}), flush=True)
+                          **({"fp8": a.fp8} if a.fp8 else {}),
+                          "jaxpr_sha1": step_fingerprint(a.shape, tuple(a.ablate), tunings=tunings, fp8=a.fp8)}),
+              flush=True)
     return 0
 
 

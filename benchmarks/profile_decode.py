@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
     forced = dataclasses.replace(decode_attention.DEFAULT, min_programs=1)
     tunings, off = {"auto": ((), ()), "on": ((forced,), ()), "off": ((), pallas_gpu.DECODE_KERNELS)}[a.decode_kernel]
-    if a.decode_kernel == "on" and not _kernel_runs(cfg, 1, a.prompt_len + a.new, dtype, forced):
+    if a.decode_kernel == "on" and not _kernel_runs(cfg, mesh, 1, a.prompt_len + a.new, dtype, forced):
         p.error(f"--decode-kernel on: the kernel would not run here (it needs one GPU, {a.prompt_len + a.new} slots "
                 f"in blocks of {forced.block} and a power-of-two head size), so there would be nothing to measure")
     with pallas_gpu.kernel_settings(*tunings, off=off):  # read when decode is traced, in the first generate below
@@ -198,15 +198,24 @@ def main(argv=None) -> int:
     return 0
 
 
-def _kernel_runs(cfg, batch: int, slots: int, dtype, tuning) -> bool:
-    """Whether decode's attention at this batch is jax3d.models.decode_attention's, with `tuning`."""
+def _kernel_runs(cfg, mesh, batch: int, slots: int, dtype, tuning) -> bool:
+    """Whether decode's attention at this batch is jax3d.models.decode_attention's, with `tuning`, on `mesh`
+    (generation's one device)."""
     import jax
 
     from jax3d.models import decode_attention
     from jax3d.parallel import ShardingRules
 
     cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), dtype)
-    return decode_attention.supported(cache, cfg.num_attention_heads, ShardingRules.create(False), tuning)
+    with jax.set_mesh(mesh):
+        return decode_attention.supported(cache, cfg.num_attention_heads, ShardingRules.create(False), tuning)
+
+
+def _slots_read(prompt_len: int, new: int, block: int) -> float:
+    """The cache slots the kernel reads per row, averaged over the decode steps: whole blocks from slot 0 (a row
+    of a full-length prompt) to the block of the slot being decoded."""
+    steps = range(prompt_len, prompt_len + new - 1)
+    return sum(-(-(i + 1) // block) * block for i in steps) / len(steps)
 
 
 def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item) -> None:
@@ -220,9 +229,9 @@ def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weight
         gen.generate(rows, a.new)  # compiles prefill and decode
         rec = profile(gen, rows, a.new)
         wall = rec["wall_ms_per_step"]
-        kernel = _kernel_runs(cfg, b, max_len, dtype, pallas_gpu.tuning(decode_attention))
-        # The kernel reads the filled slots only: over the decode steps, the prompt and half the new tokens.
-        read = a.prompt_len + a.new // 2 if kernel else max_len
+        tuning = pallas_gpu.tuning(decode_attention)
+        kernel = _kernel_runs(cfg, mesh, b, max_len, dtype, tuning)
+        read = _slots_read(a.prompt_len, a.new, tuning.block) if kernel else max_len
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1), "decode_kernel_ran": kernel,
                "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, read, item)[1], rate, wall),
                "of_weights_limit": round(weights_ms / wall, 3), **rec, "compiles": gen.compile_counts()}

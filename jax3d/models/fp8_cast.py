@@ -3,10 +3,11 @@
 Hopper's FP8 GEMMs take both operands with the contracted dimension minor ("TN"). A GEMM of x (T, K) and
 w (K, N) needs x with K minor for the forward and with T minor for the weight gradient, w with K minor
 (transposed) for the forward and with N minor for the input gradient, and the output gradient g (T, N) in both
-layouts too. jax3d.models.fp8 left those transposes of the f8 arrays to XLA: at gpt-1.3b, batch 2, full recompute,
-one H100 (profile_step, 2026-12-05), the FP8 GEMMs took 27.5 ms a step against bf16's 51.0, but the transposes
-(XLA's unfused `wrapped_transpose` kernels, 264 a step) added 13.2 ms of copies and the quantizes and amaxes
-8.5 ms of elementwise work, so the step was 91.2 ms against bf16's 93.8 (docs/performance.md, FP8).
+layouts too. jax3d.models.fp8 left those transposes of the f8 arrays to XLA: at gpt-1.3b, batch 2, full
+recompute, one H100 (profile_step, 2026-12-05), the FP8 GEMMs took 27.5 ms a step against bf16's 51.0, but
+XLA's unfused `wrapped_transpose` kernels (264 a step, 9.4 ms) and other transposing fusions added 13.2 ms of
+copies, and the quantizes and amaxes 8.5 ms of elementwise work: the step took 91.2 ms against bf16's 93.8
+(docs/performance.md, FP8).
 
 Here one program per (rows, cols) tile reads the bf16 tile once and writes the f8 tile, its transpose and the
 tile's amax: `cast_transpose`. Off until measured on a GPU (`DEFAULT = None`); jax3d.models.fp8 then keeps its
@@ -48,13 +49,20 @@ def supported(shape: tuple[int, int], rules: ShardingRules, tuning: Tuning | Non
             and shape[1] % tuning.cols == 0)
 
 
-def quantize(a, scale, f8, dtype=None):
-    """a / scale, clipped to the f8 format's range, in f8, computed in `dtype` (a's by default). Scales are
-    powers of two, so the division is exact in any float type: fp32, as in the kernel, gives the f8 codes that
-    a's own dtype gives."""
-    dtype = dtype or a.dtype
-    top = float(jnp.finfo(f8).max)
-    return jnp.clip(a.astype(dtype) / scale.astype(dtype), -top, top).astype(f8)
+def largest(f8) -> float:
+    """The largest finite value of an f8 format (448 for e4m3, 57344 for e5m2)."""
+    return float(jnp.finfo(f8).max)
+
+
+def to_f8(v, f8):
+    """v clipped to the f8 format's range, in f8."""
+    top = largest(f8)
+    return jnp.clip(v, -top, top).astype(f8)
+
+
+def quantize(a, scale, f8):
+    """a / scale, clipped to the format's range, in f8 (computed in a's dtype)."""
+    return to_f8(a / scale.astype(a.dtype), f8)
 
 
 def reference(a_tk, scale, f8):
@@ -63,9 +71,12 @@ def reference(a_tk, scale, f8):
     return q, q.T, jnp.max(jnp.abs(a_tk)).astype(jnp.float32)
 
 
-def _kernel(scale_ref, a_ref, q_ref, qt_ref, amax_ref):
+def _kernel(inverse_ref, a_ref, q_ref, qt_ref, amax_ref):
     a = a_ref[...]
-    q = quantize(a, scale_ref[0], q_ref.dtype, jnp.float32)
+    # Times the scale's inverse, not divided by the scale: Triton's fp32 division may be approximate, and the
+    # product is exact for a power-of-two scale (jax3d.train.fp8), so the codes are quantize's: a / scale is
+    # exact in bf16 and fp32 alike, its rounding to f8 the same from either.
+    q = to_f8(a.astype(jnp.float32) * inverse_ref[0], q_ref.dtype)
     q_ref[...] = q
     qt_ref[...] = q.T
     amax_ref[...] = jnp.max(jnp.abs(a.astype(jnp.float32))).reshape(1, 1)
@@ -91,5 +102,5 @@ def cast_transpose(a_tk, scale, f8, tuning: Tuning = Tuning(), interpret: bool =
         compiler_params=compiler_params(tuning.warps, interpret),
         interpret=interpret,
         name="fp8_cast_transpose",
-    )(jnp.reshape(scale, (1,)).astype(jnp.float32), a_tk)
+    )(jnp.reshape(1.0 / scale.astype(jnp.float32), (1,)), a_tk)
     return q, qt, jnp.max(amax)
