@@ -121,3 +121,39 @@ def test_the_gemm_lowers_for_cuda_to_three_casts_and_three_tn_dots_of_f8(monkeyp
     assert text.count("__gpu$xla.gpu.triton") == 3
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     assert len(dots) == 3 and all("f8E" in d and "contracting_dims = [1] x [1]" in d for d in dots), dots
+
+
+# ---- in the train step ---------------------------------------------------------------------------------------------
+
+
+
+@pytest.mark.parametrize("llama, recompute", [(False, "none"), (True, "full")], ids=["gpt", "llama-recompute"])
+def test_a_train_step_on_the_kernel_gives_the_einsum_paths_losses(llama, recompute, monkeypatch):
+    """Four FP8 steps of a tiny model (fp32, one device, 4 micro-batches of 2) with every block GEMM on the cast kernel
+    (Pallas' interpreter standing in for the GPU) give the losses of the einsum path: the same f8 codes, the
+    dots summed in another order."""
+    from jax3d.train.step import build_steps
+    from tests import test_checkpoint
+    from tests.helpers import tiny_config
+    from tests.test_fp8 import FP8, GB
+    from tests.test_llama_layouts import LLAMA, counting_batch
+
+    monkeypatch.setattr(test_checkpoint, "host_batch", counting_batch)
+    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
+    calls, cast = [], fp8_cast.cast_transpose
+
+    def interpreted(*args, **kw):
+        calls.append(1)
+        return cast(*args, interpret=True, **kw)
+
+    monkeypatch.setattr(fp8_cast, "cast_transpose", interpreted)
+    model_kw = {**(LLAMA if llama else {}), "num_layers": 2, "recompute": recompute}
+    cfg, mesh_cfg, mesh = tiny_config(micro=2, global_batch=GB // 2, model_kw=model_kw)
+    cfg = cfg.replace(precision=FP8, optim={"lr": 3e-3})
+    losses = {}
+    for name, tunings, off in (("einsum", (), ("fp8_cast",)), ("kernel", (fp8_cast.Tuning(rows=16, cols=16),), ())):
+        with pallas_gpu.kernel_settings(*tunings, off=off):
+            s = build_steps(cfg, mesh_cfg, mesh)
+            losses[name] = test_checkpoint.train(s, s.init_state(0), 0, 4)[0]
+        assert bool(calls) == (name == "kernel"), name
+    np.testing.assert_allclose(losses["kernel"], losses["einsum"], rtol=1e-5)

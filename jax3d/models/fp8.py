@@ -106,10 +106,10 @@ _fp8_einsum.defvjp(_forward, _backward)
 
 # ---- the same GEMM with every operand quantized in both layouts (jax3d.models.fp8_cast) -----------------------------
 def _layout(spec: str) -> tuple[int, int, int] | None:
-    """(batch dims of x, contracted dims, w's output dims) of a spec "x,w->y" whose x is its batch dims then the contracted
-    ones, w the contracted ones then its outputs, y x's batch dims then w's outputs (every GEMM of the blocks:
-    "btd,dcnh->btcnh"), each dimension named once; None for another. Such a GEMM is (T, K) x (K, N) -> (T, N) on
-    reshapes that move no data."""
+    """(batch dims of x, contracted dims, w's output dims) of a spec "x,w->y" whose x is its batch dims then
+    the contracted ones, w the contracted ones then its outputs, y x's batch dims then w's outputs (every GEMM
+    of the blocks: "btd,dcnh->btcnh"), each dimension named once; None for another. Such a GEMM is
+    (T, K) x (K, N) -> (T, N) on reshapes that move no data."""
     ins, y = spec.replace(" ", "").split("->")
     x, w = ins.split(",")
     if not (x + w).isalpha() or len(set(x)) < len(x) or len(set(w)) < len(w):
