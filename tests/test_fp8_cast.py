@@ -127,7 +127,8 @@ def test_the_gemm_lowers_for_cuda_to_three_casts_and_three_tn_dots_of_f8(monkeyp
 
 
 
-@pytest.mark.parametrize("llama, recompute", [(False, "none"), (True, "full")], ids=["gpt", "llama-recompute"])
+@pytest.mark.parametrize("llama, recompute", [(False, "none"), (False, "selective"), (True, "full")],
+                         ids=["gpt", "gpt-selective", "llama-full"])
 def test_a_train_step_on_the_kernel_gives_the_einsum_paths_losses(llama, recompute, monkeypatch):
     """Four FP8 steps of a tiny model (fp32, one device, 4 micro-batches of 2) with every block GEMM on the cast kernel
     (Pallas' interpreter standing in for the GPU) give the losses of the einsum path: the same f8 codes, the
