@@ -12,7 +12,8 @@ copies, and the quantizes and amaxes 8.5 ms of elementwise work: the step took 9
 Here one program per (rows, cols) tile reads the bf16 tile once and writes the f8 tile, its transpose and the
 tile's amax: `cast_transpose`. Off until measured on a GPU (`DEFAULT = None`); jax3d.models.fp8 then keeps its
 einsum of the f8 arrays and XLA's transposes. A benchmark turns it on with `pallas_gpu.kernel_settings(Tuning())`
-(`throughput.py --fp8 hybrid --tune fp8_cast:rows=64`).
+(`throughput.py --fp8 hybrid --tune fp8_cast:rows=64`; `--tune fp8_cast:xla=1` runs the same GEMMs with XLA's
+casts instead of the kernel).
 """
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ from jax3d.parallel.rules import ShardingRules
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """The tile (rows x cols of the (T, K) view) each program quantizes, and its warps."""
+    """The tile (rows x cols of the (T, K) view) each program quantizes, and its warps. `xla=1` writes the
+    same three results as XLA operations instead (quantizing a and a's transpose from the bf16 input, so XLA
+    transposes bf16 inside the quantizing fusion rather than the f8 array after it): the TN GEMMs of
+    jax3d.models.fp8 without the Pallas kernel, to measure against it."""
 
     rows: int = 64
     cols: int = 64
     warps: int = 4
+    xla: int = 0
 
     def __post_init__(self):
         check_powers_of_two(self, "rows", "cols", "warps")
@@ -91,6 +96,10 @@ def cast_transpose(a_tk, scale, f8, tuning: Tuning = Tuning(), interpret: bool =
     r, c = tuning.rows, tuning.cols
     if t % r or k % c:
         raise ValueError(f"a ({t}, {k}) operand is not a whole number of {tuning}'s tiles")
+    if tuning.xla:
+        with jax.named_scope("fp8_cast_transpose"):  # what a benchmark looks for in the compiled step
+            amax = jnp.max(jnp.abs(a_tk)).astype(jnp.float32)
+            return quantize(a_tk, scale, f8), quantize(a_tk.T, scale, f8), amax
     q, qt, amax = pl.pallas_call(
         _kernel,
         out_shape=(jax.ShapeDtypeStruct((t, k), f8), jax.ShapeDtypeStruct((k, t), f8),
