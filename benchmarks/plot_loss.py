@@ -1,6 +1,5 @@
-"""Draws benchmarks.fp8_loss's curves as an SVG (no plotting library needed): the per-step losses, thin, and
-their 20-step running means over them, bf16 and FP8 (and `fp8_te`, a second FP8 recipe, where the result has
-one), with the verdict in the title.
+"""Draws benchmarks.fp8_loss's two curves as an SVG (no plotting library needed): the per-step losses, thin, and
+their 20-step running means over them, bf16 and FP8, with the verdict in the title.
 
     python -m benchmarks.plot_loss /tmp/fp8_loss/fp8_loss.json --out docs/fp8_loss.svg
 """
@@ -13,7 +12,7 @@ import sys
 import numpy as np
 
 W, H, PAD = 720, 420, 56
-COLOURS = {"bf16": "#1f77b4", "fp8": "#d62728", "fp8_te": "#2ca02c"}
+COLOURS = {"bf16": "#1f77b4", "fp8": "#d62728"}
 
 
 def running_mean(y, n: int = 20):
@@ -23,7 +22,7 @@ def running_mean(y, n: int = 20):
 
 
 def svg(result: dict) -> str:
-    curves = {k: np.asarray(result[k]["loss"], float) for k in COLOURS if k in result}
+    curves = {k: np.asarray(result[k]["loss"], float) for k in COLOURS}
     steps = max(len(c) for c in curves.values())
     skip = min(10, steps - 1)  # the first steps' losses (log of the vocabulary) would squash the rest
     lo = min(c[skip:].min() for c in curves.values())
@@ -54,13 +53,11 @@ def svg(result: dict) -> str:
     for t in np.linspace(lo, hi, 6):
         _, y = xy(0, t)
         out.append(f'<text x="{PAD - 6}" y="{y + 4:.1f}" text-anchor="end">{t:.2f}</text>')
-    for k in curves:
-        out.append(line(curves[k], COLOURS[k], 0.6, 0.35))
-        out.append(line(running_mean(curves[k]), COLOURS[k], 1.8, 1.0))
-    for n, k in enumerate(curves):
-        label = result[k].get("label", k)
-        out.append(f'<text x="{W - PAD - 250}" y="{PAD + 16 * n}" fill="{COLOURS[k]}">'
-                   f'{label} (20-step mean, bold)</text>')
+    for k, colour in COLOURS.items():
+        out.append(line(curves[k], colour, 0.6, 0.35))
+        out.append(line(running_mean(curves[k]), colour, 1.8, 1.0))
+    for n, (k, colour) in enumerate(COLOURS.items()):
+        out.append(f'<text x="{W - PAD - 150}" y="{PAD + 16 * n}" fill="{colour}">{k} (20-step mean, bold)</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
