@@ -216,12 +216,6 @@ def _dequantize(q, scale, dtype):
     return q.astype(dtype) * scale.astype(dtype)
 
 
-def _direct_dot(a, b, dims, sa, sb, dtype):
-    """`a . b` on the f8 arrays themselves, the output multiplied by the scalar sa * sb."""
-    y = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=dtype)
-    return y * (sa * sb).astype(dtype)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def dequantized_einsum(fmt, x, w, scales):
     """jax3d's first FP8 GEMM, for x[b,t,d] @ w[d,f]: quantize, then bf16 dots of the dequantized operands
@@ -281,10 +275,10 @@ def gemm_programs(small: bool):
                    .astype(bf), (qx, qw, sx, sw), flops),
         "dq-div": (lambda qx, qw, sx, sw: jnp.einsum(spec, qx.astype(bf) / (1 / sx).astype(bf),
                                                      qw.astype(bf) / (1 / sw).astype(bf)), (qx, qw, sx, sw), flops),
-        "direct": (lambda qx, qw, sx, sw: _direct_dot(qx, qw, ((2,), (0,)), sx, sw, bf), (qx, qw, sx, sw), flops),
+        "direct": (lambda qx, qw, sx, sw: fp8.scaled_dot(spec, qx, qw, sx, sw, bf), (qx, qw, sx, sw), flops),
         # the same with an f32 output scaled by the f32 product of the scales (no bf16 rounding of that product;
         # the rewriter can fold the multiply into the call, but the convert to bf16 stays a pass of its own)
-        "direct-f32out": (lambda qx, qw, sx, sw: _direct_dot(qx, qw, ((2,), (0,)), sx, sw, jnp.float32).astype(bf),
+        "direct-f32out": (lambda qx, qw, sx, sw: fp8.scaled_dot(spec, qx, qw, sx, sw, jnp.float32).astype(bf),
                           (qx, qw, sx, sw), flops),
     }
     run, args = vjp3(lambda x, w: jnp.einsum(spec, x, w), x, w)
