@@ -9,11 +9,12 @@ query row) is products and sums rather than dots, so the compiler has no layout 
 
 On one GPU a decode step runs jax3d.models.decode_attention, one Pallas kernel that reads only the filled
 slots, when the cache carries the rows' first slots (`cache['start']`, as generation's does) and the batch is
-large enough to fill the GPU with its programs (`Tuning.min_programs`). cuDNN (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row
-only with its mask as a bias over every (query, key) pair, and wants the slots before the heads; Pallas' own
-GPU decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on every call.
-Elsewhere the sums here read every slot of the cache, filled or not: at the gpt-1.3b shape 3% of a step's
-bytes at batch 1 and about half at batch 32. The mask is two iotas and compares, which XLA fuses into the softmax.
+large enough to fill the GPU with its programs (`Tuning.min_programs`). cuDNN
+(`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row only with its mask as a
+bias over every (query, key) pair, and wants the slots before the heads; Pallas' own GPU decode kernel
+(`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on every call. Elsewhere the sums
+here read every slot of the cache, filled or not: at the gpt-1.3b shape 3% of a step's bytes at batch 1 and
+about half at batch 32. The mask is two iotas and compares, which XLA fuses into the softmax.
 """
 from __future__ import annotations
 
