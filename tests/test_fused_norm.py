@@ -59,3 +59,16 @@ def test_gpt_with_fused_norms_matches_xla_norms(monkeypatch):
     loss, grads = loss_and_grads(cfg)
     assert len(calls) == 2 * cfg.num_layers + 1, "not every layer norm went through the kernels"
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_the_forward_takes_rows_that_its_row_block_does_not_divide(rows):
+    """One row (a decode step at batch 1) and odd rows run in programs of fewer rows (the largest power of two
+    dividing them), with the same output as XLA's layer norm; `supported` no longer refuses them."""
+    tuning = fused_norm.Tuning(rows_fwd=4)
+    k = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(k[0], (rows, 1, 256)) * 3 + 1
+    scale, bias = 1 + 0.1 * jax.random.normal(k[1], (256,)), 0.1 * jax.random.normal(k[2], (256,))
+    assert fused_norm._rows_per_program(rows, tuning) == {1: 1, 3: 1, 6: 2}[rows]
+    y = fused_norm.fused_layer_norm(x, scale, bias, 1e-5, tuning, True)
+    assert rel_err(y, layer_norm(x, scale, bias, 1e-5)) < 1e-6

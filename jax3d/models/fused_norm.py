@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +48,21 @@ DEFAULT = Tuning()
 
 
 def supported(x, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
-    """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole row blocks
-    (never with `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings)."""
+    """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole backward row
+    blocks (never with `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings). The forward takes
+    any rows (`_rows_per_program`)."""
     if tuning is None:
         return False
     d = x.shape[-1]
     rows = x.size // d if d else 0
-    return on_one_gpu(rules) and 128 <= d <= 8192 and rows % tuning.rows_fwd == 0 and rows % tuning.rows_bwd == 0
+    return on_one_gpu(rules) and 128 <= d <= 8192 and rows > 0 and rows % tuning.rows_bwd == 0
+
+
+def _rows_per_program(rows: int, tuning: Tuning) -> int:
+    """`tuning.rows_fwd`, or the largest power of two below it that divides `rows`: a decode step's one row
+    (batch 1) is one program, where XLA's layer norm took three kernels (two reductions and the
+    normalisation)."""
+    return math.gcd(rows, tuning.rows_fwd)
 
 
 def _columns(d: int):
@@ -114,13 +123,13 @@ def _bwd_kernel(x_ref, dy_ref, s_ref, mean_ref, rstd_ref, dx_ref, ds_ref, db_ref
 
 def _forward(x2, scale, bias, eps, tuning: Tuning, interpret: bool):
     rows, d = x2.shape
-    block = block_width(d)
-    row_block = pl.BlockSpec((tuning.rows_fwd, block), lambda i: (i, 0))
+    block, per = block_width(d), _rows_per_program(rows, tuning)
+    row_block = pl.BlockSpec((per, block), lambda i: (i, 0))
     vec = pl.BlockSpec((block,), lambda i: (0,))
-    stat = pl.BlockSpec((tuning.rows_fwd,), lambda i: (i,))
+    stat = pl.BlockSpec((per,), lambda i: (i,))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, eps=eps, d=d),
-        grid=(rows // tuning.rows_fwd,),
+        grid=(rows // per,),
         in_specs=[row_block, vec, vec],
         out_specs=[row_block, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((rows, d), x2.dtype), jax.ShapeDtypeStruct((rows,), F32),
