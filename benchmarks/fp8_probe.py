@@ -75,7 +75,7 @@ FLAG_SETS = {
 }
 # in the order they run, the telling ones first (a child out of time still reports those it finished)
 GEMM_VARIANTS = ("bf16", "jax3d", "direct", "dq-bf16", "bf16-grad", "jax3d-grad", "dequantized-grad", "flax",
-                 "flax-grad", "dq-f32", "dq-div", "direct-f32out", "tn-cast-grad", "tn-xla-grad")
+                 "flax-grad", "dq-f32", "dq-div", "direct-f32out", "tn-cast-grad")
 STEP_VARIANTS = ("step-bf16", "step-fp8", "step-fp8-no-pallas")  # the last only when --only names it
 FP8_CALL = "__cublas$lt$matmul$f8"
 RESERVE = {"gemms": 15.0, "steps": 35.0}  # seconds of --budget kept for each child still to run
@@ -287,14 +287,13 @@ def gemm_programs(small: bool):
     programs["jax3d-grad"] = (run, args, 3 * flops)
     run, args = vjp3(lambda x, w, s: dequantized_einsum("hybrid", x, w, s), x, w, scales)
     programs["dequantized-grad"] = (run, args, 3 * flops)
-    # jax3d's TN GEMMs (jax3d.models.fp8_cast): operands cast in both layouts by the Pallas kernel, or by XLA's
-    # ops; on a CPU they fall back to `jax3d-grad`'s einsum (the kernel runs on one GPU only)
-    for name, tuning in (("tn-cast-grad", fp8_cast.Tuning()), ("tn-xla-grad", fp8_cast.Tuning(xla=1))):
-        def cast_einsum(x, w, s, tuning=tuning):
-            with pallas_gpu.kernel_settings(tuning):  # read when traced, the vjp's backward included
-                return fp8.einsum(spec, x, w, s, "hybrid", ShardingRules.create(False))
-        run, args = vjp3(cast_einsum, x, w, scales)
-        programs[name] = (run, args, 3 * flops)
+    # jax3d's TN GEMMs, operands cast in both layouts by the Pallas kernel (jax3d.models.fp8_cast); on a CPU
+    # they fall back to `jax3d-grad`'s einsum (the kernel runs on one GPU only)
+    def cast_einsum(x, w, s):
+        with pallas_gpu.kernel_settings(fp8_cast.Tuning()):  # read when traced, the vjp's backward included
+            return fp8.einsum(spec, x, w, s, "hybrid", ShardingRules.create(False))
+    run, args = vjp3(cast_einsum, x, w, scales)
+    programs["tn-cast-grad"] = (run, args, 3 * flops)
     try:
         from flax.linen import fp8_ops
 
