@@ -78,6 +78,13 @@ def loop_body_kernels(hlo: str) -> collections.Counter:
     """Kernels by HLO operation in one pass of the body of the outermost while loop of a compiled program's
     text, counting into the computations it calls (command buffers on a GPU) but not into fusions or inner
     loops (sampling's sort)."""
+    return collections.Counter(op for op, _ in kernel_lines(hlo, loop_body_only=True))
+
+
+def kernel_lines(hlo: str, loop_body_only: bool):
+    """(operation, line) of each kernel a pass of a compiled program's text launches: with `loop_body_only`,
+    of the first while loop's body, counting into the computations it calls but not into inner loops; else of
+    the whole program, each loop's body once. Fusions count as one kernel."""
     comps, name, entry = {}, None, None
     for line in hlo.splitlines():
         head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
@@ -97,21 +104,24 @@ def loop_body_kernels(hlo: str) -> collections.Counter:
                 return loop_in(called.group(1))
         return None
 
-    body = loop_in(entry)
-    counts = collections.Counter()
+    into = {"call"} if loop_body_only else {"call", "while", "conditional"}
+    seen = set()
 
-    def count(comp: str) -> None:
+    def visit(comp: str):
+        if comp in seen:
+            return
+        seen.add(comp)
         for line in comps.get(comp, []):
             op = re.search(r"= (?:\([^=]*\)|[\w\[\]{},:\d]+) ([\w\-]+)\(", line)
             if op is None:
                 continue
-            if op.group(1) == "call":
-                count(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+            if op.group(1) in into:
+                for called in re.findall(r"(?:to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", line):
+                    yield from visit(called)
             elif op.group(1) not in _FREE and not op.group(1).endswith("-done"):
-                counts[op.group(1)] += 1
+                yield op.group(1), line
 
-    count(body)
-    return counts
+    yield from visit(loop_in(entry) if loop_body_only else entry)
 
 
 def _trace(fn) -> list:

@@ -148,10 +148,10 @@ class Generator:
         layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), specs.pop("blocks"), is_leaf=lambda x: isinstance(x, P))
         layer_sh = named_shardings(mesh, layer_specs)
         ends = {k: v for k, v in params.items() if k != "blocks"}
-        self.params = jax.device_put(jax.tree.map(lambda a: np.asarray(a).astype(dtype), ends),
-                                     named_shardings(mesh, specs))
-        self.params["blocks"] = [jax.device_put(jax.tree.map(lambda a, i=i: np.asarray(a[i]).astype(dtype),
-                                                             params["blocks"]), layer_sh)
+        self.params = _placed(ends, named_shardings(mesh, specs), dtype)
+        self.params["blocks"] = [_placed(jax.tree.map(lambda a, i=i: a[i] if _concrete(a) else
+                                                      jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["blocks"]),
+                                         layer_sh, dtype)
                                  for i in range(cfg.num_layers)]
         kv = NamedSharding(mesh, self.rules.spec(CACHE_AXES))
         self.cache_sharding = [{"k": kv, "v": kv} for _ in range(cfg.num_layers)]
@@ -253,12 +253,13 @@ class Generator:
 
     def decode_hlo(self, prompts: list[list[int]], sampling: Sampling = Sampling(greedy=True)) -> str:
         """The optimised HLO of the decode program (after a prefill of `prompts`), to check for copies of the
-        cache and to count the kernels of a token."""
+        cache and to count the kernels of a token. With abstract params (jax.ShapeDtypeStruct leaves) nothing
+        runs: the prefill's state is abstract too, and only decode compiles, for the mesh's devices."""
         prefill, decode = self._compiled(sampling)
         tokens, valid = self.left_pad(prompts)
+        args = (self.params, tokens, valid, np.ones(self.batch, np.int32), np.int32(PAD), jax.random.key(0))
         with jax.set_mesh(self.mesh):
-            _, state = prefill(self.params, tokens, valid, np.ones(self.batch, np.int32), np.int32(PAD),
-                               jax.random.key(0))
+            _, state = prefill(*args) if all(map(_concrete, jax.tree.leaves(self.params))) else prefill.eval_shape(*args)
             return decode.lower(self.params, state, np.int32(1), np.zeros(self.batch, bool)).compile().as_text()
 
     # ---- driving it ---------------------------------------------------------------------------
@@ -341,6 +342,20 @@ class Generator:
         when `stop_at_eod`."""
         out = np.concatenate(list(self.stream(prompts, max_new_tokens, sampling, seed, stop_at_eod)), axis=1)
         return [[int(t) for t in row if t != PAD] for row in out]
+
+
+def _concrete(a) -> bool:
+    return not isinstance(a, jax.ShapeDtypeStruct)
+
+
+def _placed(tree, shardings, dtype):
+    """`tree` in `dtype` on its shardings: arrays put there, abstract leaves (jax.ShapeDtypeStruct) given them,
+    to compile without allocating (for devices this host may not have: benchmarks/gpu_compile.py)."""
+    def one(a, sh):
+        if _concrete(a):
+            return jax.device_put(np.asarray(a).astype(dtype), sh)
+        return jax.ShapeDtypeStruct(a.shape, dtype, sharding=sh)
+    return jax.tree.map(one, tree, shardings)
 
 
 def greedy_without_cache(model, params, prompt: list[int], max_new_tokens: int, vocab: int) -> list[int]:
