@@ -59,7 +59,7 @@ def supported(x, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
 
 
 def _rows_per_program(rows: int, tuning: Tuning) -> int:
-    """`tuning.rows_fwd`, or the largest power of two below it that divides `rows`: a decode step's one row
+    """The largest power of two up to `tuning.rows_fwd` that divides `rows`: a decode step's one row
     (batch 1) is one program, where XLA's layer norm took three kernels (two reductions and the
     normalisation)."""
     return math.gcd(rows, tuning.rows_fwd)

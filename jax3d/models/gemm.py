@@ -9,8 +9,8 @@ and whose operands hold fewer than 10M elements together, into a multiply and a 
 pass), and the multiply, in the dot's output type, is a fusion of its own: it writes the whole (K, N) product
 to memory and the sum reads it back, three times the weight's bytes. At the gpt-1.3b shape that is the
 attention's out-projection (2048 x 2048), 16 MB more per layer and token; at smaller widths, every GEMM of the
-block. `einsum` writes such a product as the multiply and sum in fp32, which XLA compiles to one reduction
-that reads the weight once (the decode step compiled for an H100: one kernel where there were two).
+block. `einsum` writes such a product as the multiply and sum in fp32, with the row written first, which XLA
+compiles to one reduction that reads the weight once (benchmarks/gpu_compile.py, docs/decode.md).
 """
 from __future__ import annotations
 
