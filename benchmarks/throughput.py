@@ -69,8 +69,12 @@ def main(argv=None) -> int:
         if module == "fp8_cast" and not a.fp8:
             p.error(f"--tune {t}: the FP8 cast kernel runs only in FP8 GEMMs; add --fp8 hybrid")
         tunings.append(((module, fields),))
-    # 'all' leaves out each kernel that runs by default (fp8_cast does not yet: jax3d.models.fp8_cast)
-    on = [k for k in KERNELS if importlib.import_module(f"jax3d.models.{k}").DEFAULT is not None]
+    # 'all' leaves out each kernel that runs by default; fp8_cast runs in FP8 GEMMs only, so its ablation is an
+    # FP8 run, and 'all' takes it only with --fp8
+    if "fp8_cast" in a.ablate and not a.fp8:
+        p.error("--ablate fp8_cast: the FP8 cast kernel runs only in FP8 GEMMs; add --fp8 hybrid")
+    on = [k for k in KERNELS if importlib.import_module(f"jax3d.models.{k}").DEFAULT is not None
+          and (k != "fp8_cast" or a.fp8)]
     ablations = [(name,) for name in (on if "all" in a.ablate else a.ablate) if name != "together"]
     if "together" in a.ablate:
         ablations.append(KERNELS)
@@ -93,7 +97,9 @@ def main(argv=None) -> int:
             runs = [Run(shape, batch, recompute=r, dtype=a.dtype, dropout=a.dropout) for r in a.recompute]
             runs += [Run(shape, batch, recompute=r, dtype=a.dtype, dropout=a.dropout, fp8=f) for f in a.fp8
                      for r in a.recompute]
-            runs += [Run(shape, batch, ablate=names, dtype=a.dtype, dropout=a.dropout) for names in ablations]
+            runs += [Run(shape, batch, ablate=names, dtype=a.dtype, dropout=a.dropout,
+                         **({"fp8": a.fp8[0], "recompute": a.recompute[0]} if names == ("fp8_cast",) else {}))
+                     for names in ablations]
             runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, xla_flags=f) for f in a.xla_flags]
             runs += [Run(shape, batch, recompute=a.recompute[0], dtype=a.dtype, dropout=a.dropout, tunings=t,
                          fp8=a.fp8[0] if t[0][0] == "fp8_cast" else "") for t in tunings]

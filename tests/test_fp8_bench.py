@@ -29,6 +29,21 @@ def test_throughput_runs_fp8_after_the_plain_run(monkeypatch, capsys):
     assert np.isfinite(recs[1]["loss"])
 
 
+def test_the_cast_kernels_ablation_is_an_fp8_run_and_needs_fp8(monkeypatch, capsys):
+    """fp8_cast runs by default in FP8 GEMMs only: `--ablate fp8_cast` (or 'all' with --fp8) adds an FP8 run
+    without it; without --fp8 it is refused in one sentence, and 'all' leaves it out."""
+    ran = []
+    monkeypatch.setattr(throughput, "run_isolated", lambda run, steps: ran.append(run) or {"run": run.label(), "error": "not run"})
+    throughput.main(["--shape", "tiny", "--fp8", "hybrid", "--ablate", "fp8_cast", "--steps", "1"])  # 1: none ran
+    assert ran[-1].ablate == ("fp8_cast",) and ran[-1].fp8 == "hybrid"
+    ran.clear()
+    throughput.main(["--shape", "tiny", "--ablate", "all", "--steps", "1"])
+    assert ran and all("fp8_cast" not in r.ablate for r in ran)
+    with pytest.raises(SystemExit) as e:
+        throughput.main(["--shape", "tiny", "--ablate", "fp8_cast"])
+    assert e.value.code == 2 and "add --fp8 hybrid" in capsys.readouterr().err
+
+
 def test_the_verdict_is_issue_33s_rules():
     bf16 = np.linspace(4.0, 3.0, 200)
     v = fp8_loss.verdict(list(bf16), list(bf16 * 1.005))

@@ -34,8 +34,8 @@ def test_tiles_that_do_not_divide_the_operand_are_refused(monkeypatch):
     tuning = fp8_cast.Tuning(rows=16, cols=32)
     assert fp8_cast.supported((32, 96), None, tuning)
     assert not fp8_cast.supported((24, 96), None, tuning)
-    assert not fp8_cast.supported((32, 96), None, None)  # off, the default
-    assert fp8_cast.DEFAULT is None
+    assert not fp8_cast.supported((32, 96), None, None)  # off (kernel_settings' off)
+    assert fp8_cast.DEFAULT == fp8_cast.Tuning()
     with pytest.raises(ValueError, match="whole number"):
         fp8_cast.cast_transpose(jnp.zeros((24, 96)), jnp.float32(1), F8[0], tuning, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
