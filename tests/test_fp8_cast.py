@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax3d.models import fp8, fp8_cast, gemm, pallas_gpu
+from jax3d.models import fp8, fp8_cast, pallas_gpu
 from jax3d.parallel import ShardingRules
 
 F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -61,7 +61,7 @@ def test_the_gemm_on_the_kernel_equals_the_einsum_of_f8_arrays(spec, dtype, monk
     x, w = (jax.random.normal(kx, x_shape) * 3).astype(dtype), (jax.random.normal(kw, w_shape) * 0.05).astype(dtype)
     scales = jnp.array([2.0 ** -4, 2.0 ** -8, 2.0 ** -6], jnp.float32)
     rules = ShardingRules.create(False)
-    assert gemm.layout(spec) is not None
+    assert fp8._layout(spec) is not None
 
     def run(tuning, x, w, scales):
         with pallas_gpu.kernel_settings(*([tuning] if tuning else []), off=() if tuning else ("fp8_cast",)):
@@ -86,9 +86,9 @@ def test_the_gemm_on_the_kernel_equals_the_einsum_of_f8_arrays(spec, dtype, monk
 def test_a_gemm_of_another_layout_keeps_the_einsum(monkeypatch):
     """Only "x = batch + contracted, w = contracted + outputs" GEMMs, each dimension named once and the
     contracted sizes equal, take the kernel; the rest run the einsum, which rejects what is malformed."""
-    assert gemm.layout("btd,df->btf") == (2, 1, 1) and gemm.layout("btnh,nhd->btd") == (2, 2, 1)
+    assert fp8._layout("btd,df->btf") == (2, 1, 1) and fp8._layout("btnh,nhd->btd") == (2, 2, 1)
     for spec in ("btd,fd->btf", "dbt,df->btf", "td,dd->td", "...d,df->...f", "btd,df->bft"):
-        assert gemm.layout(spec) is None, spec
+        assert fp8._layout(spec) is None, spec
     monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
     calls = []
     monkeypatch.setattr(fp8_cast, "cast_transpose", lambda *a, **k: calls.append(1))

@@ -86,20 +86,6 @@ def test_greedy_batch1_equals_transformers_with_and_without_cache(imported):
     assert gen.compile_counts() == {"prefill": 1, "decode": 1}
 
 
-def test_decode_with_the_one_row_products_of_a_gpu_gives_transformers_tokens(imported, monkeypatch):
-    """At batch 1 on a GPU, decode's GEMMs below XLA's rewrite bound are jax3d.models.gemm's fp32 multiply and
-    sum: forced here, the greedy tokens are still transformers'."""
-    from jax3d.models import gemm
-
-    hf, params, cfg = imported
-    calls, run = [], gemm.row_product
-    monkeypatch.setattr(gemm, "_on_gpu", lambda: True)
-    monkeypatch.setattr(gemm, "row_product", lambda *a: calls.append(1) or run(*a))
-    want = _hf_greedy(hf, [PROMPTS[2]])
-    assert _gen(cfg, params, batch=1).generate([PROMPTS[2]], NEW) == want
-    assert calls, "the one-row product did not run"
-
-
 def test_ragged_batch_of_4_left_padded_equals_transformers(imported):
     hf, params, cfg = imported
     want = _hf_greedy(hf, PROMPTS)

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax3d.models import decode_attention, gemm, pallas_gpu
+from jax3d.models import decode_attention, pallas_gpu
 
 CACHE_AXES = ("batch", "heads", "seq", "kv")
 
@@ -75,12 +75,9 @@ def _out(ctx_btkgh, w_out_nhd, rules):
     """The out-projection of the context (batch, seq, kv_heads, group, head_dim)."""
     kv, g, h = ctx_btkgh.shape[2:]
     ctx_btkgh = rules.constrain(ctx_btkgh, ("batch", "seq", "heads", None, "kv"))
-    w_kghd = w_out_nhd.reshape(kv, g, h, -1)
-    if ctx_btkgh.shape[0] * ctx_btkgh.shape[1] == 1:  # one row: see jax3d.models.gemm
-        return gemm.einsum("btkgh,kghd->btd", ctx_btkgh, w_kghd)
     # dot_general with the contracting dims in memory order: jnp.einsum lists them reversed, and XLA on the
     # CPU then copied the (heads, head_dim, embed) weight transposed on every token.
-    return jax.lax.dot_general(ctx_btkgh, w_kghd, (((2, 3, 4), (0, 1, 2)), ((), ())))
+    return jax.lax.dot_general(ctx_btkgh, w_out_nhd.reshape(kv, g, h, -1), (((2, 3, 4), (0, 1, 2)), ((), ())))
 
 
 def _kept(k_bksh, v_bksh, cache):

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax3d.models import fp8_cast, gemm, pallas_gpu
+from jax3d.models import fp8_cast, pallas_gpu
 from jax3d.models.fp8_cast import largest, quantize  # noqa: F401 (largest: jax3d.train.fp8's)
 
 # (forward operands, output gradient) formats of each mode; float8_e4m3fn is e4m3 with no infinities, as on Hopper.
@@ -56,10 +56,10 @@ def einsum(spec: str, x, w, scales=None, fmt: str = "", rules=None):
     """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given. With the cast kernel on
     (jax3d.models.fp8_cast) and on one GPU (`rules`), the operands are quantized in both layouts by it."""
     if scales is None:
-        return gemm.einsum(spec, x, w)
-    tuning, layout = pallas_gpu.tuning(fp8_cast), gemm.layout(spec)
-    if rules is not None and layout is not None and gemm.fits(layout, x.shape, w.shape):
-        t, k, n = gemm.sizes(layout, x.shape, w.shape)
+        return jnp.einsum(spec, x, w)
+    tuning, layout = pallas_gpu.tuning(fp8_cast), _layout(spec)
+    if rules is not None and layout is not None and _fits(layout, x.shape, w.shape):
+        t, k, n = _sizes(layout, x.shape, w.shape)
         if all(fp8_cast.supported(shape, rules, tuning) for shape in ((t, k), (k, n), (t, n))):
             return _fp8_tn(layout, fmt, tuning, x, w, scales)
     return _fp8_einsum(spec, fmt, x, w, scales)
@@ -105,7 +105,35 @@ _fp8_einsum.defvjp(_forward, _backward)
 
 
 # ---- the same GEMM with every operand quantized in both layouts (jax3d.models.fp8_cast) -----------------------------
-# On the GEMM's (T, K) x (K, N) view (jax3d.models.gemm.layout).
+def _layout(spec: str) -> tuple[int, int, int] | None:
+    """(batch dims of x, contracted dims, w's output dims) of a spec "x,w->y" whose x is its batch dims then
+    the contracted ones, w the contracted ones then its outputs, y x's batch dims then w's outputs (every GEMM
+    of the blocks: "btd,dcnh->btcnh"), each dimension named once; None for another. Such a GEMM is
+    (T, K) x (K, N) -> (T, N) on reshapes that move no data."""
+    ins, y = spec.replace(" ", "").split("->")
+    x, w = ins.split(",")
+    if not (x + w).isalpha() or len(set(x)) < len(x) or len(set(w)) < len(w):
+        return None
+    contracted = "".join(c for c in x if c in w)
+    nb, nc = len(x) - len(contracted), len(contracted)
+    if x[nb:] != contracted or w[:nc] != contracted or y != x[:nb] + w[nc:]:
+        return None
+    return nb, nc, len(w) - nc
+
+
+def _fits(layout, x_shape, w_shape) -> bool:
+    """Whether x and w have the spec's dimensions, the contracted ones of equal sizes (else the einsum says
+    what is wrong)."""
+    nb, nc, no = layout
+    return len(x_shape) == nb + nc and len(w_shape) == nc + no and tuple(x_shape[nb:]) == tuple(w_shape[:nc])
+
+
+def _sizes(layout, x_shape, w_shape) -> tuple[int, int, int]:
+    """(T, K, N) of the GEMM's 2-D view."""
+    nb, nc, _ = layout
+    return math.prod(x_shape[:nb]), math.prod(x_shape[nb:]), math.prod(w_shape[nc:])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _fp8_tn(layout, fmt, tuning, x, w, scales):
     return _tn_forward(layout, fmt, tuning, x, w, scales)[0]
@@ -115,7 +143,7 @@ def _tn_forward(layout, fmt, tuning, x, w, scales):
     # Every dot takes both operands with the contracted dimension minor, as Hopper's FP8 GEMMs do, so XLA
     # transposes nothing: x (T, K) and w transposed (N, K) here, the transposes kept for the backward.
     nb, nc, _ = layout
-    t, k, n = gemm.sizes(layout, x.shape, w.shape)
+    t, k, n = _sizes(layout, x.shape, w.shape)
     f8 = FORMATS[fmt][0]
     qx, qx_t, ax = fp8_cast.cast_transpose(x.reshape(t, k), scales[X], f8, tuning)
     qw, qw_t, aw = fp8_cast.cast_transpose(w.reshape(k, n), scales[W], f8, tuning)

@@ -11,8 +11,8 @@ copies, and the quantizes and amaxes 8.5 ms of elementwise work: the step took 9
 
 Here one program per (rows, cols) tile reads the bf16 tile once and writes the f8 tile, its transpose and the
 tile's amax: `cast_transpose`. It runs by default on one GPU wherever the GEMM's sizes are whole tiles
-(`DEFAULT`); `pallas_gpu.kernel_settings(off=("fp8_cast",))` (`throughput.py --ablate fp8_cast`) gives
-jax3d.models.fp8's einsum of the f8 arrays and XLA's transposes. On one H100, in one call each
+(`DEFAULT`); `pallas_gpu.kernel_settings(off=("fp8_cast",))` gives jax3d.models.fp8's einsum of the f8
+arrays and XLA's transposes. On one H100, in one call each
 (`throughput.py --fp8 hybrid --tune fp8_cast:rows=64`, 2026-12-05), FP8 over bf16 went from 1.030x to 1.144x
 at gpt-1.3b batch 2 with full recompute, and from 1.270x to 1.328x at batch 16.
 
