@@ -7,9 +7,11 @@ compiled program. Nothing is autotuned: the GEMMs get one fixed Triton tiling (o
 not. At gpt-1.3b the decode loop body counted 394 kernels here and in a compile on an H100. Times are never
 measured here.
 
-Needs JAX's CUDA plugin (`pip install "jax[cuda13]"`, the GPU machines' JAX version) and a GPU description, a
-`GpuTargetConfigProto` in text form (XLA's repository keeps one per GPU under
-`xla/backends/gpu/target_config/specs/`).
+Needs JAX's CUDA plugin (`pip install "jax[cuda13]==0.11.2"`, the GPU machines' JAX, in a Python 3.12 or newer
+environment) and a GPU description, a `GpuTargetConfigProto` in text form (XLA's repository keeps one per GPU
+under `xla/backends/gpu/target_config/specs/`: `h100_sxm.txtpb`, `h200.txtpb`). The description's cuDNN version
+(`dnn_version_info`) decides which cuDNN fusions compile: XLA's H100 file names 8.9.4, and the runs here raised it
+to 9.10.0, which is what XLA's H200 file names.
 
     python -m benchmarks.gpu_compile --target-config h100_sxm.txtpb decode --shape gpt-1.3b --batch 1 32
     python -m benchmarks.gpu_compile --target-config h200.txtpb step --shape 6.7b-b2 --batch 16 --recompute full \\
