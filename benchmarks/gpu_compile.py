@@ -91,7 +91,7 @@ def step(a, topology) -> None:
     from jax3d.train.memory import step_peak_bytes
     from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
-    run = Run(a.shape, batch=a.batch[0] if a.batch else 0, recompute=a.recompute, fp8=a.fp8,
+    run = Run(a.shape, batch=a.batch[0] if a.batch else 0, recompute=a.recompute, fp8=a.fp8, ablate=tuple(a.ablate),
               tunings=tuple(tuple(t.split(":", 1)) for t in a.tune))
     plan = resolve(config_for(run), 1)
     mesh = topologies.make_mesh(topology, (1, 1, 1), ("data", "stage", "model"))
@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     s.add_argument("--recompute", default="none")
     s.add_argument("--fp8", default="")
     s.add_argument("--tune", action="append", default=[], help="module:field=value,... (throughput.py's --tune)")
+    s.add_argument("--ablate", action="append", default=[], help="a Pallas kernel left out (throughput.py's --ablate)")
     s.add_argument("--opt", action="append", default=[], help="an XLA compile option, name=value (repeatable)")
     a = p.parse_args(argv)
     if not os.path.isfile(a.target_config):

@@ -112,6 +112,7 @@ def kernel_lines(hlo: str, loop_body_only: bool):
             return
         seen.add(comp)
         for line in comps.get(comp, []):
+            line = re.sub(r"/\*.*?\*/", "", line)  # a long tuple's "/*index=5*/" would stop the match
             op = re.search(r"= (?:\([^=]*\)|[\w\[\]{},:\d]+) ([\w\-]+)\(", line)
             if op is None:
                 continue

@@ -82,3 +82,11 @@ def test_a_missing_target_or_plugin_is_one_sentence_and_exit_2(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and ("--target-config" in err or "GpuTargetConfigProto" in err)
     assert "Traceback" not in err
+
+
+def test_a_long_tuple_type_does_not_hide_its_operation():
+    """HLO writes /*index=5*/ into tuple types of six or more elements; the while loop and the fusion behind
+    such types still count."""
+    hlo = HLO.replace("%w = (s32[], f32[2]{0}) while(", "%w = (s32[], f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, "
+                      "/*index=5*/f32[2]{0}) while(")
+    assert gpu_compile.kernels(hlo) == gpu_compile.kernels(HLO)
