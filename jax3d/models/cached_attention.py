@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax3d.models import decode_attention, pallas_gpu
+from jax3d.models import decode_attention, one_row, pallas_gpu
 
 CACHE_AXES = ("batch", "heads", "seq", "kv")
 
@@ -75,17 +75,10 @@ def _out(ctx_btkgh, w_out_nhd, rules):
     """The out-projection of the context (batch, seq, kv_heads, group, head_dim)."""
     kv, g, h = ctx_btkgh.shape[2:]
     ctx_btkgh = rules.constrain(ctx_btkgh, ("batch", "seq", "heads", None, "kv"))
-    rows = ctx_btkgh.shape[0] * ctx_btkgh.shape[1]
-    if rows == 1:
-        # One row is a vector-matrix dot, which XLA's GPU compiler turns (below 10M elements) into a multiply
-        # that writes the whole weight-sized product and a 16-block sum that reads it back. The row repeated
-        # twice is a matrix, so the weight goes to a GEMM and is read once: 12 us a layer less at gpt-1.3b on
-        # an H100 (docs/decode.md).
-        ctx_btkgh = jnp.broadcast_to(ctx_btkgh, (1, 2) + ctx_btkgh.shape[2:])
     # dot_general with the contracting dims in memory order: jnp.einsum lists them reversed, and XLA on the
     # CPU then copied the (heads, head_dim, embed) weight transposed on every token.
-    out = jax.lax.dot_general(ctx_btkgh, w_out_nhd.reshape(kv, g, h, -1), (((2, 3, 4), (0, 1, 2)), ((), ())))
-    return out[:, :1] if rows == 1 else out
+    w_kghd = w_out_nhd.reshape(kv, g, h, -1)
+    return one_row.gemm(lambda c, w: jax.lax.dot_general(c, w, (((2, 3, 4), (0, 1, 2)), ((), ()))), ctx_btkgh, w_kghd)
 
 
 def _kept(k_bksh, v_bksh, cache):
