@@ -1,4 +1,4 @@
-"""jax3d.models.one_row: a one-row GEMM below XLA's rewrite bound runs on the row twice and gives the same
+"""jax3d.models.one_row: on a GPU a one-row GEMM below XLA's rewrite bound runs on the row twice and gives the same
 result as the plain dot; other shapes are left as they are."""
 import functools
 
@@ -13,7 +13,8 @@ def _dot(spec):
     return functools.partial(jnp.einsum, spec)
 
 
-def test_one_row_equals_the_plain_dot_and_runs_on_two_rows():
+def test_one_row_equals_the_plain_dot_and_runs_on_two_rows(monkeypatch):
+    monkeypatch.setattr(one_row, "traced_platform", lambda: "gpu")  # the rewrite it avoids is the GPU's
     x = jax.random.normal(jax.random.key(0), (1, 1, 64))
     w = jax.random.normal(jax.random.key(1), (64, 3, 32))
     got = one_row.gemm(_dot("btd,dcf->btcf"), x, w)
@@ -23,7 +24,11 @@ def test_one_row_equals_the_plain_dot_and_runs_on_two_rows():
     assert [d.invars[0].aval.shape for d in dots] == [(1, 2, 64)]
 
 
-def test_more_rows_or_a_large_weight_are_left_alone():
+def test_more_rows_a_large_weight_or_the_cpu_are_left_alone(monkeypatch):
+    x, w = jnp.ones((1, 1, 64)), jnp.ones((64, 32))
+    assert [e.primitive.name for e in jax.make_jaxpr(
+        lambda x, w: one_row.gemm(_dot("btd,df->btf"), x, w))(x, w).eqns] == ["dot_general"]
+    monkeypatch.setattr(one_row, "traced_platform", lambda: "gpu")
     for x_shape, w_shape in (((1, 3, 64), (64, 32)), ((2, 1, 64), (64, 32)),
                              ((1, 1, 2048), (2048, one_row.REWRITTEN_BELOW // 2048))):
         x, w = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax3d.parallel.rules import traced_platform
+
 
 # XLA's bound: a vector-matrix dot with fewer elements in its operands together becomes a multiply and a sum
 REWRITTEN_BELOW = 10_000_000
@@ -20,8 +22,10 @@ REWRITTEN_BELOW = 10_000_000
 
 def gemm(dot, x_bt, w):
     """`dot(x_bt, w)` for an `x_bt` of (batch, seq, ...) whose result is (batch, seq, ...); with one row
-    (batch * seq == 1) and operands below XLA's bound, computed on the row repeated twice. Above the bound
-    XLA keeps the one row's dot a GEMM itself, and it is left as it is."""
-    if x_bt.shape[0] * x_bt.shape[1] != 1 or x_bt.size + w.size >= REWRITTEN_BELOW:
+    (batch * seq == 1) and operands below XLA's bound, on a GPU, computed on the row repeated twice. Above the
+    bound XLA keeps the one row's dot a GEMM itself; the CPU has no such rewrite, and the second row cost decode
+    at batch 1 6% there (the tiny shape)."""
+    if (x_bt.shape[0] * x_bt.shape[1] != 1 or x_bt.size + w.size >= REWRITTEN_BELOW
+            or traced_platform() != "gpu"):
         return dot(x_bt, w)
     return dot(jnp.broadcast_to(x_bt, (1, 2) + x_bt.shape[2:]), w)[:, :1]
