@@ -5,9 +5,10 @@ multiply and a sum. At gpt-1.3b the attention's out-projection (2048 x 2048) com
 that writes the whole weight-sized product, then a sum of 16 blocks that reads it back. With the row
 repeated twice (a broadcast, which XLA fuses into the GEMM's operand) the dot is a matrix product, goes to a
 GEMM and reads the weight once; the first row of its output is the answer. Decode at batch 1 went from 542 to
-644 tokens/s on one H100 (docs/decode.md). Below the bound are gpt-1.3b's out-projection, Llama-3.2-1B's QKV
-and out-projections, and every GEMM of a block 1024 wide (compiled for an H100 without one; only gpt-1.3b was
-timed). Training and batched decode have more rows and are untouched.
+644 tokens/s on one H100 (docs/decode.md). It wraps the attention's out-projection and the GEMMs that go through
+jax3d.models.fp8.einsum; below the bound are gpt-1.3b's out-projection and Llama-3.2-1B's QKV and
+out-projections (compiled for an H100 without one; only gpt-1.3b was timed). Training and batched decode have
+more rows and are untouched.
 """
 from __future__ import annotations
 
