@@ -1,0 +1,142 @@
+"""How fast the GEMMs of one row (decode at batch 1) read their weights, against the copy rate: one GPU call.
+
+At batch 1 a gpt-1.3b decode step runs at about 61% of its weights' bytes over the copy rate on an H100
+(docs/decode.md), and fewer small kernels bought little, so the question is how close each one-row GEMM
+comes to the copy rate, and whether a GEMM written for one row (a Pallas kernel, each program a strip of
+columns, optionally a share of the rows) does better than XLA's. For each of the block's four GEMM shapes it
+times, in one process:
+- `xla`: the one-row dot as jax3d writes it (jax3d.models.one_row.gemm: the row twice, on a GPU);
+- `xla-row`: the plain one-row dot (which XLA's GPU compiler rewrites into a multiply and a sum below 10M
+  elements);
+- `pallas-CxS/W`: `gemv` below, C columns a program, the rows split S ways (partial sums added by XLA), W warps.
+Each program chains many GEMMs over enough distinct weights to overflow L2, inside one compiled loop, so the
+time per GEMM is the weights' read. Results: one JSON line per shape, GB/s and the fraction of the copy rate.
+
+    PYTHONPATH=. python -m benchmarks.gemv_probe                # gpt-1.3b's shapes, on a GPU (about a minute)
+    PYTHONPATH=. python -m benchmarks.gemv_probe --small        # toy shapes, any backend (checks, no timing)
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax3d.models import one_row
+from jax3d.models.pallas_gpu import compiler_params
+
+# gpt-1.3b's one-row GEMMs (K, N): QKV, attention out, MLP up, MLP down
+SHAPES = {"qkv": (2048, 6144), "out": (2048, 2048), "up": (2048, 8192), "down": (8192, 2048)}
+# (columns a program, row splits, warps)
+TILINGS = ((32, 1, 4), (64, 1, 4), (64, 1, 8), (128, 1, 8), (32, 4, 4), (64, 4, 4), (16, 8, 4))
+
+
+def _kernel(x_ref, w_ref, o_ref, *, rows: int, cols: int, per_split: int):
+    j, s = pl.program_id(0), pl.program_id(1)
+    at = pl.ds(pl.multiple_of(j * cols, cols), cols)
+
+    def step(i, acc):
+        k = pl.ds(pl.multiple_of(s * per_split + i * rows, rows), rows)
+        x = x_ref[0, k].astype(jnp.float32)
+        w = w_ref[k, at].astype(jnp.float32)
+        return acc + jnp.sum(x[:, None] * w, axis=0)
+
+    acc = jax.lax.fori_loop(0, per_split // rows, step, jnp.zeros((cols,), jnp.float32))
+    o_ref[s, at] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("cols", "splits", "warps", "rows", "interpret"))
+def gemv(x_1k, w_kn, cols: int = 64, splits: int = 1, warps: int = 4, rows: int = 256, interpret: bool = False):
+    """x (1, K) @ w (K, N) in fp32 sums, w's dtype out: one program per `cols` columns and per `splits`-th of
+    the rows, each walking its rows `rows` at a time; the splits' partial sums are added after. K must divide
+    into splits x rows, N into cols."""
+    k, n = w_kn.shape
+    per_split = k // splits
+    if per_split % rows or n % cols:
+        raise ValueError(f"K={k} N={n} do not divide into {splits} splits of {rows} rows, {cols} columns")
+    partial = pl.pallas_call(
+        functools.partial(_kernel, rows=rows, cols=cols, per_split=per_split),
+        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32),
+        grid=(n // cols, splits),
+        compiler_params=compiler_params(warps, interpret),
+        interpret=interpret,
+    )(x_1k, w_kn)
+    return jnp.sum(partial, axis=0, keepdims=True).astype(w_kn.dtype)
+
+
+def variants(interpret: bool) -> dict:
+    """name: f(x (1, K), w (K, N)) -> (1, N)."""
+    out = {"xla": lambda x, w: one_row.gemm(lambda a, b: jnp.einsum("btk,kn->btn", a, b), x[None], w)[0],
+           "xla-row": lambda x, w: x @ w}
+    for cols, splits, warps in TILINGS:
+        out[f"pallas-{cols}x{splits}/{warps}"] = functools.partial(
+            gemv, cols=cols, splits=splits, warps=warps, interpret=interpret)
+    return out
+
+
+def timed(f, x, ws, reps: int) -> float:
+    """Seconds per GEMM: `reps` rounds over the weights `ws`, each GEMM's output added to a running sum (so
+    none is dropped), in one compiled loop; best of 5 after a warm-up."""
+    def run(x, ws):
+        def body(_, acc):
+            for w in ws:
+                acc = acc + f(x, w).astype(jnp.float32)
+            return acc
+        return jax.lax.fori_loop(0, reps, body, jnp.zeros((1, ws[0].shape[1]), jnp.float32))
+
+    run = jax.jit(run)
+    run(x, ws).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        run(x, ws).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best / (reps * len(ws))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="toy shapes; checks each variant against a dot, no timing")
+    p.add_argument("--shape", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--l2-mib", type=int, default=256, help="distinct weights per loop, at least this many MiB")
+    a = p.parse_args(argv)
+    gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    key = jax.random.key(0)
+    if a.small or not gpu:
+        for name, f in variants(interpret=not gpu).items():
+            x = jax.random.normal(key, (1, 2048), dtype)
+            w = jax.random.normal(jax.random.fold_in(key, 1), (2048, 256), dtype)
+            err = float(jnp.max(jnp.abs(f(x, w).astype(jnp.float32) - (x @ w).astype(jnp.float32))))
+            print(json.dumps({"variant": name, "max_abs_err": round(err, 5)}), flush=True)
+        return 0
+    from benchmarks.profile_decode import copy_rate
+
+    rate = copy_rate(dtype, 1.0)
+    print(json.dumps({"device": jax.devices()[0].device_kind, "copy_tb_s": round(rate / 1e12, 3)}), flush=True)
+    for shape in a.shape:
+        k, n = SHAPES[shape]
+        nbytes = k * n * jnp.dtype(dtype).itemsize
+        copies = max(1, math.ceil(a.l2_mib * 2**20 / nbytes))
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), dtype) for i in range(copies)]
+        x = jax.random.normal(key, (1, k), dtype)
+        rec = {"shape": shape, "k": k, "n": n, "weights": copies}
+        for name, f in variants(interpret=False).items():
+            try:
+                s = timed(f, x, ws, a.reps)
+                rec[name] = {"us": round(s * 1e6, 2), "gb_s": round(nbytes / s / 1e9, 1),
+                             "of_copy_rate": round(nbytes / s / rate, 3)}
+            except Exception as e:  # a tiling that does not compile is a result too
+                rec[name] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+        print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
