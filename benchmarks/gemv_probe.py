@@ -9,8 +9,10 @@ times, in one process:
 - `xla-row`: the plain one-row dot (which XLA's GPU compiler rewrites into a multiply and a sum below 10M
   elements);
 - `pallas-CxS/W`: `gemv` below, C columns a program, the rows split S ways (partial sums added by XLA), W warps.
-Each program chains many GEMMs over enough distinct weights to overflow L2, inside one compiled loop, so the
-time per GEMM is the weights' read. Results: one JSON line per shape, GB/s and the fraction of the copy rate.
+Each program runs many GEMMs in turn, over enough distinct weights to overflow L2, inside one compiled loop
+(their outputs summed, so none is dropped), so the time per GEMM is its weight's read. Results: one JSON line
+per shape, GB/s and the fraction of the copy rate. One H100's figures, and what they meant for decode:
+docs/decode.md.
 
     PYTHONPATH=. python -m benchmarks.gemv_probe                # gpt-1.3b's shapes, on a GPU (about a minute)
     PYTHONPATH=. python -m benchmarks.gemv_probe --small        # toy shapes, any backend (checks, no timing)
