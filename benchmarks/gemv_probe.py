@@ -8,6 +8,7 @@ times, in one process:
 - `xla`: the one-row dot as jax3d writes it (jax3d.models.one_row.gemm: the row twice, on a GPU);
 - `xla-row`: the plain one-row dot (which XLA's GPU compiler rewrites into a multiply and a sum below 10M
   elements);
+- `xla-splitS`: XLA's GEMM of the row twice with K split S ways as a batch dimension, the parts added after;
 - `pallas-CxS/W`: `gemv` below, C columns a program, the rows split S ways (partial sums added by XLA), W warps.
 Each program runs many GEMMs in turn, over enough distinct weights to overflow L2, inside one compiled loop
 (their outputs summed, so none is dropped), so the time per GEMM is its weight's read. Results: one JSON line
@@ -34,6 +35,8 @@ from jax3d.models.pallas_gpu import compiler_params
 
 # gpt-1.3b's one-row GEMMs (K, N): QKV, attention out, MLP up, MLP down
 SHAPES = {"qkv": (2048, 6144), "out": (2048, 2048), "up": (2048, 8192), "down": (8192, 2048)}
+# XLA's GEMM with its rows split this many ways as a batch dimension (partial sums added after)
+SPLITS = (2, 4, 8, 16)
 # (columns a program, row splits, warps)
 TILINGS = ((32, 1, 4), (64, 1, 4), (64, 1, 8), (128, 1, 8), (32, 4, 4), (64, 4, 4), (16, 8, 4))
 
@@ -71,10 +74,22 @@ def gemv(x_1k, w_kn, cols: int = 64, splits: int = 1, warps: int = 4, rows: int 
     return jnp.sum(partial, axis=0, keepdims=True).astype(w_kn.dtype)
 
 
+def split_k(x_1k, w_kn, splits: int):
+    """x (1, K) @ w (K, N) as a batched GEMM of `splits` parts of K (the row twice, as one_row.gemm), fp32
+    partial sums added after: more programs for a short, wide weight."""
+    k, n = w_kn.shape
+    x = jnp.broadcast_to(x_1k, (2, k)).reshape(2, splits, k // splits)
+    part = jax.lax.dot_general(x, w_kn.reshape(splits, k // splits, n), (((2,), (1,)), ((1,), (0,))),
+                               preferred_element_type=jnp.float32)
+    return jnp.sum(part[:, :1], axis=0).astype(w_kn.dtype)
+
+
 def variants(interpret: bool) -> dict:
     """name: f(x (1, K), w (K, N)) -> (1, N)."""
     out = {"xla": lambda x, w: one_row.gemm(lambda a, b: jnp.einsum("btk,kn->btn", a, b), x[None], w)[0],
            "xla-row": lambda x, w: x @ w}
+    for splits in SPLITS:
+        out[f"xla-split{splits}"] = functools.partial(split_k, splits=splits)
     for cols, splits, warps in TILINGS:
         out[f"pallas-{cols}x{splits}/{warps}"] = functools.partial(
             gemv, cols=cols, splits=splits, warps=warps, interpret=interpret)
