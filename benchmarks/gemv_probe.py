@@ -8,7 +8,9 @@ times, in one process:
 - `xla`: the one-row dot as jax3d writes it (jax3d.models.one_row.gemm: the row twice, on a GPU);
 - `xla-row`: the plain one-row dot (which XLA's GPU compiler rewrites into a multiply and a sum below 10M
   elements);
-- `xla-splitS`: XLA's GEMM of the row twice with K split S ways as a batch dimension, the parts added after;
+- `xla-splitS`: XLA's GEMM of the row twice with K split S ways as a batch dimension, the parts added after
+  (`xla-split4-row`: of the row once);
+- `xla-twice-kept`: the row twice, written to memory before the GEMM rather than broadcast inside it;
 - `pallas-CxS/W`: `gemv` below, C columns a program, the rows split S ways (partial sums added by XLA), W warps.
 Each program runs many GEMMs in turn, over enough distinct weights to overflow L2, inside one compiled loop
 (their outputs summed, so none is dropped), so the time per GEMM is its weight's read. Results: one JSON line
@@ -74,14 +76,20 @@ def gemv(x_1k, w_kn, cols: int = 64, splits: int = 1, warps: int = 4, rows: int 
     return jnp.sum(partial, axis=0, keepdims=True).astype(w_kn.dtype)
 
 
-def split_k(x_1k, w_kn, splits: int):
-    """x (1, K) @ w (K, N) as a batched GEMM of `splits` parts of K (the row twice, as one_row.gemm), fp32
-    partial sums added after: more programs for a short, wide weight."""
+def split_k(x_1k, w_kn, splits: int, rows: int = 2):
+    """x (1, K) @ w (K, N) as a batched GEMM of `splits` parts of K (the row `rows` times: twice as
+    one_row.gemm), fp32 partial sums added after: more programs for a short, wide weight."""
     k, n = w_kn.shape
-    x = jnp.broadcast_to(x_1k, (2, k)).reshape(2, splits, k // splits)
+    x = jnp.broadcast_to(x_1k, (rows, k)).reshape(rows, splits, k // splits)
     part = jax.lax.dot_general(x, w_kn.reshape(splits, k // splits, n), (((2,), (1,)), ((1,), (0,))),
                                preferred_element_type=jnp.float32)
     return jnp.sum(part[:, :1], axis=0).astype(w_kn.dtype)
+
+
+def twice_kept(x_1k, w_kn):
+    """The row twice as one_row.gemm, but the two rows written to memory first (an optimization barrier keeps
+    XLA from fusing the broadcast into the GEMM's operand)."""
+    return (jax.lax.optimization_barrier(jnp.broadcast_to(x_1k, (2, x_1k.shape[1]))) @ w_kn)[:1]
 
 
 def variants(interpret: bool) -> dict:
@@ -90,6 +98,8 @@ def variants(interpret: bool) -> dict:
            "xla-row": lambda x, w: x @ w}
     for splits in SPLITS:
         out[f"xla-split{splits}"] = functools.partial(split_k, splits=splits)
+    out["xla-split4-row"] = functools.partial(split_k, splits=4, rows=1)
+    out["xla-twice-kept"] = twice_kept
     for cols, splits, warps in TILINGS:
         out[f"pallas-{cols}x{splits}/{warps}"] = functools.partial(
             gemv, cols=cols, splits=splits, warps=warps, interpret=interpret)
