@@ -15,7 +15,7 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
 
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel off   # XLA's attention
-    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 --tune decode_row:cols=128   # a kernel's settings
+    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --tune decode_attention:block=128   # a kernel's settings
     python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU (16-token prompts)
 """
 from __future__ import annotations
@@ -177,10 +177,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-kernel", choices=["auto", "on", "off"], default="auto",
                    help="decode's attention as jax3d.models.decode_attention, a Pallas kernel reading only the "
                         "filled slots: where it runs by default (auto: on one GPU, batch x heads >= its "
-                        "min_programs; at batch 1 jax3d.models.decode_row's kernel, attention and out-projection "
-                        "in one), at every batch but 1 (on), or never: XLA's attention (off, neither kernel)")
+                        "min_programs), at every batch (on), or never: XLA's attention (off)")
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
-                   help="a decode kernel's settings (decode_attention, decode_row: fields of the module's Tuning); "
+                   help="a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128); "
                         "repeatable, all apply")
     a = p.parse_args(argv)
     import importlib
@@ -218,12 +217,13 @@ def main(argv=None) -> int:
                       **({"tune": a.tune} if a.tune else {})}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
-    forced = dataclasses.replace(decode_attention.DEFAULT, min_programs=1)
+    own = next((t for t in tuned if isinstance(t, decode_attention.Tuning)), decode_attention.DEFAULT)
+    forced = dataclasses.replace(own, min_programs=1)
     tunings, off = {"auto": ((), ()), "on": ((forced,), ()), "off": ((), pallas_gpu.DECODE_KERNELS)}[a.decode_kernel]
     if a.decode_kernel == "on" and not _kernel_runs(cfg, mesh, 1, a.prompt_len + a.new, dtype, forced):
         p.error(f"--decode-kernel on: the kernel would not run here (it needs one GPU, {a.prompt_len + a.new} slots "
                 f"in blocks of {forced.block} and a power-of-two head size), so there would be nothing to measure")
-    with pallas_gpu.kernel_settings(*tunings, *tuned, off=off):  # read when decode is traced, in the first generate below
+    with pallas_gpu.kernel_settings(*tuned, *tunings, off=off):  # read when decode is traced, in the first generate below
         _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item)
     return 0
 
@@ -241,21 +241,6 @@ def _kernel_runs(cfg, mesh, batch: int, slots: int, dtype, tuning) -> bool:
         return decode_attention.supported(cache, cfg.num_attention_heads, ShardingRules.create(False), tuning)
 
 
-def _row_kernel_runs(cfg, mesh, batch: int, slots: int, dtype) -> bool:
-    """Whether decode at this batch runs jax3d.models.decode_row's kernel (attention and out-projection), with
-    the settings in context, on `mesh`."""
-    import jax
-
-    from jax3d.models import decode_row, pallas_gpu
-    from jax3d.parallel import ShardingRules
-
-    q = jax.ShapeDtypeStruct((batch, 1, cfg.num_attention_heads, cfg.head_dim), dtype)
-    cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), dtype)
-    w = jax.ShapeDtypeStruct((cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size), dtype)
-    with jax.set_mesh(mesh):
-        return decode_row.supported(q, cache, w, ShardingRules.create(False), pallas_gpu.tuning(decode_row))
-
-
 def _slots_read(prompt_len: int, new: int, block: int) -> float:
     """The cache slots the kernel reads per row, averaged over the decode steps: whole blocks from slot 0 (a row
     of a full-length prompt) to the block of the slot being decoded."""
@@ -265,7 +250,7 @@ def _slots_read(prompt_len: int, new: int, block: int) -> float:
 
 def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item) -> None:
     from jax3d.inference import Generator
-    from jax3d.models import decode_attention, decode_row, pallas_gpu
+    from jax3d.models import decode_attention, pallas_gpu
 
     for b in a.batch:
         max_len = a.prompt_len + a.new
@@ -275,12 +260,9 @@ def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weight
         rec = profile(gen, rows, a.new)
         wall = rec["wall_ms_per_step"]
         tuning = pallas_gpu.tuning(decode_attention)
-        row = _row_kernel_runs(cfg, mesh, b, max_len, dtype)
-        kernel = not row and _kernel_runs(cfg, mesh, b, max_len, dtype, tuning)
-        block = pallas_gpu.tuning(decode_row).block if row else tuning.block if kernel else None
-        read = _slots_read(a.prompt_len, a.new, block) if block else max_len
+        kernel = _kernel_runs(cfg, mesh, b, max_len, dtype, tuning)
+        read = _slots_read(a.prompt_len, a.new, tuning.block) if kernel else max_len
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1), "decode_kernel_ran": kernel,
-               "row_kernel_ran": row,
                "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, read, item)[1], rate, wall),
                "of_weights_limit": round(weights_ms / wall, 3), **rec, "compiles": gen.compile_counts()}
         if a.hlo:

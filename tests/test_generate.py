@@ -75,28 +75,6 @@ def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported
     assert not calls
 
 
-def test_the_one_row_kernel_gives_transformers_tokens(imported, monkeypatch):
-    """Decode at batch 1 as jax3d.models.decode_row (attention and out-projection in one kernel; Pallas'
-    interpreter standing in for the GPU), walking the 64 slots in blocks of 16 from the row's first token, a
-    for two prompts of different lengths: transformers' greedy tokens."""
-    from jax3d.models import decode_row, pallas_gpu
-
-    hf, params, cfg = imported
-    calls, run = [], decode_row.attend_and_project
-
-    def interpreted(*args, **kw):
-        calls.append(1)
-        return run(*args, interpret=True, **kw)
-
-    monkeypatch.setattr(decode_row, "on_one_gpu", lambda rules: True)
-    monkeypatch.setattr(decode_row, "attend_and_project", interpreted)
-    with pallas_gpu.kernel_settings(decode_row.Tuning(block=16, cols=16)):
-        gen = _gen(cfg, params, batch=1)
-        for prompt in PROMPTS[:2]:
-            assert gen.generate([prompt], NEW) == _hf_greedy(hf, [prompt])
-    assert calls, "the kernel did not run"
-
-
 def test_greedy_batch1_equals_transformers_with_and_without_cache(imported):
     hf, params, cfg = imported
     prompt = PROMPTS[0]

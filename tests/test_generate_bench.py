@@ -45,6 +45,19 @@ def test_profile_decode_tiny_breakdown_adds_up(capsys):
         assert r["kernels_per_step"] > 0
 
 
+@pytest.mark.parametrize("tune, says", [("fused_gelu:block=8", "no decode kernel 'fused_gelu'"),
+                                         ("decode_attention:blocks=8", "'blocks=8' is not FIELD=INTEGER"),
+                                         ("decode_attention:block=48", "must be a power of two")])
+def test_profile_decode_refuses_a_bad_tune_in_one_sentence(tune, says, capsys):
+    from benchmarks import profile_decode
+
+    with pytest.raises(SystemExit) as e:
+        profile_decode.main(["--shape", "tiny", "--tune", tune])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in err and "Traceback" not in err
+
+
 def test_loop_body_kernels_counts_into_calls_not_fusions():
     from benchmarks.profile_decode import loop_body_kernels
 

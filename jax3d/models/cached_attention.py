@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax3d.models import decode_attention, decode_row, one_row, pallas_gpu
+from jax3d.models import decode_attention, one_row, pallas_gpu
 
 CACHE_AXES = ("batch", "heads", "seq", "kv")
 
@@ -48,10 +48,6 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     kv = k_bksh.shape[1]
     g = n // kv
     # Query head n is KV head n // g's (layers.split_qkv's order).
-    if "start" in cache and decode_row.supported(q_btnh, k_bksh, w_out_nhd, rules, pallas_gpu.tuning(decode_row)):
-        out_d = decode_row.attend_and_project(q_btnh[0, 0], k_bksh[0], v_bksh[0], cache["start"][0], idx,
-                                              w_out_nhd, pallas_gpu.tuning(decode_row))
-        return out_d.reshape(1, 1, -1), _kept(k_bksh, v_bksh, cache)
     tuning = pallas_gpu.tuning(decode_attention)
     if t == 1 and "start" in cache and decode_attention.supported(k_bksh, n, rules, tuning):
         ctx_bnh = decode_attention.decode_attention(q_btnh[:, 0], k_bksh, v_bksh, cache["start"], idx, tuning)
