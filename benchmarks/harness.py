@@ -29,6 +29,8 @@ SHAPES = {
     "125m-b32": (12, 768, 12, 1024, 32),
     "2.7b-b8": (32, 2560, 32, 2048, 8),  # for the largest model that trains on one device
     "6.7b-b2": (32, 4096, 32, 2048, 2),
+    # half of gpt-6.7b's layers: its GEMM shapes within an H100's memory (FP8 against bf16 where no H200 is had)
+    "6.7b-l16-b16": (16, 4096, 32, 2048, 16),
     "tiny": (2, 128, 8, 128, 4),  # for trying the scripts on a CPU
     # BERT (Megatron's pre-LN BERT with its MLM and sentence-order heads); the peer is GPT only.
     "bert-large-b32": (24, 1024, 16, 512, 32),
