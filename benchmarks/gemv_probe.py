@@ -11,6 +11,9 @@ times, in one process:
 - `xla-splitS`: XLA's GEMM of the row twice with K split S ways as a batch dimension, the parts added after
   (`xla-split4-row`: of the row once);
 - `xla-twice-kept`: the row twice, written to memory before the GEMM rather than broadcast inside it;
+- `xla-rowsR`: the row R times (4, 8, 16), as the row twice otherwise;
+- `xla-wT`, `xla-wT-row`: the weight stored transposed, (N, K), so each output's K weights lie together (the
+  GEMM's operands both contracted along their minor dimension), with the row twice or once;
 - `pallas-CxS/W`: `gemv` below, C columns a program, the rows split S ways (partial sums added by XLA), W warps.
 Each program runs many GEMMs in turn, over enough distinct weights to overflow L2, inside one compiled loop
 (their outputs summed, so none is dropped), so the time per GEMM is its weight's read. Results: one JSON line
@@ -39,6 +42,8 @@ from jax3d.models.pallas_gpu import compiler_params
 SHAPES = {"qkv": (2048, 6144), "out": (2048, 2048), "up": (2048, 8192), "down": (8192, 2048)}
 # XLA's GEMM with its rows split this many ways as a batch dimension (partial sums added after)
 SPLITS = (2, 4, 8, 16)
+# the row repeated this many times (jax3d repeats it twice)
+ROWS = (4, 8, 16)
 # (columns a program, row splits, warps)
 TILINGS = ((32, 1, 4), (64, 1, 4), (64, 1, 8), (128, 1, 8), (32, 4, 4), (64, 4, 4), (16, 8, 4))
 
@@ -92,10 +97,29 @@ def twice_kept(x_1k, w_kn):
     return (jax.lax.optimization_barrier(jnp.broadcast_to(x_1k, (2, x_1k.shape[1]))) @ w_kn)[:1]
 
 
+def repeated(x_1k, w_kn, rows: int):
+    """The row `rows` times (a broadcast XLA fuses into the GEMM's operand), the first row of the product."""
+    return (jnp.broadcast_to(x_1k, (rows, x_1k.shape[1])) @ w_kn)[:1]
+
+
+def transposed(x_1k, w_nk, rows: int):
+    """x (1, K) @ w_nk.T for a weight stored (N, K), on the row `rows` times."""
+    x = jnp.broadcast_to(x_1k, (rows, x_1k.shape[1]))
+    return jax.lax.dot_general(x, w_nk, (((1,), (1,)), ((), ())))[:1]
+
+
+# variants that take the weight stored transposed, (N, K)
+TRANSPOSED = ("xla-wT", "xla-wT-row")
+
+
 def variants(interpret: bool) -> dict:
-    """name: f(x (1, K), w (K, N)) -> (1, N)."""
+    """name: f(x (1, K), w) -> (1, N), w (K, N), or (N, K) for the names in TRANSPOSED."""
     out = {"xla": lambda x, w: one_row.gemm(lambda a, b: jnp.einsum("btk,kn->btn", a, b), x[None], w)[0],
            "xla-row": lambda x, w: x @ w}
+    for rows in ROWS:
+        out[f"xla-rows{rows}"] = functools.partial(repeated, rows=rows)
+    out["xla-wT"] = functools.partial(transposed, rows=2)
+    out["xla-wT-row"] = functools.partial(transposed, rows=1)
     for splits in SPLITS:
         out[f"xla-split{splits}"] = functools.partial(split_k, splits=splits)
     out["xla-split4-row"] = functools.partial(split_k, splits=4, rows=1)
@@ -106,7 +130,7 @@ def variants(interpret: bool) -> dict:
     return out
 
 
-def timed(f, x, ws, reps: int) -> float:
+def timed(f, x, ws, reps: int, n: int) -> float:
     """Seconds per GEMM: `reps` rounds over the weights `ws`, each GEMM's output added to a running sum (so
     none is dropped), in one compiled loop; best of 5 after a warm-up."""
     def run(x, ws):
@@ -114,7 +138,7 @@ def timed(f, x, ws, reps: int) -> float:
             for w in ws:
                 acc = acc + f(x, w).astype(jnp.float32)
             return acc
-        return jax.lax.fori_loop(0, reps, body, jnp.zeros((1, ws[0].shape[1]), jnp.float32))
+        return jax.lax.fori_loop(0, reps, body, jnp.zeros((1, n), jnp.float32))
 
     run = jax.jit(run)
     run(x, ws).block_until_ready()
@@ -140,7 +164,8 @@ def main(argv=None) -> int:
         for name, f in variants(interpret=not gpu).items():
             x = jax.random.normal(key, (1, 2048), dtype)
             w = jax.random.normal(jax.random.fold_in(key, 1), (2048, 256), dtype)
-            err = float(jnp.max(jnp.abs(f(x, w).astype(jnp.float32) - (x @ w).astype(jnp.float32))))
+            y = f(x, w.T if name in TRANSPOSED else w)
+            err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - (x @ w).astype(jnp.float32))))
             print(json.dumps({"variant": name, "max_abs_err": round(err, 5)}), flush=True)
         return 0
     from benchmarks.profile_decode import copy_rate
@@ -152,11 +177,12 @@ def main(argv=None) -> int:
         nbytes = k * n * jnp.dtype(dtype).itemsize
         copies = max(1, math.ceil(a.l2_mib * 2**20 / nbytes))
         ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), dtype) for i in range(copies)]
+        ws_t = [jnp.asarray(w.T) for w in ws]
         x = jax.random.normal(key, (1, k), dtype)
         rec = {"shape": shape, "k": k, "n": n, "weights": copies}
         for name, f in variants(interpret=False).items():
             try:
-                s = timed(f, x, ws, a.reps)
+                s = timed(f, x, ws_t if name in TRANSPOSED else ws, a.reps, n)
                 rec[name] = {"us": round(s * 1e6, 2), "gb_s": round(nbytes / s / 1e9, 1),
                              "of_copy_rate": round(nbytes / s / rate, 3)}
             except Exception as e:  # a tiling that does not compile is a result too
