@@ -38,7 +38,8 @@ def main(argv=None) -> int:
                         "'all': each in turn; 'together': one run with none of them)")
     p.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"])
     p.add_argument("--xla-flags", action="append", default=[],
-                   help="also run with these XLA flags (one string per extra run)")
+                   help="also run with these XLA flags (one string per extra run; with --fp8, in its first format "
+                        "and the first --recompute, e.g. to time the FP8 step's compile under XLA's autotuning options)")
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
                    help="also run with these kernel settings, e.g. fused_gelu:cols_fwd=2048,rows_fwd=2 "
                         "(one run per --tune; fields of the kernel module's Tuning). A run in which that "
@@ -97,10 +98,10 @@ def main(argv=None) -> int:
             runs = [Run(shape, batch, recompute=r, dtype=a.dtype, dropout=a.dropout) for r in a.recompute]
             runs += [Run(shape, batch, recompute=r, dtype=a.dtype, dropout=a.dropout, fp8=f) for f in a.fp8
                      for r in a.recompute]
+            in_fp8 = {"fp8": a.fp8[0], "recompute": a.recompute[0]} if a.fp8 else {}  # the first FP8 run's
             runs += [Run(shape, batch, ablate=names, dtype=a.dtype, dropout=a.dropout,
-                         **({"fp8": a.fp8[0], "recompute": a.recompute[0]} if names == ("fp8_cast",) else {}))
-                     for names in ablations]
-            runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, xla_flags=f) for f in a.xla_flags]
+                         **(in_fp8 if names == ("fp8_cast",) else {})) for names in ablations]
+            runs += [Run(shape, batch, dtype=a.dtype, dropout=a.dropout, xla_flags=f, **in_fp8) for f in a.xla_flags]
             runs += [Run(shape, batch, recompute=a.recompute[0], dtype=a.dtype, dropout=a.dropout, tunings=t,
                          fp8=a.fp8[0] if t[0][0] == "fp8_cast" else "") for t in tunings]
             base = None

@@ -44,6 +44,20 @@ def test_the_cast_kernels_ablation_is_an_fp8_run_and_needs_fp8(monkeypatch, caps
     assert e.value.code == 2 and "add --fp8 hybrid" in capsys.readouterr().err
 
 
+def test_xla_flag_runs_take_the_first_fp8_format_and_recompute(monkeypatch):
+    """`--xla-flags` adds a run per string; with --fp8 it is an FP8 run (to time the FP8 step under XLA's
+    options), without it a plain one."""
+    ran = []
+    monkeypatch.setattr(throughput, "run_isolated", lambda run, steps: ran.append(run) or {"run": run.label(), "error": "not run"})
+    throughput.main(["--shape", "tiny", "--fp8", "e4m3", "hybrid", "--recompute", "full", "none",
+                     "--xla-flags=--xla_gpu_autotune_level=0", "--steps", "1"])
+    flagged = [r for r in ran if r.xla_flags]
+    assert [(r.xla_flags, r.fp8, r.recompute) for r in flagged] == [("--xla_gpu_autotune_level=0", "e4m3", "full")]
+    ran.clear()
+    throughput.main(["--shape", "tiny", "--xla-flags=--xla_gpu_autotune_level=0", "--steps", "1"])
+    assert [(r.xla_flags, r.fp8) for r in ran if r.xla_flags] == [("--xla_gpu_autotune_level=0", "")]
+
+
 def test_the_verdict_is_issue_33s_rules():
     bf16 = np.linspace(4.0, 3.0, 200)
     v = fp8_loss.verdict(list(bf16), list(bf16 * 1.005))
