@@ -29,6 +29,7 @@ from jax3d.parallel.mesh import with_auto_axes
 from jax3d.models import build_model
 from jax3d.models.cached_attention import CACHE_AXES, visible
 from jax3d.parallel import ShardingRules, named_shardings, tree_specs
+from jax3d.xla_options import unless_in_xla_flags
 
 PROMPT_BUCKET = 16
 
@@ -100,8 +101,8 @@ DECODE_COMPILER_OPTIONS = {
 
 def decode_compiler_options(env=os.environ) -> dict:
     """DECODE_COMPILER_OPTIONS, unless XLA_FLAGS sets the command buffers itself: then that wins (to debug, or to
-    measure decode without the graph), as an option passed per program would otherwise override it."""
-    return {} if "xla_gpu_enable_command_buffer" in env.get("XLA_FLAGS", "") else DECODE_COMPILER_OPTIONS
+    measure decode without the graph)."""
+    return unless_in_xla_flags(DECODE_COMPILER_OPTIONS, env)
 
 
 class Generator:

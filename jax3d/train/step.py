@@ -24,7 +24,7 @@ from jax3d.parallel import (ShardingRules, cast_for_compute, constrain_tree, nam
                             tree_specs, with_shardings)
 from jax3d.parallel.mesh import MeshConfig, with_auto_axes
 from jax3d.parallel.plan import Plan
-from jax3d.train.fp8 import Recipe, history_specs
+from jax3d.train.fp8 import Recipe, compiler_options, history_specs
 from jax3d.train.layer_order import LayerOrder, state_layout
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
@@ -279,12 +279,14 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         abstract_state = jax.eval_shape(init_fn, 0)
         abstract_logical = jax.eval_shape(order.state_to_logical, abstract_state)
     logical_shardings = order.logical_shardings(with_shardings(abstract_state, state_shardings))
+    options = compiler_options(cfg.precision)
     train_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                        out_shardings=(state_shardings, repl), donate_argnums=0)
-    eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
+                        out_shardings=(state_shardings, repl), donate_argnums=0, compiler_options=options)
+    eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl,
+                       compiler_options=options)
     grads_jit = jax.jit(loss_and_grads, out_shardings=(repl, jax.tree.map(
         lambda s: NamedSharding(mesh, s), order.moved_logical_specs(specs["grads"], abstract_params, mesh),
-        is_leaf=_is_spec)))
+        is_leaf=_is_spec)), compiler_options=options)
     to_logical = jax.jit(order.state_to_logical, out_shardings=logical_shardings)
     params_to_logical = jax.jit(order.params_to_logical, out_shardings=logical_shardings.params)
     from_logical = jax.jit(order.state_from_logical, out_shardings=state_shardings, donate_argnums=0)
