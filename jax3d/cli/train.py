@@ -139,6 +139,9 @@ def _main(argv) -> int:
         print(header(plan, build_model(cfg.model).num_params()), file=sys.stderr)
         for note in header_notes(args, cfg):
             print(note, file=sys.stderr)
+        from jax3d.train.fp8 import autotuning_off_note
+        if note := autotuning_off_note(cfg.precision):
+            print(note, file=sys.stderr)
         if cfg.parallel.sequence_parallel and mesh_cfg.model == 1:
             print("jax3d: --sequence-parallel shards activations over tensor parallelism, which is 1 here, so it "
                   "changes nothing", file=sys.stderr)

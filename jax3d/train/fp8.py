@@ -17,6 +17,7 @@ round to zero (with Megatron's warm-up its learning rate is 0 anyway), and every
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import jax
@@ -37,6 +38,15 @@ FP8_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 3}
 def compiler_options(precision: PrecisionConfig, env=os.environ) -> dict:
     """The step programs' XLA options: FP8_COMPILER_OPTIONS in FP8 (less what XLA_FLAGS sets), else none."""
     return unless_in_xla_flags(FP8_COMPILER_OPTIONS, env) if precision.fp8 else {}
+
+
+def autotuning_off_note(precision: PrecisionConfig, env=os.environ) -> str | None:
+    """A line for the run's header when XLA_FLAGS turns GEMM autotuning off under FP8: XLA then chose no FP8 GEMM,
+    and the 1.3B step ran at 0.05x (one H100, docs/performance.md)."""
+    if precision.fp8 and re.search(r"--xla_gpu_autotune_level=0(\s|$)", env.get("XLA_FLAGS", "")):
+        return ("jax3d: XLA_FLAGS sets --xla_gpu_autotune_level=0, with which XLA picks no FP8 GEMM and the FP8 "
+                "step runs about 20x slower on a GPU; drop it (jax3d compiles FP8 steps at level 3)")
+    return None
 
 
 @dataclass(frozen=True)
