@@ -1,8 +1,9 @@
 """XLA options jax3d passes per program, and how XLA_FLAGS overrides them.
 
-An option passed to `jax.jit(..., compiler_options=...)` overrides the same option in XLA_FLAGS, so each set
-here is passed only where XLA_FLAGS does not name it: a flag set by hand wins (to debug, or to measure without
-the option). Other backends than the one an option is for ignore it.
+An option passed to `jax.jit(..., compiler_options=...)` overrides the same option in XLA_FLAGS, so jax3d passes
+each of its own (decode's command buffers, the FP8 step's autotuning level) only where XLA_FLAGS does not name
+it: a flag set by hand wins (to debug, or to measure without the option). Backends other than the one an option
+is for ignore it.
 """
 from __future__ import annotations
 
