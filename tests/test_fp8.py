@@ -244,10 +244,10 @@ def test_the_step_lowered_for_cuda_has_fp8_gemms(model_kw):
     assert fp8_dots(lowered({"dtype": "bfloat16"}).as_text(dialect="hlo")) == []
 
 
-def test_the_fp8_steps_compile_with_their_xla_options_unless_xla_flags_set_them(monkeypatch):
-    """FP8's step programs (train, eval, grads) are compiled with FP8_COMPILER_OPTIONS, bf16's with none, and
-    XLA_FLAGS naming an option wins: an option XLA does not know, put in its place, fails the FP8 step's compile
-    and not the bf16 one's."""
+def test_the_fp8_step_compiles_with_its_xla_options_unless_xla_flags_set_them(monkeypatch):
+    """FP8's train step is compiled with FP8_COMPILER_OPTIONS; bf16's step, and FP8's evaluation (the plain
+    model), with none; XLA_FLAGS naming an option wins. An option XLA does not know, put in its place, fails
+    the FP8 train step's compile and no other."""
     from jax3d.train import fp8 as recipe
 
     fp8_on, off = PrecisionConfig(dtype="bfloat16", fp8="hybrid"), PrecisionConfig(dtype="bfloat16")
@@ -256,15 +256,19 @@ def test_the_fp8_steps_compile_with_their_xla_options_unless_xla_flags_set_them(
     assert recipe.compiler_options(fp8_on, {"XLA_FLAGS": "--xla_gpu_autotune_level=4"}) == {}
     monkeypatch.setattr(recipe, "FP8_COMPILER_OPTIONS", {"xla_not_an_option": 3})
 
-    def compile_step(precision):
+    def steps(precision):
         cfg, mesh_cfg, mesh = tiny_config(model_kw={"num_layers": 1})
         s = build_steps(cfg.replace(precision=precision), mesh_cfg, mesh)
-        with jax.set_mesh(s.mesh):
-            s.train_step.fn.lower(abstract_state(s), abstract_batch(s, s.model.sample_shapes())).compile()
+        return s, abstract_state(s), abstract_batch(s, s.model.sample_shapes())
 
-    compile_step({"dtype": "bfloat16"})
-    with pytest.raises(Exception, match="xla_not_an_option"):
-        compile_step({"dtype": "bfloat16", "fp8": "hybrid"})
+    s, state, batch = steps({"dtype": "bfloat16"})
+    with jax.set_mesh(s.mesh):
+        s.train_step.fn.lower(state, batch).compile()
+    s, state, batch = steps({"dtype": "bfloat16", "fp8": "hybrid"})
+    with jax.set_mesh(s.mesh):
+        s.eval_step.fn.lower(state.params, batch).compile()
+        with pytest.raises(Exception, match="xla_not_an_option"):
+            s.train_step.fn.lower(state, batch).compile()
 
 
 # ---- flags --------------------------------------------------------------------------------------------------------

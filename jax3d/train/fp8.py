@@ -36,7 +36,7 @@ FP8_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 3}
 
 
 def compiler_options(precision: PrecisionConfig, env=os.environ) -> dict:
-    """The step programs' XLA options: FP8_COMPILER_OPTIONS in FP8 (less what XLA_FLAGS sets), else none."""
+    """The train step's XLA options: FP8_COMPILER_OPTIONS in FP8 (less what XLA_FLAGS sets), else none."""
     return unless_in_xla_flags(FP8_COMPILER_OPTIONS, env) if precision.fp8 else {}
 
 

@@ -279,14 +279,14 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         abstract_state = jax.eval_shape(init_fn, 0)
         abstract_logical = jax.eval_shape(order.state_to_logical, abstract_state)
     logical_shardings = order.logical_shardings(with_shardings(abstract_state, state_shardings))
-    options = compiler_options(cfg.precision)
+    # Only the train step runs FP8 GEMMs (evaluation and loss_and_grads run the plain model).
     train_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                        out_shardings=(state_shardings, repl), donate_argnums=0, compiler_options=options)
-    eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl,
-                       compiler_options=options)
+                        out_shardings=(state_shardings, repl), donate_argnums=0,
+                        compiler_options=compiler_options(cfg.precision))
+    eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
     grads_jit = jax.jit(loss_and_grads, out_shardings=(repl, jax.tree.map(
         lambda s: NamedSharding(mesh, s), order.moved_logical_specs(specs["grads"], abstract_params, mesh),
-        is_leaf=_is_spec)), compiler_options=options)
+        is_leaf=_is_spec)))
     to_logical = jax.jit(order.state_to_logical, out_shardings=logical_shardings)
     params_to_logical = jax.jit(order.params_to_logical, out_shardings=logical_shardings.params)
     from_logical = jax.jit(order.state_from_logical, out_shardings=state_shardings, donate_argnums=0)
