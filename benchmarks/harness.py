@@ -107,13 +107,15 @@ KERNEL_CALLS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_
 FP8_GEMM_CALL = '"__cublas$lt$matmul$f8"'
 
 
-def kernel_tuning(kernel: str, settings: str):
+def kernel_tuning(kernel: str, settings: str, kernels=None, what: str = "kernel"):
     """The kernel's Tuning with "field=value,..." changed from its defaults (as `--tune` gives them; at
-    least one). ValueError names what is wrong."""
+    least one), for one of `kernels` (the train step's, KERNEL_CALLS, by default). ValueError names what is
+    wrong."""
     from jax3d.models.pallas_gpu import parse_tuning
 
-    if kernel not in KERNEL_CALLS:
-        raise ValueError(f"no kernel {kernel!r}; choose from {', '.join(KERNEL_CALLS)}")
+    kernels = KERNEL_CALLS if kernels is None else kernels
+    if kernel not in kernels:
+        raise ValueError(f"no {what} {kernel!r}; choose from {', '.join(kernels)}")
     cls = importlib.import_module(f"jax3d.models.{kernel}").Tuning
     if not settings:
         raise ValueError(f"{kernel}: no FIELD=INTEGER given; the fields are those of {cls()}")

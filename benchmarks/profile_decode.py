@@ -182,17 +182,14 @@ def main(argv=None) -> int:
                    help="a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128); "
                         "repeatable, all apply")
     a = p.parse_args(argv)
-    import importlib
-
-    from jax3d.models.pallas_gpu import DECODE_KERNELS, parse_tuning
+    from benchmarks.harness import kernel_tuning
+    from jax3d.models.pallas_gpu import DECODE_KERNELS
 
     tuned = []
     for t in a.tune:
         module, _, fields = t.partition(":")
-        if module not in DECODE_KERNELS:
-            p.error(f"--tune {t}: no decode kernel {module!r}; choose from {', '.join(DECODE_KERNELS)}")
         try:
-            tuned.append(parse_tuning(importlib.import_module(f"jax3d.models.{module}").Tuning, fields))
+            tuned.append(kernel_tuning(module, fields, DECODE_KERNELS, "decode kernel"))
         except ValueError as e:
             p.error(f"--tune {t}: {e}")
     a.prompt_len = a.prompt_len or (16 if a.shape == "tiny" else 128)
