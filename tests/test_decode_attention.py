@@ -63,9 +63,9 @@ def test_a_batch_too_small_to_fill_the_gpu_runs_xla_attention(monkeypatch):
         decode_attention.Tuning(block=48)
 
 
-def test_the_kernel_lowers_to_one_triton_call_for_cuda():
+def test_the_kernel_lowers_to_one_named_triton_call_for_cuda():
     """What a GPU would compile, lowered on this CPU: the kernel's Pallas-to-Triton lowering at gpt-1.3b's decode
-    shape (batch 32, 16 heads of 128, 384 slots, bf16) is one Triton custom call."""
+    shape (batch 32, 16 heads of 128, 384 slots, bf16) is one Triton custom call, named for the profiler."""
     b, n, h, slots = 32, 16, 128, 384
     bf = jnp.bfloat16
     args = (jax.ShapeDtypeStruct((b, n, h), bf), jax.ShapeDtypeStruct((b, n, slots, h), bf),
@@ -73,3 +73,10 @@ def test_the_kernel_lowers_to_one_triton_call_for_cuda():
             jax.ShapeDtypeStruct((), jnp.int32))
     text = decode_attention.decode_attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+    # the kernel's name in a device trace, which profile_decode classes as attention (unnamed, it was "_kernel",
+    # an elementwise kernel to the profiler)
+    assert 'name = "decode_attention"' in text
+    from benchmarks.profile_step import classify
+
+    assert classify("decode_attention", "custom-call.3") == "attention"
+    assert classify("_kernel", "custom-call.3") != "attention"

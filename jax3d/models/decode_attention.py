@@ -108,4 +108,5 @@ def decode_attention(q_bnh, k_bksh, v_bksh, start_b, index, tuning: Tuning = Tun
         grid=(b, n),
         compiler_params=compiler_params(tuning.warps, interpret),
         interpret=interpret,
+        name="decode_attention",  # the kernel's name in a device trace (profile_decode classes it as attention)
     )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), q_bnh, k_bksh, v_bksh)
