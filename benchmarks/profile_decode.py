@@ -10,12 +10,15 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
 - the kernel time by operation class (benchmarks.profile_step's classes: matmul, attention, elementwise_norm,
   copies, ...), how many kernels ran and how busy the device was, from traces of generate(new) and
   generate(1), the second subtracted from the first;
+- with `--top N`, `top_kernels`: the N kernel names that took the most time, [name, us, launches] a step;
 - with `--hlo`, `hlo_kernels_per_step`: the kernels of one pass of the compiled token loop's body (fusions,
   GEMMs, copies, collectives), read from the compiled program (on a CPU too; it compiles decode once more).
 
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel off   # XLA's attention
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --tune decode_attention:block=128   # a kernel's settings
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN \
+        python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --top 12   # the kernels one by one
     python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU (16-token prompts)
 """
 from __future__ import annotations
@@ -135,8 +138,9 @@ def _trace(fn) -> list:
     return traced_kernels(logdir, {})
 
 
-def profile(gen, rows: list[list[int]], new: int, repeats: int = 3) -> dict:
-    """Per decode step: wall ms, kernel ms by class, kernels and device busy fraction."""
+def profile(gen, rows: list[list[int]], new: int, repeats: int = 3, top: int = 0) -> dict:
+    """Per decode step: wall ms, kernel ms by class, kernels and device busy fraction; with `top`, the `top`
+    kernel names that took the most time, each with its us and launches a step."""
     def timed(n):
         best = float("inf")
         for _ in range(repeats):
@@ -147,10 +151,12 @@ def profile(gen, rows: list[list[int]], new: int, repeats: int = 3) -> dict:
 
     wall = (timed(new) - timed(1)) / (new - 1) * 1e3
     long, short = _trace(lambda: gen.generate(rows, new)), _trace(lambda: gen.generate(rows, 1))
-    by_class = collections.Counter()
+    by_class, by_name, launches = collections.Counter(), collections.Counter(), collections.Counter()
     for sign, kernels in ((1, long), (-1, short)):
         for name, hlo_op, scope, us, _ in kernels:
             by_class[classify(name, hlo_op, scope)] += sign * us
+            by_name[name] += sign * us
+            launches[name] += sign
     spans = sorted((ts, ts + us) for *_, us, ts in long)
     busy, first, end = 0.0, spans[0][0], spans[0][0]
     start = first
@@ -160,11 +166,13 @@ def profile(gen, rows: list[list[int]], new: int, repeats: int = 3) -> dict:
         end = max(end, e)
     busy += end - start
     per = 1.0 / (new - 1)
+    named = {"top_kernels": [[name, round(us * per, 2), round(launches[name] * per, 2)]
+                             for name, us in by_name.most_common(top)]} if top else {}
     return {"wall_ms_per_step": round(wall, 3),
             "kernel_ms_per_step": {c: round(by_class[c] / 1e3 * per, 3) for c in CLASSES},
             "kernel_ms_total_per_step": round(sum(by_class.values()) / 1e3 * per, 3),
             "kernels_per_step": round((len(long) - len(short)) * per, 1),
-            "device_busy": round(busy / max(end - first, 1e-9), 3)}
+            "device_busy": round(busy / max(end - first, 1e-9), 3), **named}
 
 
 def main(argv=None) -> int:
@@ -178,10 +186,16 @@ def main(argv=None) -> int:
                    help="decode's attention as jax3d.models.decode_attention, a Pallas kernel reading only the "
                         "filled slots: where it runs by default (auto: on one GPU, batch x heads >= its "
                         "min_programs), at every batch (on), or never: XLA's attention (off)")
+    p.add_argument("--top", type=int, default=0, metavar="N",
+                   help="also list the N kernels (by name) that took the most time a step, with their us and "
+                        "launches a step; decode runs as a CUDA graph, whose kernels a trace does not show one by "
+                        "one: add XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN")
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
                    help="a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128); "
                         "repeatable, all apply")
     a = p.parse_args(argv)
+    if a.top < 0:
+        p.error(f"--top {a.top}: give how many kernels to list, 0 (none) or more")
     from benchmarks.harness import kernel_tuning
     from jax3d.models.pallas_gpu import DECODE_KERNELS
 
@@ -254,7 +268,7 @@ def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weight
         gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype)
         rows = [list(map(int, r)) for r in rs.randint(0, cfg.vocab_size, (b, a.prompt_len))]
         gen.generate(rows, a.new)  # compiles prefill and decode
-        rec = profile(gen, rows, a.new)
+        rec = profile(gen, rows, a.new, top=a.top)
         wall = rec["wall_ms_per_step"]
         tuning = pallas_gpu.tuning(decode_attention)
         kernel = _kernel_runs(cfg, mesh, b, max_len, dtype, tuning)

@@ -45,6 +45,30 @@ def test_profile_decode_tiny_breakdown_adds_up(capsys):
         assert r["kernels_per_step"] > 0
 
 
+def test_profile_decode_top_kernels_are_the_traced_kernels_by_name(capsys):
+    from benchmarks import profile_decode
+
+    assert profile_decode.main(["--shape", "tiny", "--batch", "2", "--new", "6", "--top", "1000"]) == 0
+    _, r = _records(capsys)
+    top = r["top_kernels"]
+    times = [us for _, us, _ in top]
+    assert times == sorted(times, reverse=True) and len({name for name, _, _ in top}) == len(top)
+    # every name listed: their times add up to the kernel time of the step, their launches to its kernels
+    assert sum(times) / 1e3 == pytest.approx(r["kernel_ms_total_per_step"], abs=0.01 * len(top) / 1e3 + 2e-3)
+    assert sum(n for _, _, n in top) == pytest.approx(r["kernels_per_step"], abs=0.01 * len(top) + 0.1)
+    assert profile_decode.main(["--shape", "tiny", "--batch", "2", "--new", "6", "--top", "3"]) == 0
+    _, r3 = _records(capsys)
+    assert len(r3["top_kernels"]) == 3
+
+
+def test_profile_decode_refuses_a_negative_top(capsys):
+    from benchmarks import profile_decode
+
+    with pytest.raises(SystemExit) as e:
+        profile_decode.main(["--shape", "tiny", "--top", "-1"])
+    assert e.value.code == 2 and "--top -1: give how many kernels" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tune, says", [("fused_gelu:block=8", "no decode kernel 'fused_gelu'"),
                                          ("decode_attention:blocks=8", "'blocks=8' is not FIELD=INTEGER"),
                                          ("decode_attention:block=48", "must be a power of two")])
