@@ -23,18 +23,25 @@ def reference(q_bnh, k_bksh, v_bksh, start_b, index):
 
 @pytest.mark.parametrize("heads, kv_heads, slots, block", [(4, 4, 128, 64), (8, 2, 96, 16)], ids=["mha", "gqa"])
 def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, slots, block):
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    """The kernel writes the step's key and value at the query's slot, touching no other slot, and attends as a
+    softmax over the whole updated cache under generation's mask does."""
+    kq, kk, kv, kn = jax.random.split(jax.random.key(0), 4)
     b, h = 4, 32
     q = jax.random.normal(kq, (b, heads, h))
     k = jax.random.normal(kk, (b, kv_heads, slots, h))
     v = jax.random.normal(kv, (b, kv_heads, slots, h))
+    k_new, v_new = jax.random.normal(kn, (2, b, kv_heads, h))
     tuning = decode_attention.Tuning(block=block)
     for index in (0, 5, block - 1, block, slots - 1):
         # a row from slot 0, a left-padded row, one whose walk begins in a later block, and a row whose first
         # token is past the query (a pad query)
         start = jnp.array([0, min(index, 7), min(index, block + 3), index + 1], jnp.int32)
-        got = decode_attention.decode_attention(q, k, v, start, jnp.int32(index), tuning, interpret=True)
-        np.testing.assert_allclose(got, reference(q, k, v, start, index), rtol=1e-5, atol=1e-5)
+        got, k_got, v_got = decode_attention.decode_attention(q, k_new, v_new, k, v, start, jnp.int32(index),
+                                                              tuning, interpret=True)
+        k_want, v_want = k.at[:, :, index].set(k_new), v.at[:, :, index].set(v_new)
+        np.testing.assert_array_equal(k_got, k_want)
+        np.testing.assert_array_equal(v_got, v_want)
+        np.testing.assert_allclose(got, reference(q, k_want, v_want, start, index), rtol=1e-5, atol=1e-5)
 
 
 def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
@@ -68,9 +75,8 @@ def test_the_kernel_lowers_to_one_named_triton_call_for_cuda():
     shape (batch 32, 16 heads of 128, 384 slots, bf16) is one Triton custom call, named for the profiler."""
     b, n, h, slots = 32, 16, 128, 384
     bf = jnp.bfloat16
-    args = (jax.ShapeDtypeStruct((b, n, h), bf), jax.ShapeDtypeStruct((b, n, slots, h), bf),
-            jax.ShapeDtypeStruct((b, n, slots, h), bf), jax.ShapeDtypeStruct((b,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32))
+    row, cache = jax.ShapeDtypeStruct((b, n, h), bf), jax.ShapeDtypeStruct((b, n, slots, h), bf)
+    args = (row, row, row, cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     text = decode_attention.decode_attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     # the kernel's name in a device trace, which profile_decode classes as attention (unnamed, it was "_kernel")

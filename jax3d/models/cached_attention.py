@@ -38,20 +38,21 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     rows' first slots, a decode step's mask must be `visible`'s of them: where the decode kernel runs, it builds
     the mask from them rather than reading `mask_b1tT`."""
     idx = cache["index"]
+    b, t, n, h = q_btnh.shape
+    kv = k_btkh.shape[2]
+    g = n // kv
+    # Query head n is KV head n // g's (layers.split_qkv's order).
+    tuning = pallas_gpu.tuning(decode_attention)
+    if t == 1 and "start" in cache and decode_attention.supported(cache["k"], n, rules, tuning):
+        ctx_bnh, k_bksh, v_bksh = decode_attention.decode_attention(
+            q_btnh[:, 0], k_btkh[:, 0], v_btkh[:, 0], cache["k"], cache["v"], cache["start"], idx, tuning)
+        return _out(ctx_bnh.reshape(b, 1, kv, g, h), w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
 
     def write(c, new_btkh):
         c = jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(new_btkh, 1, 2).astype(c.dtype), idx, axis=2)
         return rules.constrain(c, CACHE_AXES)
 
     k_bksh, v_bksh = write(cache["k"], k_btkh), write(cache["v"], v_btkh)
-    b, t, n, h = q_btnh.shape
-    kv = k_bksh.shape[1]
-    g = n // kv
-    # Query head n is KV head n // g's (layers.split_qkv's order).
-    tuning = pallas_gpu.tuning(decode_attention)
-    if t == 1 and "start" in cache and decode_attention.supported(k_bksh, n, rules, tuning):
-        ctx_bnh = decode_attention.decode_attention(q_btnh[:, 0], k_bksh, v_bksh, cache["start"], idx, tuning)
-        return _out(ctx_bnh.reshape(b, 1, kv, g, h), w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
     q_bkgth = jnp.transpose(q_btnh.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
     if t == 1:
         # Decode: products and sums, not dots. A dot of one query row lets the compiler pick the cache's layout

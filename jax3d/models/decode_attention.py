@@ -5,7 +5,9 @@ not, in a few kernels (scores, softmax, context). At batch 32 of 128 + 256 token
 bf16 against 2.6 GB of weights, and the filled part averages two thirds of it. Here one program per (row,
 query head) walks the row's slots in blocks from its first token's block to the block of the slot being
 decoded, with an online softmax (running max and sum) in fp32, so the bytes read are the filled blocks' and
-the three steps are one kernel. A KV head's slots are read once per query head of its group (grouped-query
+the three steps are one kernel. It
+also writes the step's key and value into the cache (aliased, so in place): as XLA's own updates they were
+two more kernels a layer. A KV head's slots are read once per query head of its group (grouped-query
 attention): the other heads' programs find them in L2.
 
 The slots a row's query sees are `visible`'s: from the row's first token (`start`) up to the
@@ -63,12 +65,19 @@ def visible(slot, start, query):
     return ((slot >= start) & (slot <= query)) | (slot == query)
 
 
-def _kernel(start_ref, index_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, group: int, scale: float):
+def _kernel(start_ref, index_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, o_ref, k_out_ref, v_out_ref, *,
+            block: int, group: int, scale: float):
     row, head = pl.program_id(0), pl.program_id(1)
     kv = head // group
     start, index = start_ref[row], index_ref[0]
     q = q_ref[row, head, :].astype(jnp.float32) * scale  # (head_dim,)
-    first = jnp.minimum(start, index) // block
+    k_new = k_new_ref[row, kv, :]
+    v_new = v_new_ref[row, kv, :]
+
+    @pl.when(head % group == 0)  # one program of the KV head's group writes its key and value
+    def _():
+        k_out_ref[row, kv, index, :] = k_new.astype(k_out_ref.dtype)
+        v_out_ref[row, kv, index, :] = v_new.astype(v_out_ref.dtype)
 
     def step(j, carry):
         m, l, acc = carry
@@ -77,36 +86,46 @@ def _kernel(start_ref, index_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, gro
         v = v_ref[row, kv, at, :].astype(jnp.float32)
         s = jnp.sum(k * q[None, :], axis=1)  # (block,)
         slot = j * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
-        seen = visible(slot, start, index)
+        seen = visible(slot, start, index) & (slot < index)  # the query's own slot is the walk's start
         s = jnp.where(seen, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s))
         p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m - m_new)
         return m_new, l * alpha + jnp.sum(p), acc * alpha + jnp.sum(p[:, None] * v, axis=0)
 
-    h = q.shape[0]
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((h,), jnp.float32))
-    # The first block holds a seen slot (the row's first token, or the query's own), so m is finite after it.
-    _, l, acc = jax.lax.fori_loop(first, index // block + 1, step, init)
+    # The walk starts from the query's own slot, which it always sees, with the key and value in hand (the
+    # slot in the cache may not be written yet), so m is finite throughout; then the slots before it, from the
+    # row's first token's block.
+    own = jnp.sum(k_new.astype(jnp.float32) * q)
+    init = (own, jnp.float32(1.0), v_new.astype(jnp.float32))
+    first = jnp.minimum(start, index) // block
+    _, l, acc = jax.lax.fori_loop(first, (index + block - 1) // block, step, init)
     o_ref[row, head, :] = (acc / l).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
-def decode_attention(q_bnh, k_bksh, v_bksh, start_b, index, tuning: Tuning = Tuning(), interpret: bool = False):
-    """Context (batch, heads, head_dim) of one query row per batch row over the cache `k_bksh`, `v_bksh`
-    (batch, kv_heads, slots, head_dim): softmax(q k / sqrt(head_dim)) v over the slots from `start_b` (batch,)
-    to `index` (the query's own slot, a scalar), and always slot `index`. The slots must be a multiple of
-    `tuning.block`. `interpret=True` runs it in Pallas' interpreter, on any backend (for tests)."""
+def decode_attention(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, index, tuning: Tuning = Tuning(),
+                     interpret: bool = False):
+    """(context (batch, heads, head_dim), k cache, v cache): the decode step's key and value `k_new_bkh`,
+    `v_new_bkh` (batch, kv_heads, head_dim) written at slot `index` of the cache `k_bksh`, `v_bksh` (batch,
+    kv_heads, slots, head_dim), in place where the caller donates it; and one query row per batch row,
+    softmax(q k / sqrt(head_dim)) v over the slots from `start_b` (batch,) to `index` (the query's own slot, a
+    scalar), and always slot `index`. The write is the kernel's: as XLA's own update it was two more kernels a
+    layer, each reading the projection. The slots must be a multiple of `tuning.block`. `interpret=True` runs
+    it in Pallas' interpreter, on any backend (for tests)."""
     b, n, h = q_bnh.shape
     kv, slots = k_bksh.shape[1], k_bksh.shape[2]
     if slots % tuning.block:
         raise ValueError(f"a cache of {slots} slots is not a multiple of {tuning}'s block")
     kernel = functools.partial(_kernel, block=tuning.block, group=n // kv, scale=1.0 / math.sqrt(h))
+    cache = jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, n, h), q_bnh.dtype),
+        out_shape=(jax.ShapeDtypeStruct((b, n, h), q_bnh.dtype), cache, cache),
         grid=(b, n),
+        input_output_aliases={5: 1, 6: 2},  # the cache, updated where it lies
         compiler_params=compiler_params(tuning.warps, interpret),
         interpret=interpret,
         name="decode_attention",  # the kernel's name in a device trace (profile_decode classes it as attention)
-    )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), q_bnh, k_bksh, v_bksh)
+    )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), q_bnh, k_new_bkh, v_new_bkh,
+      k_bksh, v_bksh)
