@@ -5,9 +5,8 @@ not, in a few kernels (scores, softmax, context). At batch 32 of 128 + 256 token
 bf16 against 2.6 GB of weights, and the filled part averages two thirds of it. Here one program per (row,
 query head) walks the row's slots in blocks from its first token's block to the block of the slot being
 decoded, with an online softmax (running max and sum) in fp32, so the bytes read are the filled blocks' and
-the three steps are one kernel. It
-also writes the step's key and value into the cache (aliased, so in place): as XLA's own updates they were
-two more kernels a layer. A KV head's slots are read once per query head of its group (grouped-query
+the three steps are one kernel. It also writes the step's key and value into the cache (aliased, so in
+place): as XLA's own updates they were two more kernels a layer. A KV head's slots are read once per query head of its group (grouped-query
 attention): the other heads' programs find them in L2.
 
 The slots a row's query sees are `visible`'s: from the row's first token (`start`) up to the
