@@ -70,11 +70,11 @@ def gpt_case(cfg: ModelConfig, bias: str):
 
 
 def interpreted(monkeypatch, module, entry: str) -> list:
-    """Replaces a kernel module's entry point `entry(x, b, tuning)` with the kernel in Pallas' interpreter,
+    """Replaces a kernel module's entry point `entry(*arrays, tuning)` with the kernel in Pallas' interpreter,
     its settings kept; returns the list each call's Tuning is appended to."""
     calls = []
     real = getattr(module, entry)
-    monkeypatch.setattr(module, entry, lambda x, b, tuning: calls.append(tuning) or real(x, b, tuning, True))
+    monkeypatch.setattr(module, entry, lambda *args: calls.append(args[-1]) or real(*args, interpret=True))
     return calls
 
 

@@ -17,6 +17,7 @@ from jax3d.hf import import_hf  # noqa: E402
 from jax3d.inference import Generator, Sampling, greedy_without_cache  # noqa: E402
 from jax3d.inference.generate import PAD  # noqa: E402
 from jax3d.parallel.mesh import MeshConfig  # noqa: E402
+from tests.helpers import interpreted  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.config import config_from_dict  # noqa: E402
 from benchmarks.profile_decode import loop_body_kernels  # noqa: E402
@@ -58,14 +59,8 @@ def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported
     from jax3d.models import decode_attention, pallas_gpu
 
     hf, params, cfg = imported
-    calls, run = [], decode_attention.decode_attention
-
-    def interpreted(*args, **kw):
-        calls.append(1)
-        return run(*args, interpret=True, **kw)
-
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    monkeypatch.setattr(decode_attention, "decode_attention", interpreted)
+    calls = interpreted(monkeypatch, decode_attention, "decode_attention")
     want = _hf_greedy(hf, PROMPTS)
     with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1)):
         assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want

@@ -20,6 +20,7 @@ from jax3d.inference import Generator  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.parallel.mesh import MeshConfig  # noqa: E402
 from tests.hf_fixtures import causal_lm_gap, tiny_llama  # noqa: E402
+from tests.helpers import interpreted  # noqa: E402
 
 TOL = 1e-4
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -126,6 +127,20 @@ def test_ragged_batch_equals_transformers_also_at_tp2(gqa):
     tp = _gen(cfg, params, batch=4, tp=2)
     assert tp.params["blocks"][0]["attn"]["qkv_kernel"].sharding.spec[2] == "model"  # KV heads split
     assert tp.generate(PROMPTS, NEW) == want
+
+
+def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, monkeypatch):
+    """Decode's attention as jax3d.models.decode_attention (Pallas' interpreter standing in for the GPU): rotated
+    queries and keys, 4 query heads per KV head, the kernel writing each KV head's key and value from one of its
+    programs; a ragged batch gives transformers' greedy tokens."""
+    from jax3d.models import decode_attention, pallas_gpu
+
+    hf, params, cfg = gqa
+    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+    calls = interpreted(monkeypatch, decode_attention, "decode_attention")
+    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1)):
+        assert _gen(cfg, params, batch=4).generate(PROMPTS, NEW) == _hf_greedy(hf, PROMPTS)
+    assert calls, "the kernel did not run"
 
 
 def test_mqa_greedy_equals_transformers(tmp_path):
