@@ -56,16 +56,17 @@ def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
 
 
 def test_a_batch_too_small_to_fill_the_gpu_runs_xla_attention(monkeypatch):
-    """The default runs the kernel from min_programs (row, query head) pairs: gpt-1.3b's 16 heads at batch 32,
-    where it measured faster than XLA's attention, and not at batch 1, where it measured slower."""
+    """The default runs the kernel from min_programs (row, query head) pairs: gpt-1.3b's 16 heads from batch 8,
+    where it measured faster than XLA's attention, and not at batch 1 or 2, where it measured slower."""
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     default = decode_attention.DEFAULT
-    assert default.min_programs == 512
-    assert decode_attention.supported(jnp.zeros((32, 16, 384, 128)), 16, None, default)
+    assert default.min_programs == 128
+    assert decode_attention.supported(jnp.zeros((8, 16, 384, 128)), 16, None, default)
+    assert not decode_attention.supported(jnp.zeros((4, 16, 384, 128)), 16, None, default)
     assert not decode_attention.supported(jnp.zeros((1, 16, 384, 128)), 16, None, default)
-    # grouped-query attention counts query heads: 8 KV heads of 4 queries each at batch 16 are 512 programs
-    assert decode_attention.supported(jnp.zeros((16, 8, 384, 128)), 32, None, default)
-    assert not decode_attention.supported(jnp.zeros((15, 8, 384, 128)), 32, None, default)
+    # grouped-query attention counts query heads: 8 KV heads of 4 queries each at batch 4 are 128 programs
+    assert decode_attention.supported(jnp.zeros((4, 8, 384, 128)), 32, None, default)
+    assert not decode_attention.supported(jnp.zeros((3, 8, 384, 128)), 32, None, default)
     with pytest.raises(ValueError, match="power of two"):
         decode_attention.Tuning(block=48)
 

@@ -35,10 +35,10 @@ class Tuning:
     block: int = 64
     warps: int = 4
     # One program per (row, query head) walks its row alone, so a small batch leaves most of the GPU idle. At
-    # the gpt-1.3b shape on an H100 (profile_decode, one call), decoding with it ran at 0.92x the tokens/s of
-    # decoding with XLA's attention at 16 programs (batch 1), and 1.18x at 512 (batch 32); between the two it
-    # is not measured, and stays XLA's.
-    min_programs: int = 512
+    # the gpt-1.3b shape (16 heads) on one H100, decoding with it against XLA's attention (profile_decode, the
+    # kernel writing the cache, two calls of 2026-12-06): 0.93x the tokens/s at batch 1 (16 programs), 0.94x
+    # at 2, 1.01x at 4, 1.07x at 8 (128 programs), 1.15x at 16, and 1.18x at 32 before the cache write was its.
+    min_programs: int = 128
 
     def __post_init__(self):
         check_powers_of_two(self, "block", "warps")
