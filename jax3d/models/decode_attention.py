@@ -6,8 +6,8 @@ bf16 against 2.6 GB of weights, and the filled part averages two thirds of it. H
 query head) walks the row's slots in blocks from its first token's block to the block of the slot being
 decoded, with an online softmax (running max and sum) in fp32, so the bytes read are the filled blocks' and
 the three steps are one kernel. It also writes the step's key and value into the cache (aliased, so in
-place): as XLA's own updates they were two more kernels a layer. A KV head's slots are read once per query head of its group (grouped-query
-attention): the other heads' programs find them in L2.
+place): as XLA's own updates they were two more kernels a layer. A KV head's slots are read once per query
+head of its group (grouped-query attention): the other heads' programs find them in L2.
 
 The slots a row's query sees are `visible`'s: from the row's first token (`start`) up to the
 query's own slot, and always its own slot. Pallas' Triton lowering takes arrays whose sizes are powers of two,
@@ -37,7 +37,8 @@ class Tuning:
     # One program per (row, query head) walks its row alone, so a small batch leaves most of the GPU idle. At
     # the gpt-1.3b shape (16 heads) on one H100, decoding with it against XLA's attention (profile_decode, the
     # kernel writing the cache, two calls of 2026-12-06): 0.93x the tokens/s at batch 1 (16 programs), 0.94x
-    # at 2, 1.01x at 4, 1.07x at 8 (128 programs), 1.15x at 16, and 1.18x at 32 before the cache write was its.
+    # at 2, 1.01x at 4, 1.07x at 8 (128 programs), 1.15x at 16; at 32, 1.18x
+    # in an earlier call, before it wrote the cache.
     min_programs: int = 128
 
     def __post_init__(self):
