@@ -2,6 +2,7 @@
 interpreter, against a softmax over the whole cache under generation's mask. Inside generation, against
 transformers' greedy tokens: tests/test_generate.py."""
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,11 @@ def test_the_kernel_lowers_to_one_named_triton_call_for_cuda():
     args = (row, row, row, cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     text = decode_attention.decode_attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+    # the cache it writes is its outputs 1 and 2 in the caches' own buffers (arguments 3 and 4), so a donated
+    # cache is updated in place rather than copied for every layer and token
+    operands = re.search(r"custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)", text).group(1).split(", ")
+    aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)", text)
+    assert {(int(out), operands[int(i)]) for out, i in aliases} == {(1, "%arg3"), (2, "%arg4")}
     # the kernel's name in a device trace, which profile_decode classes as attention (unnamed, it was "_kernel")
     assert 'name = "decode_attention"' in text
     from benchmarks.profile_step import classify
