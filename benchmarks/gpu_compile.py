@@ -14,6 +14,8 @@ under `xla/backends/gpu/target_config/specs/`: `h100_sxm.txtpb`, `h200.txtpb`). 
 to 9.10.0, which is what XLA's H200 file names.
 
     python -m benchmarks.gpu_compile --target-config h100_sxm.txtpb decode --shape gpt-1.3b --batch 1 32
+    python -m benchmarks.gpu_compile --target-config h100_sxm.txtpb decode --batch 32 --off fused_norm \\
+        --opt xla_gpu_experimental_enable_triton_heroless_priority_fusion=true
     python -m benchmarks.gpu_compile --target-config h200.txtpb step --shape 6.7b-b2 --batch 16 --recompute full \\
         --fp8 hybrid --tune fp8_cast:rows=64 --opt xla_gpu_enable_triton_gemm=false
 
@@ -72,14 +74,15 @@ def decode(a, topology) -> None:
     from benchmarks.profile_decode import SHAPES
     from jax3d.config import ModelConfig
     from jax3d.inference import Generator
-    from jax3d.models import build_model
+    from jax3d.models import build_model, pallas_gpu
 
     cfg = ModelConfig(**SHAPES[a.shape], hidden_dropout=0.0, attention_dropout=0.0)
     params = jax.eval_shape(lambda: build_model(cfg).init(jax.random.key(0)))
     mesh = topologies.make_mesh(topology, (1, 1), ("data", "model"))
     for b in a.batch:
         gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16)
-        hlo = gen.decode_hlo([[1] * a.prompt_len] * b)  # compiled with generation's own options
+        with pallas_gpu.kernel_settings(off=a.off):  # generation's own options, and --opt's beside them
+            hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
         print(json.dumps({"decode": a.shape, "batch": b, **kernels(hlo, loop_body_only=True)}), flush=True)
 
 
@@ -112,6 +115,10 @@ def main(argv=None) -> int:
     d.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     d.add_argument("--prompt-len", type=int, default=128)
     d.add_argument("--new", type=int, default=256)
+    d.add_argument("--off", action="append", default=[], metavar="KERNEL",
+                   help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
+                        "jax3d.models.pallas_gpu's KERNELS and DECODE_KERNELS)")
+    d.add_argument("--opt", action="append", default=[], help="an XLA compile option, name=value (repeatable)")
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
     s.add_argument("--shape", default="1.3b-b16")
     s.add_argument("--batch", type=int, nargs="*", default=[])
@@ -127,6 +134,12 @@ def main(argv=None) -> int:
     # plugin skips its library version check, which needs a driver.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    if a.program == "decode":
+        from jax3d.models.pallas_gpu import DECODE_KERNELS, KERNELS
+
+        unknown = sorted(set(a.off) - set(KERNELS + DECODE_KERNELS))
+        if unknown:
+            p.error(f"--off {unknown[0]} is no kernel of jax3d's; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
     try:
         topology = _topology(a.target_config)
     except Exception as e:  # noqa: BLE001 (no plugin, or a description it refuses: one sentence either way)

@@ -67,6 +67,18 @@ def test_an_abstract_generator_compiles_the_concrete_ones_decode(tmp_path):
     assert from_shapes == concrete and concrete["kernels"] > 2 * 5
     gen = Generator(cfg, abstract, mesh, batch=2, max_len=32, dtype=jnp.float32)
     assert isinstance(gen.params["blocks"][0]["attn"]["qkv_kernel"], jax.ShapeDtypeStruct)
+    # options given reach the compiler beside decode's own (gpu_compile decode --opt)
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        gen.decode_hlo(rows, compiler_options={"xla_no_such_option": True})
+
+
+def test_decode_refuses_a_kernel_it_does_not_know_in_one_sentence(tmp_path, capsys):
+    target = tmp_path / "gpu.txtpb"
+    target.write_text("")
+    with pytest.raises(SystemExit) as e:
+        gpu_compile.main(["--target-config", str(target), "decode", "--off", "fused_nrom"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "--off fused_nrom is no kernel" in err and "fused_norm" in err
 
 
 @pytest.mark.parametrize("exists", [False, True])

@@ -252,16 +252,19 @@ class Generator:
         prompt bucket; decode never again per token)."""
         return dict(self._traces)
 
-    def decode_hlo(self, prompts: list[list[int]], sampling: Sampling = Sampling(greedy=True)) -> str:
+    def decode_hlo(self, prompts: list[list[int]], sampling: Sampling = Sampling(greedy=True),
+                   compiler_options: dict | None = None) -> str:
         """The optimised HLO of the decode program (after a prefill of `prompts`), to check for copies of the
         cache and to count the kernels of a token. With abstract params (jax.ShapeDtypeStruct leaves) nothing
-        runs: the prefill's state is abstract too, and only decode compiles, for the mesh's devices."""
+        runs: the prefill's state is abstract too, and only decode compiles, for the mesh's devices.
+        `compiler_options` go beside decode's own (DECODE_COMPILER_OPTIONS), and win where both name one."""
         prefill, decode = self._compiled(sampling)
         tokens, valid = self.left_pad(prompts)
         args = (self.params, tokens, valid, np.ones(self.batch, np.int32), np.int32(PAD), jax.random.key(0))
         with jax.set_mesh(self.mesh):
             _, state = prefill(*args) if all(map(_concrete, jax.tree.leaves(self.params))) else prefill.eval_shape(*args)
-            return decode.lower(self.params, state, np.int32(1), np.zeros(self.batch, bool)).compile().as_text()
+            lowered = decode.lower(self.params, state, np.int32(1), np.zeros(self.batch, bool))
+            return lowered.compile(compiler_options).as_text()
 
     # ---- driving it ---------------------------------------------------------------------------
     def left_pad(self, prompts: list[list[int]], length: int = 0, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
