@@ -45,6 +45,25 @@ def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, sl
         np.testing.assert_allclose(got, reference(q, k_want, v_want, start, index), rtol=1e-5, atol=1e-5)
 
 
+def test_a_bf16_cache_is_attended_as_it_keeps_the_new_key_and_value():
+    """An fp32 key and value written into a bf16 cache: the step attends over them as the cache keeps them
+    (rounded to bf16), as every later step reads them back."""
+    kq, kk, kn = jax.random.split(jax.random.key(1), 3)
+    b, n, slots, h, index = 2, 4, 64, 32, 37
+    q = jax.random.normal(kq, (b, n, h))
+    k, v = jax.random.normal(kk, (2, b, n, slots, h)).astype(jnp.bfloat16)
+    k_new, v_new = jax.random.normal(kn, (2, b, n, h))
+    start = jnp.array([0, 9], jnp.int32)
+    got, k_got, v_got = decode_attention.decode_attention(q, k_new, v_new, k, v, start, jnp.int32(index),
+                                                          decode_attention.Tuning(block=16), interpret=True)
+    k_want = k.at[:, :, index].set(k_new.astype(jnp.bfloat16))
+    v_want = v.at[:, :, index].set(v_new.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(k_got, k_want)
+    np.testing.assert_array_equal(v_got, v_want)
+    want = reference(q, k_want.astype(jnp.float32), v_want.astype(jnp.float32), start, index)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     cache = jnp.zeros((1, 1, 96, 8))

@@ -37,8 +37,8 @@ class Tuning:
     # One program per (row, query head) walks its row alone, so a small batch leaves most of the GPU idle. At
     # the gpt-1.3b shape (16 heads) on one H100, decoding with it against XLA's attention (profile_decode, the
     # kernel writing the cache, two calls of 2026-12-06): 0.93x the tokens/s at batch 1 (16 programs), 0.94x
-    # at 2, 1.01x at 4, 1.07x at 8 (128 programs), 1.15x at 16; at 32, 1.18x
-    # in an earlier call, before it wrote the cache.
+    # at 2, 1.01x at 4, 1.07x at 8 (128 programs), 1.15x at 16; at 32, 1.18x in an earlier call, before it
+    # wrote the cache.
     min_programs: int = 128
 
     def __post_init__(self):
@@ -71,13 +71,14 @@ def _kernel(start_ref, index_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, o_r
     kv = head // group
     start, index = start_ref[row], index_ref[0]
     q = q_ref[row, head, :].astype(jnp.float32) * scale  # (head_dim,)
-    k_new = k_new_ref[row, kv, :]
-    v_new = v_new_ref[row, kv, :]
+    # As the cache keeps them, so this step sees what later steps will read back.
+    k_new = k_new_ref[row, kv, :].astype(k_out_ref.dtype)
+    v_new = v_new_ref[row, kv, :].astype(v_out_ref.dtype)
 
     @pl.when(head % group == 0)  # one program of the KV head's group writes its key and value
     def _():
-        k_out_ref[row, kv, index, :] = k_new.astype(k_out_ref.dtype)
-        v_out_ref[row, kv, index, :] = v_new.astype(v_out_ref.dtype)
+        k_out_ref[row, kv, index, :] = k_new
+        v_out_ref[row, kv, index, :] = v_new
 
     def step(j, carry):
         m, l, acc = carry
@@ -118,10 +119,10 @@ def decode_attention(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, index
     if slots % tuning.block:
         raise ValueError(f"a cache of {slots} slots is not a multiple of {tuning}'s block")
     kernel = functools.partial(_kernel, block=tuning.block, group=n // kv, scale=1.0 / math.sqrt(h))
-    cache = jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, n, h), q_bnh.dtype), cache, cache),
+        out_shape=(jax.ShapeDtypeStruct((b, n, h), q_bnh.dtype), jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype),
+                   jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype)),
         grid=(b, n),
         input_output_aliases={5: 1, 6: 2},  # the cache, updated where it lies
         compiler_params=compiler_params(tuning.warps, interpret),
