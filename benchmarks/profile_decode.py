@@ -254,9 +254,10 @@ def _kernel_runs(cfg, mesh, batch: int, slots: int, dtype, tuning) -> bool:
 
 def _slots_read(prompt_len: int, new: int, block: int) -> float:
     """The cache slots the kernel reads per row, averaged over the decode steps: whole blocks from slot 0 (a row
-    of a full-length prompt) to the block of the slot being decoded."""
+    of a full-length prompt) to the block of the slot before the one being decoded (whose key and value the
+    kernel has in hand, and writes)."""
     steps = range(prompt_len, prompt_len + new - 1)
-    return sum(-(-(i + 1) // block) * block for i in steps) / len(steps)
+    return sum(-(-i // block) * block for i in steps) / len(steps)
 
 
 def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item) -> None:
