@@ -118,7 +118,6 @@ def main(argv=None) -> int:
     d.add_argument("--off", action="append", default=[], metavar="KERNEL",
                    help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
                         "jax3d.models.pallas_gpu's KERNELS and DECODE_KERNELS)")
-    d.add_argument("--opt", action="append", default=[], help="an XLA compile option, name=value (repeatable)")
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
     s.add_argument("--shape", default="1.3b-b16")
     s.add_argument("--batch", type=int, nargs="*", default=[])
@@ -126,7 +125,9 @@ def main(argv=None) -> int:
     s.add_argument("--fp8", default="")
     s.add_argument("--tune", action="append", default=[], help="module:field=value,... (throughput.py's --tune)")
     s.add_argument("--ablate", action="append", default=[], help="a Pallas kernel left out (throughput.py's --ablate)")
-    s.add_argument("--opt", action="append", default=[], help="an XLA compile option, name=value (repeatable)")
+    for program in (d, s):
+        program.add_argument("--opt", action="append", default=[],
+                             help="an XLA compile option, name=value (repeatable)")
     a = p.parse_args(argv)
     if not os.path.isfile(a.target_config):
         p.error(f"--target-config {a.target_config} is not a file; pass a GPU's GpuTargetConfigProto in text form")
@@ -135,9 +136,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     if a.program == "decode":
-        from jax3d.models.pallas_gpu import DECODE_KERNELS, KERNELS
+        from jax3d.models.pallas_gpu import DECODE_KERNELS, KERNELS, unknown_kernels
 
-        unknown = sorted(set(a.off) - set(KERNELS + DECODE_KERNELS))
+        unknown = unknown_kernels(a.off)
         if unknown:
             p.error(f"--off {unknown[0]} is no kernel of jax3d's; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
     try:

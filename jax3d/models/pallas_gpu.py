@@ -75,7 +75,7 @@ def kernel_settings(*tunings, off=()):
     its DEFAULT, and the kernels named in `off` (KERNELS, DECODE_KERNELS) not at all: their plain JAX function
     runs, as on a CPU. For benchmarks. Only tracing reads it, so a function jitted outside and called inside keeps the
     settings it was traced with."""
-    unknown = sorted(set(off) - set(KERNELS + DECODE_KERNELS))
+    unknown = unknown_kernels(off)
     if unknown:
         raise ValueError(f"no kernel {', '.join(unknown)}; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
     token = _SETTINGS.set({**_SETTINGS.get(), **{_kernel(type(t)): t for t in tunings}, **dict.fromkeys(off)})
@@ -83,6 +83,11 @@ def kernel_settings(*tunings, off=()):
         yield
     finally:
         _SETTINGS.reset(token)
+
+
+def unknown_kernels(names) -> list[str]:
+    """Those of `names` that are no kernel of jax3d's (KERNELS, DECODE_KERNELS), sorted."""
+    return sorted(set(names) - set(KERNELS + DECODE_KERNELS))
 
 
 def tuning(kernel):
