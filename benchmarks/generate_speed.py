@@ -13,6 +13,7 @@ rest), without a trace. jax3d also reports how often prefill and decode were com
     python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU: batch 1 and 32
     python -m benchmarks.generate_speed --trace              # and profile_decode's trace of jax3d's decode
     python -m benchmarks.generate_speed --small --batch 1 4  # a tiny model on CPU
+    python -m benchmarks.generate_speed --batch 32 --kv-cache-dtype fp8  # jax3d's cache in fp8, the peers' bf16
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import time
 import numpy as np
 
 from benchmarks.profile_decode import breakdown, copy_rate, step_bytes
+from jax3d.cli.common import add_kv_cache_flag
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
 
@@ -89,7 +91,8 @@ def time_hf(model, prompts: np.ndarray, new: int, device: str, static: bool, rep
     return rec
 
 
-def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, trace: bool = False) -> dict:
+def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, trace: bool = False,
+               cache_dtype=None) -> dict:
     import jax
 
     from jax3d.inference import Generator
@@ -97,7 +100,7 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, 
 
     b = prompts.shape[0]
     gen = Generator(cfg, params, MeshConfig(1, 1, 1).build(jax.devices()[:1]), batch=b,
-                    max_len=prompts.shape[1] + new, dtype=dtype)
+                    max_len=prompts.shape[1] + new, dtype=dtype, cache_dtype=cache_dtype)
     rows = [list(map(int, r)) for r in prompts]
     t0 = time.perf_counter()
     gen.generate(rows, new)  # warm-up: prefill and decode compile here, for these shapes
@@ -132,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
     p.add_argument("--trace", action="store_true", help="also trace jax3d's decode as profile_decode does (kernel "
                    "time by class, kernels per step, device busy), without compiling it again")
+    add_kv_cache_flag(p)
     a = p.parse_args(argv)
     if a.small:
         a.shape, a.prompt_len, a.new, a.eager_new = "small", 16, 16, 16
@@ -140,6 +144,7 @@ def main(argv=None) -> int:
     import torch
 
     from jax3d.hf import load_hf_params
+    from jax3d.models.cached_attention import CACHE_DTYPES
 
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
@@ -152,22 +157,26 @@ def main(argv=None) -> int:
         cfg, params = load_hf_params(d)
         convert_s = time.perf_counter() - t0
     item = jnp.dtype(dtype).itemsize
+    cache_dtype = jnp.dtype(CACHE_DTYPES[a.kv_cache_dtype] or dtype)
+    cache_item = cache_dtype.itemsize
     weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
                       "prompt_len": a.prompt_len, "new_tokens": a.new, "save_and_import_s": round(convert_s, 1),
-                      "weight_gb": round(weight_bytes / 1e9, 3), "copy_tb_s": round(rate / 1e12, 3)}), flush=True)
+                      "kv_cache_dtype": cache_dtype.name, "weight_gb": round(weight_bytes / 1e9, 3),
+                      "copy_tb_s": round(rate / 1e12, 3)}), flush=True)
     rs = np.random.RandomState(0)
     for b in a.batch:
         prompts = rs.randint(0, vocab, (b, a.prompt_len)).astype(np.int32)
-        ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace)
-        filled = step_bytes(cfg, params, b, a.prompt_len + a.new // 2, item)[1]  # the cache's filled part, on average
+        ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace, cache_dtype)
+        filled = step_bytes(cfg, params, b, a.prompt_len + a.new // 2, item, cache_item)[1]  # the cache's filled part, on average
         limit = b * rate / weight_bytes
         rec = {"batch": b, "jax3d_decode_tok_s": round(ours["decode_tok_s"], 1),
                "limit_tok_s": round(limit, 1), "limit_with_cache_tok_s": round(b * rate / (weight_bytes + filled), 1),
                "jax3d_of_limit": round(ours["decode_tok_s"] / limit, 3),
                # jax3d's step against the bytes it reads: the weights, every slot of the cache, the rest
-               "jax3d_step_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, a.prompt_len + a.new, item)[1],
+               "jax3d_step_ms": breakdown(weight_bytes,
+                                          step_bytes(cfg, params, b, a.prompt_len + a.new, item, cache_item)[1],
                                           rate, b * 1e3 / ours["decode_tok_s"]),
                **({"jax3d_trace": ours["trace"]} if a.trace else {}),
                "jax3d_total_s": round(ours["total_s"], 3), "jax3d_compiles": ours["compiles"],

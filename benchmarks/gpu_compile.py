@@ -14,6 +14,7 @@ under `xla/backends/gpu/target_config/specs/`: `h100_sxm.txtpb`, `h200.txtpb`). 
 to 9.10.0, which is what XLA's H200 file names.
 
     python -m benchmarks.gpu_compile --target-config h100_sxm.txtpb decode --shape gpt-1.3b --batch 1 32
+    python -m benchmarks.gpu_compile --target-config h100_sxm.txtpb decode --batch 1 32 --kv-cache-dtype fp8
     python -m benchmarks.gpu_compile --target-config h100_sxm.txtpb decode --batch 32 --off fused_norm \\
         --opt xla_gpu_experimental_enable_triton_heroless_priority_fusion=true
     python -m benchmarks.gpu_compile --target-config h200.txtpb step --shape 6.7b-b2 --batch 16 --recompute full \\
@@ -32,6 +33,8 @@ import json
 import os
 import re
 import sys
+
+from jax3d.cli.common import add_kv_cache_flag
 
 def kernels(hlo: str, loop_body_only: bool = False) -> dict:
     """The kernels of one pass of a compiled program's text (`loop_body_only`: of its first while loop's body;
@@ -75,15 +78,18 @@ def decode(a, topology) -> None:
     from jax3d.config import ModelConfig
     from jax3d.inference import Generator
     from jax3d.models import build_model, pallas_gpu
+    from jax3d.models.cached_attention import CACHE_DTYPES
 
     cfg = ModelConfig(**SHAPES[a.shape], hidden_dropout=0.0, attention_dropout=0.0)
     params = jax.eval_shape(lambda: build_model(cfg).init(jax.random.key(0)))
     mesh = topologies.make_mesh(topology, (1, 1), ("data", "model"))
     for b in a.batch:
-        gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16)
+        gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16,
+                        cache_dtype=CACHE_DTYPES[a.kv_cache_dtype])
         with pallas_gpu.kernel_settings(off=a.off):  # generation's own options, and --opt's beside them
             hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
-        print(json.dumps({"decode": a.shape, "batch": b, **kernels(hlo, loop_body_only=True)}), flush=True)
+        print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": a.kv_cache_dtype,
+                          **kernels(hlo, loop_body_only=True)}), flush=True)
 
 
 def step(a, topology) -> None:
@@ -118,6 +124,7 @@ def main(argv=None) -> int:
     d.add_argument("--off", action="append", default=[], metavar="KERNEL",
                    help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
                         "jax3d.models.pallas_gpu's KERNELS and DECODE_KERNELS)")
+    add_kv_cache_flag(d)
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
     s.add_argument("--shape", default="1.3b-b16")
     s.add_argument("--batch", type=int, nargs="*", default=[])

@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from benchmarks.profile_step import CLASSES, classify, traced_kernels
+from jax3d.cli.common import add_kv_cache_flag
 
 SHAPES = {"gpt-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50304, seq_length=2048),
           "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64)}
@@ -63,13 +64,14 @@ def copy_rate(dtype, gib: float) -> float:
     return 2 * n * jnp.dtype(dtype).itemsize / best
 
 
-def step_bytes(cfg, params, batch: int, slots: int, itemsize: int) -> tuple[int, int]:
+def step_bytes(cfg, params, batch: int, slots: int, itemsize: int, cache_itemsize: int = 0) -> tuple[int, int]:
     """(weight bytes, cache bytes) one decode step reads: every weight once (of the position table only a
-    row), and keys and values of every slot of every row and layer (the attention reads them all)."""
+    row), and keys and values of `slots` slots of every row and layer, at `cache_itemsize` bytes each (0:
+    `itemsize`)."""
     import jax
 
     weights = (sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size) * itemsize
-    return weights, 2 * cfg.num_layers * batch * cfg.kv_heads * cfg.head_dim * slots * itemsize
+    return weights, 2 * cfg.num_layers * batch * cfg.kv_heads * cfg.head_dim * slots * (cache_itemsize or itemsize)
 
 
 def breakdown(weight_bytes: int, cache_bytes: int, rate: float, step_ms: float) -> dict:
@@ -193,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
                    help="a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128); "
                         "repeatable, all apply")
+    add_kv_cache_flag(p)
     a = p.parse_args(argv)
     if a.top < 0:
         p.error(f"--top {a.top}: give how many kernels to list, 0 (none) or more")
@@ -212,11 +215,13 @@ def main(argv=None) -> int:
 
     from jax3d.config import ModelConfig
     from jax3d.models import build_model, decode_attention, pallas_gpu
+    from jax3d.models.cached_attention import CACHE_DTYPES
     from jax3d.parallel.mesh import MeshConfig
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     item = jnp.dtype(dtype).itemsize
+    cache_dtype = jnp.dtype(CACHE_DTYPES[a.kv_cache_dtype] or dtype)
     cfg = ModelConfig(**SHAPES[a.shape], hidden_dropout=0.0, attention_dropout=0.0)
     params = build_model(cfg).init(jax.random.key(0))
     weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]
@@ -225,6 +230,7 @@ def main(argv=None) -> int:
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
                       "weight_gb": round(weight_bytes / 1e9, 3), "copy_tb_s": round(rate / 1e12, 3),
                       "weights_ms": round(weights_ms, 3), "decode_kernel": a.decode_kernel,
+                      "kv_cache_dtype": cache_dtype.name,
                       **({"tune": a.tune} if a.tune else {})}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
@@ -235,7 +241,7 @@ def main(argv=None) -> int:
         p.error(f"--decode-kernel on: the kernel would not run here (it needs one GPU, {a.prompt_len + a.new} slots "
                 f"in blocks of {forced.block} and a power-of-two head size), so there would be nothing to measure")
     with pallas_gpu.kernel_settings(*tuned, *tunings, off=off):  # read when decode is traced, in the first generate below
-        _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item)
+        _profile_batches(a, cfg, params, mesh, dtype, cache_dtype, rs, weight_bytes, rate, weights_ms)
     return 0
 
 
@@ -260,13 +266,13 @@ def _slots_read(prompt_len: int, new: int, block: int) -> float:
     return sum(-(-i // block) * block for i in steps) / len(steps)
 
 
-def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weights_ms, item) -> None:
+def _profile_batches(a, cfg, params, mesh, dtype, cache_dtype, rs, weight_bytes, rate, weights_ms) -> None:
     from jax3d.inference import Generator
     from jax3d.models import decode_attention, pallas_gpu
 
     for b in a.batch:
         max_len = a.prompt_len + a.new
-        gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype)
+        gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype, cache_dtype=cache_dtype)
         rows = [list(map(int, r)) for r in rs.randint(0, cfg.vocab_size, (b, a.prompt_len))]
         gen.generate(rows, a.new)  # compiles prefill and decode
         rec = profile(gen, rows, a.new, top=a.top)
@@ -275,7 +281,8 @@ def _profile_batches(a, cfg, params, mesh, dtype, rs, weight_bytes, rate, weight
         kernel = _kernel_runs(cfg, mesh, b, max_len, dtype, tuning)
         read = _slots_read(a.prompt_len, a.new, tuning.block) if kernel else max_len
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1), "decode_kernel_ran": kernel,
-               "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, read, item)[1], rate, wall),
+               "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, read, cache_dtype.itemsize)[1],
+                                         rate, wall),
                "of_weights_limit": round(weights_ms / wall, 3), **rec, "compiles": gen.compile_counts()}
         if a.hlo:
             body = loop_body_kernels(gen.decode_hlo(rows))

@@ -45,19 +45,20 @@ def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, sl
         np.testing.assert_allclose(got, reference(q, k_want, v_want, start, index), rtol=1e-5, atol=1e-5)
 
 
-def test_a_bf16_cache_is_attended_as_it_keeps_the_new_key_and_value():
-    """An fp32 key and value written into a bf16 cache: the step attends over them as the cache keeps them
-    (rounded to bf16), as every later step reads them back."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_a_narrower_cache_is_attended_as_it_keeps_the_new_key_and_value(dtype):
+    """An fp32 key and value written into a bf16 or fp8 cache: the step attends over them as the cache keeps
+    them (rounded), as every later step reads them back."""
     kq, kk, kn = jax.random.split(jax.random.key(1), 3)
     b, n, slots, h, index = 2, 4, 64, 32, 37
     q = jax.random.normal(kq, (b, n, h))
-    k, v = jax.random.normal(kk, (2, b, n, slots, h)).astype(jnp.bfloat16)
+    k, v = jax.random.normal(kk, (2, b, n, slots, h)).astype(dtype)
     k_new, v_new = jax.random.normal(kn, (2, b, n, h))
     start = jnp.array([0, 9], jnp.int32)
     got, k_got, v_got = decode_attention.decode_attention(q, k_new, v_new, k, v, start, jnp.int32(index),
                                                           decode_attention.Tuning(block=16), interpret=True)
-    k_want = k.at[:, :, index].set(k_new.astype(jnp.bfloat16))
-    v_want = v.at[:, :, index].set(v_new.astype(jnp.bfloat16))
+    k_want = k.at[:, :, index].set(k_new.astype(dtype))
+    v_want = v.at[:, :, index].set(v_new.astype(dtype))
     np.testing.assert_array_equal(k_got, k_want)
     np.testing.assert_array_equal(v_got, v_want)
     want = reference(q, k_want.astype(jnp.float32), v_want.astype(jnp.float32), start, index)
@@ -91,12 +92,14 @@ def test_a_batch_too_small_to_fill_the_gpu_runs_xla_attention(monkeypatch):
         decode_attention.Tuning(block=48)
 
 
-def test_the_kernel_lowers_to_one_named_triton_call_for_cuda():
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_the_kernel_lowers_to_one_named_triton_call_for_cuda(cache_dtype):
     """What a GPU would compile, lowered on this CPU: the kernel's Pallas-to-Triton lowering at gpt-1.3b's decode
-    shape (batch 32, 16 heads of 128, 384 slots, bf16) is one Triton custom call, named for the profiler."""
+    shape (batch 32, 16 heads of 128, 384 slots, bf16; the cache bf16 or fp8) is one Triton custom call, named
+    for the profiler."""
     b, n, h, slots = 32, 16, 128, 384
     bf = jnp.bfloat16
-    row, cache = jax.ShapeDtypeStruct((b, n, h), bf), jax.ShapeDtypeStruct((b, n, slots, h), bf)
+    row, cache = jax.ShapeDtypeStruct((b, n, h), bf), jax.ShapeDtypeStruct((b, n, slots, h), cache_dtype)
     args = (row, row, row, cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     text = decode_attention.decode_attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
@@ -110,3 +113,38 @@ def test_the_kernel_lowers_to_one_named_triton_call_for_cuda():
     from benchmarks.profile_step import classify
 
     assert classify("decode_attention", "custom-call.3") == "attention"
+
+
+@pytest.mark.parametrize("t", [1, 5], ids=["decode", "prefill"])
+def test_an_fp8_cache_attends_as_an_fp32_cache_of_the_values_it_keeps(t):
+    """XLA's attention (cached_attention) over a float8_e4m3fn cache: what an fp32 cache holding the same keys and
+    values gives, with the new ones rounded to fp8 after clipping to e4m3's 448 (a key of 1000 is kept as 448;
+    a plain cast would keep nan)."""
+    from jax3d.models.cached_attention import cached_attention
+    from jax3d.parallel import ShardingRules
+
+    b, n, kv_heads, h, slots, index, e = 2, 4, 2, 8, 32, 6, 16
+    keys = jax.random.split(jax.random.key(2), 5)
+    q = jax.random.normal(keys[0], (b, t, n, h))
+    k_new, v_new = 3 * jax.random.normal(keys[1], (2, b, t, kv_heads, h))
+    k_new = k_new.at[0, 0, 0, 0].set(1000.0)
+    k8, v8 = jax.random.normal(keys[2], (2, b, kv_heads, slots, h)).astype(jnp.float8_e4m3fn)
+    w_out = jax.random.normal(keys[3], (n, h, e))
+    start = jnp.array([0, 2], jnp.int32)
+    query = index + jnp.arange(t)
+    mask = decode_attention.visible(jnp.arange(slots)[None, None], start[:, None, None], query[None, :, None])[:, None]
+    rules = ShardingRules.create(False)
+
+    def attend(k, v, k_new, v_new):
+        cache = {"k": k, "v": v, "index": jnp.int32(index), "start": start}
+        return cached_attention(q, k_new, v_new, mask, cache, w_out, rules)
+
+    out8, cache8 = attend(k8, v8, k_new, v_new)
+    rounded = [jnp.clip(x, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32) for x in (k_new, v_new)]
+    out32, cache32 = attend(k8.astype(jnp.float32), v8.astype(jnp.float32), *rounded)
+    assert cache8["k"].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(cache8["k"].astype(jnp.float32), cache32["k"])
+    np.testing.assert_array_equal(cache8["v"].astype(jnp.float32), cache32["v"])
+    assert float(cache8["k"][0, 0, index, 0].astype(jnp.float32)) == 448.0
+    np.testing.assert_allclose(out8, out32, rtol=1e-6, atol=1e-6)
+    assert np.isfinite(np.asarray(out8)).all()

@@ -70,6 +70,31 @@ def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported
     assert not calls
 
 
+def test_an_fp8_cache_gives_one_set_of_tokens_from_the_kernel_xla_and_two_devices(imported, monkeypatch):
+    """A float8_e4m3fn KV cache: the decode kernel (interpreted) and XLA's attention read it to the same tokens,
+    as do heads split over 2 devices; the compiled decode keeps the cache in fp8. (XLA on a CPU updates an fp8
+    array through f16, a copy; compiled for an H100 by benchmarks/gpu_compile.py, decode copies none.) Against
+    transformers' fp32 tokens it is an approximation: greedy picks part at near-ties (this tiny random model's
+    logits are nearly flat), so only most of the tokens are asserted equal."""
+    from jax3d.models import decode_attention, pallas_gpu
+
+    hf, params, cfg = imported
+    fp8 = jax.numpy.float8_e4m3fn
+    xla = _gen(cfg, params, batch=4, cache_dtype=fp8).generate(PROMPTS, NEW)
+    assert _gen(cfg, params, batch=4, tp=2, cache_dtype=fp8).generate(PROMPTS, NEW) == xla
+    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+    calls = interpreted(monkeypatch, decode_attention, "decode_attention")
+    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1)):
+        assert _gen(cfg, params, batch=4, cache_dtype=fp8).generate(PROMPTS, NEW) == xla
+    assert calls, "the kernel did not run"
+    want = _hf_greedy(hf, PROMPTS)
+    same = np.mean([x == y for got, row in zip(xla, want) for x, y in zip(got, row)])
+    assert same >= 0.75, same
+    hlo = _gen(cfg, params, batch=4, cache_dtype=fp8).decode_hlo(PROMPTS)
+    cache = f"[4,{cfg.kv_heads},64,{cfg.head_dim}]"
+    assert f"f8e4m3fn{cache}" in hlo
+
+
 def test_greedy_batch1_equals_transformers_with_and_without_cache(imported):
     hf, params, cfg = imported
     prompt = PROMPTS[0]

@@ -57,6 +57,20 @@ def test_streamed_text_equals_the_batch_path_and_stops_at_the_stop_string(ckpt, 
     assert "compiled prefill 1x and decode 1x" in r.stderr  # two batches of one bucket
 
 
+def test_kv_cache_dtype_fp8_prints_the_librarys_fp8_text(ckpt):
+    """--kv-cache-dtype fp8 streams what the library generates with a float8_e4m3fn cache, with heads over 2
+    devices; an unknown type is refused by the parser."""
+    import jax.numpy as jnp
+
+    want = generate_text(ckpt, [PROMPT], 16, cache_dtype=jnp.float8_e4m3fn)[0]
+    r = _run("--load", ckpt, "--prompt", PROMPT, "--greedy", "--max-new-tokens", "16", "--kv-cache-dtype", "fp8",
+             "--tensor-model-parallel-size", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == PROMPT + want + "\n"
+    r = _run("--load", ckpt, "--prompt", PROMPT, "--kv-cache-dtype", "int4")
+    assert r.returncode == 2 and "--kv-cache-dtype" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.parametrize("lines, flags, words", [
     ("", [], "holds no prompt"),
     ('{"prompt": "x"}\n{"text": "y"}\n', [], 'line 2 has no "prompt" text'),

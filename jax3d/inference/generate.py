@@ -118,10 +118,11 @@ class Generator:
     `params` are in logical layer order. A train state under an interleaved or uneven pipeline keeps its
     layers in pipeline order: pass `steps.logical_params(state.params)`, not `state.params`. `mesh` has
     jax3d's axis names, as `MeshConfig.build` or `jax.make_mesh` make them (Explicit axes are taken as
-    Auto)."""
+    Auto). `cache_dtype` is the KV cache's (None: `dtype`); jnp.float8_e4m3fn halves its bytes
+    (cached_attention)."""
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
-                 eod: int | None = None, chunk: int = CHUNK):
+                 eod: int | None = None, chunk: int = CHUNK, cache_dtype=None):
         if cfg.model_type != "gpt":
             raise ConfigError(f"generation needs a GPT checkpoint, but this one is a {cfg.model_type}; "
                               "pass a checkpoint trained with --model gpt")
@@ -140,6 +141,7 @@ class Generator:
                               "steps.logical_params(state.params)")
         self.cfg, self.mesh, self.batch, self.max_len, self.dtype, self.eod = cfg, mesh, batch, max_len, dtype, eod
         self.chunk = chunk
+        self.cache_dtype = jnp.dtype(cache_dtype or dtype)
         self.rules = ShardingRules.create(False)
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size
@@ -191,7 +193,7 @@ class Generator:
             self._traces["prefill"] += 1
             b, t = tokens_bt.shape
             shape = (b, self.cfg.kv_heads, self.max_len, self.cfg.head_dim)
-            cache = [{"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
+            cache = [{"k": jnp.zeros(shape, self.cache_dtype), "v": jnp.zeros(shape, self.cache_dtype)}
                      for _ in range(self.cfg.num_layers)]
             cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
             count_b = jnp.sum(valid_bt, axis=1).astype(jnp.int32)
@@ -391,7 +393,8 @@ def load_gpt_checkpoint(load: str, step: int = -1):
 
 
 def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
-                  tp: int = 1, dtype=jnp.float32, checkpoint: str = "", batch: int = 0) -> Generator:
+                  tp: int = 1, dtype=jnp.float32, checkpoint: str = "", batch: int = 0,
+                  cache_dtype=None) -> Generator:
     """A Generator sized for these token prompts, `batch` of them at a time (0: all), tensor parallel over the
     first `tp` devices. `checkpoint` is the --load directory `cfg` came from, for errors to name."""
     from jax3d.config import Config, ParallelConfig, TrainConfig
@@ -412,6 +415,6 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
     if size and not cfg.unpadded_vocab_size and size < cfg.vocab_size:  # a train.py run: the rest is padding
         cfg = dataclasses.replace(cfg, unpadded_vocab_size=size)
     return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=min(batch or len(prompts), len(prompts)),
-                     dtype=dtype,
+                     dtype=dtype, cache_dtype=cache_dtype,
                      max_len=min(cfg.max_position_embeddings, longest + max_new_tokens + PROMPT_BUCKET),
                      eod=getattr(tokenizer, "eod", None))

@@ -15,6 +15,10 @@ bias over every (query, key) pair, and wants the slots before the heads; Pallas'
 (`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on every call. Elsewhere the sums
 here read every slot of the cache, filled or not: at the gpt-1.3b shape 3% of a step's bytes at batch 1 and
 about half at batch 32. The mask is two iotas and compares, which XLA fuses into the softmax.
+
+The cache may be kept in float8_e4m3fn where the model computes in bf16 or fp32 (Generator's `cache_dtype`):
+half the bytes a decode step reads of it, and twice the rows in the same memory. Keys and values are stored
+as they come, clipped to e4m3's largest value (448) rather than scaled, and read back in the compute dtype.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 from jax3d.models import decode_attention, one_row, pallas_gpu
 
 CACHE_AXES = ("batch", "heads", "seq", "kv")
+CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}  # --kv-cache-dtype: None keeps the compute dtype
 
 visible = decode_attention.visible  # which cached slots a query sees; generation's mask is built from it
 
@@ -42,6 +47,7 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     kv = k_btkh.shape[2]
     g = n // kv
     # Query head n is KV head n // g's (layers.split_qkv's order).
+    k_btkh, v_btkh = stored(k_btkh, cache["k"].dtype), stored(v_btkh, cache["v"].dtype)
     tuning = pallas_gpu.tuning(decode_attention)
     if t == 1 and "start" in cache and decode_attention.supported(cache["k"], n, rules, tuning):
         ctx_bnh, k_bksh, v_bksh = decode_attention.decode_attention(
@@ -49,7 +55,7 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
         return _out(ctx_bnh.reshape(b, 1, kv, g, h), w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
 
     def write(c, new_btkh):
-        c = jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(new_btkh, 1, 2).astype(c.dtype), idx, axis=2)
+        c = jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(new_btkh, 1, 2), idx, axis=2)
         return rules.constrain(c, CACHE_AXES)
 
     k_bksh, v_bksh = write(cache["k"], k_btkh), write(cache["v"], v_btkh)
@@ -60,16 +66,26 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
         # it where it lies, in one pass.
         scores = jnp.sum(q_bkgth.astype(jnp.float32) * k_bksh[:, :, None].astype(jnp.float32), axis=-1)[:, :, :, None]
     else:
-        scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh.astype(q_bkgth.dtype),
+                            preferred_element_type=jnp.float32)
     scores = jnp.where(mask_b1tT[:, :, None], scores / math.sqrt(h), -jnp.inf)  # each query sees itself at least
     probs = jax.nn.softmax(scores, axis=-1)
     if t == 1:
         ctx_bkgth = jnp.sum(probs[:, :, :, 0, :, None] * v_bksh[:, :, None].astype(jnp.float32), axis=-2,
-                            keepdims=True).astype(v_bksh.dtype)
+                            keepdims=True).astype(q_btnh.dtype)
     else:
-        ctx_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v_bksh.dtype), v_bksh)
+        ctx_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs.astype(q_btnh.dtype), v_bksh.astype(q_btnh.dtype))
     ctx_btkgh = jnp.transpose(ctx_bkgth, (0, 3, 1, 2, 4))  # t = 1: a bitcast
     return _out(ctx_btkgh, w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
+
+
+def stored(x, dtype):
+    """`x` as the cache keeps it in `dtype`: rounded, and for float8 first clipped to its largest value (a
+    plain cast would give nan past it)."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
 
 
 def _out(ctx_btkgh, w_out_nhd, rules):
