@@ -22,22 +22,33 @@ def reference(q_bnh, k_bksh, v_bksh, start_b, index):
     return jnp.einsum("bns,bnsh->bnh", jax.nn.softmax(jnp.where(seen[:, None], s, -jnp.inf), -1), v)
 
 
-@pytest.mark.parametrize("heads, kv_heads, slots, block", [(4, 4, 128, 64), (8, 2, 96, 16)], ids=["mha", "gqa"])
-def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, slots, block):
+def packed(q_bnh, k_bkh, v_bkh):
+    """The decode kernel's projection (batch, group + 2, kv_heads, head_dim), layers.split_qkv's layout."""
+    b, n, h = q_bnh.shape
+    kv = k_bkh.shape[1]
+    q_bgkh = jnp.swapaxes(q_bnh.reshape(b, kv, n // kv, h), 1, 2)
+    return jnp.concatenate([q_bgkh, k_bkh[:, None], v_bkh[:, None]], axis=1)
+
+
+@pytest.mark.parametrize("heads, kv_heads, slots, block, splits", [(4, 4, 128, 64, 1), (8, 2, 96, 16, 1),
+                                                                  (4, 4, 128, 16, 4), (8, 2, 96, 16, 8)],
+                         ids=["mha", "gqa", "mha-4-parts", "gqa-8-parts"])
+def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, slots, block, splits):
     """The kernel writes the step's key and value at the query's slot, touching no other slot, and attends as a
-    softmax over the whole updated cache under generation's mask does."""
+    softmax over the whole updated cache under generation's mask does; with its slots split into parts (some
+    of which see no slot, or only pads), too."""
     kq, kk, kv, kn = jax.random.split(jax.random.key(0), 4)
     b, h = 4, 32
     q = jax.random.normal(kq, (b, heads, h))
     k = jax.random.normal(kk, (b, kv_heads, slots, h))
     v = jax.random.normal(kv, (b, kv_heads, slots, h))
     k_new, v_new = jax.random.normal(kn, (2, b, kv_heads, h))
-    tuning = decode_attention.Tuning(block=block)
+    tuning = decode_attention.Tuning(block=block, splits=splits)
     for index in (0, 5, block - 1, block, slots - 1):
         # a row from slot 0, a left-padded row, one whose walk begins in a later block, and a row whose first
         # token is past the query (a pad query)
         start = jnp.array([0, min(index, 7), min(index, block + 3), index + 1], jnp.int32)
-        got, k_got, v_got = decode_attention.decode_attention(q, k_new, v_new, k, v, start, jnp.int32(index),
+        got, k_got, v_got = decode_attention.decode_attention(packed(q, k_new, v_new), k, v, start, jnp.int32(index),
                                                               tuning, interpret=True)
         k_want, v_want = k.at[:, :, index].set(k_new), v.at[:, :, index].set(v_new)
         np.testing.assert_array_equal(k_got, k_want)
@@ -55,7 +66,7 @@ def test_a_narrower_cache_is_attended_as_it_keeps_the_new_key_and_value(dtype):
     k, v = jax.random.normal(kk, (2, b, n, slots, h)).astype(dtype)
     k_new, v_new = jax.random.normal(kn, (2, b, n, h))
     start = jnp.array([0, 9], jnp.int32)
-    got, k_got, v_got = decode_attention.decode_attention(q, k_new, v_new, k, v, start, jnp.int32(index),
+    got, k_got, v_got = decode_attention.decode_attention(packed(q, k_new, v_new), k, v, start, jnp.int32(index),
                                                           decode_attention.Tuning(block=16), interpret=True)
     k_want = k.at[:, :, index].set(k_new.astype(dtype))
     v_want = v.at[:, :, index].set(v_new.astype(dtype))
@@ -92,22 +103,24 @@ def test_a_batch_too_small_to_fill_the_gpu_runs_xla_attention(monkeypatch):
         decode_attention.Tuning(block=48)
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_the_kernel_lowers_to_one_named_triton_call_for_cuda(cache_dtype):
+@pytest.mark.parametrize("cache_dtype, splits", [(jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1), (jnp.bfloat16, 8)],
+                         ids=["bf16", "fp8", "bf16-8-parts"])
+def test_the_kernel_lowers_to_one_named_triton_call_for_cuda(cache_dtype, splits):
     """What a GPU would compile, lowered on this CPU: the kernel's Pallas-to-Triton lowering at gpt-1.3b's decode
-    shape (batch 32, 16 heads of 128, 384 slots, bf16; the cache bf16 or fp8) is one Triton custom call, named
-    for the profiler."""
+    shape (batch 32, 16 heads of 128, 384 slots, bf16; the cache bf16 or fp8; the slots in one part or 8) is
+    one Triton custom call, named for the profiler."""
     b, n, h, slots = 32, 16, 128, 384
-    bf = jnp.bfloat16
-    row, cache = jax.ShapeDtypeStruct((b, n, h), bf), jax.ShapeDtypeStruct((b, n, slots, h), cache_dtype)
-    args = (row, row, row, cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    qkv, cache = jax.ShapeDtypeStruct((b, 3, n, h), jnp.bfloat16), jax.ShapeDtypeStruct((b, n, slots, h), cache_dtype)
+    args = (qkv, cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+            decode_attention.Tuning(splits=splits))
     text = decode_attention.decode_attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
-    # the cache it writes is its outputs 1 and 2 in the caches' own buffers (arguments 3 and 4), so a donated
+    # the cache it writes is its last two outputs in the caches' own buffers (arguments 1 and 2), so a donated
     # cache is updated in place rather than copied for every layer and token
     operands = re.search(r"custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)", text).group(1).split(", ")
     aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)", text)
-    assert {(int(out), operands[int(i)]) for out, i in aliases} == {(1, "%arg3"), (2, "%arg4")}
+    last = 1 if splits == 1 else 3
+    assert {(int(out), operands[int(i)]) for out, i in aliases} == {(last, "%arg1"), (last + 1, "%arg2")}
     # the kernel's name in a device trace, which profile_decode classes as attention (unnamed, it was "_kernel")
     assert 'name = "decode_attention"' in text
     from benchmarks.profile_step import classify

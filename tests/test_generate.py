@@ -65,6 +65,8 @@ def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported
     with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1)):
         assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
     assert calls, "the kernel did not run"
+    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1, splits=4)):  # slots in 4 parts
+        assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
     calls.clear()
     assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
     assert not calls

@@ -129,16 +129,18 @@ def test_ragged_batch_equals_transformers_also_at_tp2(gqa):
     assert tp.generate(PROMPTS, NEW) == want
 
 
-def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, monkeypatch):
+@pytest.mark.parametrize("splits", [1, 4], ids=["one-part", "4-parts"])
+def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, monkeypatch, splits):
     """Decode's attention as jax3d.models.decode_attention (Pallas' interpreter standing in for the GPU): rotated
-    queries and keys, 4 query heads per KV head, the kernel writing each KV head's key and value from one of its
-    programs; a ragged batch gives transformers' greedy tokens."""
+    queries and keys packed into the projection's layout again, 4 query heads per KV head, the kernel writing
+    each KV head's key and value from one of its programs, each row's slots walked whole or in 4 parts; a
+    ragged batch gives transformers' greedy tokens."""
     from jax3d.models import decode_attention, pallas_gpu
 
     hf, params, cfg = gqa
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     calls = interpreted(monkeypatch, decode_attention, "decode_attention")
-    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1)):
+    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1, splits=splits)):
         assert _gen(cfg, params, batch=4).generate(PROMPTS, NEW) == _hf_greedy(hf, PROMPTS)
     assert calls, "the kernel did not run"
 

@@ -33,26 +33,33 @@ CACHE_AXES = ("batch", "heads", "seq", "kv")
 CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}  # --kv-cache-dtype: None keeps the compute dtype
 
 visible = decode_attention.visible  # which cached slots a query sees; generation's mask is built from it
+stored = decode_attention.stored  # a key or value as the cache keeps it
 
 
-def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, rules):
+def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, rules, qkv_btckh=None):
     """(output (batch, seq, embed) before the out-projection's bias, updated cache): the keys and values
     written at slot `cache['index']` of `cache['k']`, `cache['v']` (batch, kv_heads, max_len, head_dim), in
     place when the cache is donated; the queries' softmax, in fp32, over the slots `mask_b1tT` (batch, 1, seq,
     max_len) allows; and the out-projection `w_out_nhd` of the context. With `cache['start']` (batch,), the
     rows' first slots, a decode step's mask must be `visible`'s of them: where the decode kernel runs, it builds
-    the mask from them rather than reading `mask_b1tT`."""
+    the mask from them rather than reading `mask_b1tT`. `qkv_btckh` is the projection (batch, seq, group + 2,
+    kv_heads, head_dim) when q, k and v are its plain slices (layers.split_qkv; not so after a rotary
+    embedding): the decode kernel reads it as it lies."""
     idx = cache["index"]
     b, t, n, h = q_btnh.shape
     kv = k_btkh.shape[2]
     g = n // kv
     # Query head n is KV head n // g's (layers.split_qkv's order).
-    k_btkh, v_btkh = stored(k_btkh, cache["k"].dtype), stored(v_btkh, cache["v"].dtype)
     tuning = pallas_gpu.tuning(decode_attention)
     if t == 1 and "start" in cache and decode_attention.supported(cache["k"], n, rules, tuning):
-        ctx_bnh, k_bksh, v_bksh = decode_attention.decode_attention(
-            q_btnh[:, 0], k_btkh[:, 0], v_btkh[:, 0], cache["k"], cache["v"], cache["start"], idx, tuning)
+        # The projection's layout (layers.split_qkv): put together again where q, k and v are not slices of
+        # it, one kernel; slices of it put together, XLA kept as a copy (three at batch 1).
+        qkv_bckh = (qkv_btckh[:, 0] if qkv_btckh is not None else
+                    jnp.concatenate([jnp.swapaxes(q_btnh.reshape(b, kv, g, h), 1, 2), k_btkh, v_btkh], axis=1))
+        ctx_bnh, k_bksh, v_bksh = decode_attention.decode_attention(qkv_bckh, cache["k"], cache["v"],
+                                                                    cache["start"], idx, tuning)
         return _out(ctx_bnh.reshape(b, 1, kv, g, h), w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
+    k_btkh, v_btkh = stored(k_btkh, cache["k"].dtype), stored(v_btkh, cache["v"].dtype)
 
     def write(c, new_btkh):
         c = jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(new_btkh, 1, 2), idx, axis=2)
@@ -77,15 +84,6 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
         ctx_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs.astype(q_btnh.dtype), v_bksh.astype(q_btnh.dtype))
     ctx_btkgh = jnp.transpose(ctx_bkgth, (0, 3, 1, 2, 4))  # t = 1: a bitcast
     return _out(ctx_btkgh, w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
-
-
-def stored(x, dtype):
-    """`x` as the cache keeps it in `dtype`: rounded, and for float8 first clipped to its largest value (a
-    plain cast would give nan past it)."""
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
-        big = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x, -big, big)
-    return x.astype(dtype)
 
 
 def _out(ctx_btkgh, w_out_nhd, rules):

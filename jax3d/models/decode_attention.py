@@ -40,9 +40,12 @@ class Tuning:
     # at 2, 1.01x at 4, 1.07x at 8 (128 programs), 1.15x at 16; at 32, 1.18x in an earlier call, before it
     # wrote the cache.
     min_programs: int = 128
+    # Parts each (row, query head)'s slots are split into, each its own program (a batch of one row has 16
+    # programs at gpt-1.3b, each walking up to 6 blocks in turn): the parts' sums are combined after the kernel.
+    splits: int = 1
 
     def __post_init__(self):
-        check_powers_of_two(self, "block", "warps")
+        check_powers_of_two(self, "block", "warps", "splits")
 
 
 DEFAULT = Tuning()
@@ -65,17 +68,28 @@ def visible(slot, start, query):
     return ((slot >= start) & (slot <= query)) | (slot == query)
 
 
-def _kernel(start_ref, index_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, o_ref, k_out_ref, v_out_ref, *,
-            block: int, group: int, scale: float):
+def stored(x, dtype):
+    """`x` as the cache keeps it in `dtype`: rounded, and for float8 first clipped to its largest value (a
+    plain cast would give nan past it). XLA's attention and this kernel both store through it."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
+
+
+def _kernel(start_ref, index_ref, qkv_ref, k_ref, v_ref, *out_refs, block: int, group: int, scale: float,
+            splits: int):
     row, head = pl.program_id(0), pl.program_id(1)
+    part = pl.program_id(2) if splits > 1 else 0
     kv = head // group
     start, index = start_ref[row], index_ref[0]
-    q = q_ref[row, head, :].astype(jnp.float32) * scale  # (head_dim,)
+    q = qkv_ref[row, head % group, kv, :].astype(jnp.float32) * scale  # (head_dim,)
+    k_out_ref, v_out_ref = out_refs[-2:]
     # As the cache keeps them, so this step sees what later steps will read back.
-    k_new = k_new_ref[row, kv, :].astype(k_out_ref.dtype)
-    v_new = v_new_ref[row, kv, :].astype(v_out_ref.dtype)
+    k_new = stored(qkv_ref[row, group, kv, :], k_out_ref.dtype)
+    v_new = stored(qkv_ref[row, group + 1, kv, :], v_out_ref.dtype)
 
-    @pl.when(head % group == 0)  # one program of the KV head's group writes its key and value
+    @pl.when((head % group == 0) & (part == 0))  # one program of the KV head's group writes its key and value
     def _():
         k_out_ref[row, kv, index, :] = k_new
         v_out_ref[row, kv, index, :] = v_new
@@ -96,37 +110,67 @@ def _kernel(start_ref, index_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, o_r
 
     # The walk starts from the query's own slot, which it always sees, with the key and value in hand (the
     # slot in the cache may not be written yet), so m is finite throughout; then the slots before it, from the
-    # row's first token's block.
+    # row's first token's block, in `splits` runs of whole blocks, one a part. Parts after the first start
+    # from m far below any score, so their own slot weighs nothing: it is 0 after the first block they see,
+    # and their sums are 0 in the combination if they see none (_combined).
     own = jnp.sum(k_new.astype(jnp.float32) * q)
-    init = (own, jnp.float32(1.0), v_new.astype(jnp.float32))
+    init = (own if splits == 1 else jnp.where(part == 0, own, _NOTHING), jnp.float32(1.0), v_new.astype(jnp.float32))
     first = jnp.minimum(start, index) // block
-    _, l, acc = jax.lax.fori_loop(first, (index + block - 1) // block, step, init)
-    o_ref[row, head, :] = (acc / l).astype(o_ref.dtype)
+    end = (index + block - 1) // block
+    per = (end - first + splits - 1) // splits
+    lo = first + part * per
+    m, l, acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per, end), step, init)
+    if splits == 1:
+        o_ref = out_refs[0]
+        o_ref[row, head, :] = (acc / l).astype(o_ref.dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs[:3]
+        acc_ref[row, head, part, :] = acc
+        m_ref[row, head, pl.ds(part, 1)] = jnp.full((1,), m)
+        l_ref[row, head, pl.ds(part, 1)] = jnp.full((1,), l)
+
+
+_NOTHING = -1e30  # a split's running max before it sees a slot: exp(score - it) is 0 for any real score
+
+
+def _combined(acc_bnsh, m_bns, l_bns, dtype):
+    """The context from the parts' running sums: each rescaled to the largest running max of its row's head."""
+    w = jnp.exp(m_bns - jnp.max(m_bns, axis=-1, keepdims=True))
+    return (jnp.sum(w[..., None] * acc_bnsh, axis=2) / jnp.sum(w * l_bns, axis=-1)[..., None]).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
-def decode_attention(q_bnh, k_new_bkh, v_new_bkh, k_bksh, v_bksh, start_b, index, tuning: Tuning = Tuning(),
-                     interpret: bool = False):
-    """(context (batch, heads, head_dim), k cache, v cache): the decode step's key and value `k_new_bkh`,
-    `v_new_bkh` (batch, kv_heads, head_dim) written at slot `index` of the cache `k_bksh`, `v_bksh` (batch,
-    kv_heads, slots, head_dim), in place where the caller donates it; and one query row per batch row,
-    softmax(q k / sqrt(head_dim)) v over the slots from `start_b` (batch,) to `index` (the query's own slot, a
-    scalar), and always slot `index`. The write is the kernel's: as XLA's own update it was two more kernels a
-    layer, each reading the projection. The slots must be a multiple of `tuning.block`. `interpret=True` runs
-    it in Pallas' interpreter, on any backend (for tests)."""
-    b, n, h = q_bnh.shape
-    kv, slots = k_bksh.shape[1], k_bksh.shape[2]
+def decode_attention(qkv_bckh, k_bksh, v_bksh, start_b, index, tuning: Tuning = Tuning(), interpret: bool = False):
+    """(context (batch, heads, head_dim), k cache, v cache) of a decode step's projection `qkv_bckh` (batch,
+    group + 2, kv_heads, head_dim): query head kv_head * group + j at [:, j, kv_head], the key at [:, group]
+    and the value at [:, group + 1], as layers.split_qkv reads the projection (so GPT's projection is passed
+    as it lies: sliced, XLA's q, k and v were three more kernels a layer at batch 1). The key and value are
+    written (`stored`) at slot `index` of the cache `k_bksh`, `v_bksh` (batch, kv_heads, slots, head_dim), in
+    place where the caller donates it; and each query row attends, softmax(q k / sqrt(head_dim)) v, over the
+    slots from `start_b` (batch,) to `index` (the query's own slot, a scalar), and always slot `index`. The
+    write is the kernel's: as XLA's own update it was two more kernels a layer, each reading the projection.
+    The slots must be a multiple of `tuning.block`. `interpret=True` runs it in Pallas' interpreter, on any
+    backend (for tests)."""
+    b, c, kv, h = qkv_bckh.shape
+    slots, group = k_bksh.shape[2], c - 2
+    n = kv * group
     if slots % tuning.block:
         raise ValueError(f"a cache of {slots} slots is not a multiple of {tuning}'s block")
-    kernel = functools.partial(_kernel, block=tuning.block, group=n // kv, scale=1.0 / math.sqrt(h))
-    return pl.pallas_call(
+    splits = tuning.splits
+    kernel = functools.partial(_kernel, block=tuning.block, group=group, scale=1.0 / math.sqrt(h), splits=splits)
+    f32 = jnp.float32
+    outs = ((jax.ShapeDtypeStruct((b, n, h), qkv_bckh.dtype),) if splits == 1 else
+            (jax.ShapeDtypeStruct((b, n, splits, h), f32), jax.ShapeDtypeStruct((b, n, splits), f32),
+             jax.ShapeDtypeStruct((b, n, splits), f32)))
+    cache = (jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype), jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype))
+    *parts, k_bksh, v_bksh = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, n, h), q_bnh.dtype), jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype),
-                   jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype)),
-        grid=(b, n),
-        input_output_aliases={5: 1, 6: 2},  # the cache, updated where it lies
+        out_shape=(*outs, *cache),
+        grid=(b, n) if splits == 1 else (b, n, splits),
+        input_output_aliases={3: len(outs), 4: len(outs) + 1},  # the cache, updated where it lies
         compiler_params=compiler_params(tuning.warps, interpret),
         interpret=interpret,
         name="decode_attention",  # the kernel's name in a device trace (profile_decode classes it as attention)
-    )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), q_bnh, k_new_bkh, v_new_bkh,
-      k_bksh, v_bksh)
+    )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), qkv_bckh, k_bksh, v_bksh)
+    ctx = parts[0] if splits == 1 else _combined(*parts, qkv_bckh.dtype)
+    return ctx, k_bksh, v_bksh

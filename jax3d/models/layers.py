@@ -175,12 +175,15 @@ class Attention(nn.Module):
         qkv = fp8.einsum("btd,dcnh->btcnh", x_btd, w_qkv, s_qkv, cfg.fp8, self.rules)
         qkv_axes = ("batch", "seq", "qkv", "heads", "kv")
         tuning = pallas_gpu.tuning(fused_qkv)
+        packed = None  # the array q, k and v are plain slices of, if they are (the decode kernel reads it whole)
         if b_qkv is not None and fused_qkv.supported(qkv, self.rules, tuning):
             q, k, v = fused_qkv.split_bias(self.rules.constrain(qkv, qkv_axes), b_qkv, tuning)
         else:
             # The bias is added before the constraint: after it, the one-GPU step compiled 1.2% slower.
-            q, k, v = split_qkv(self.rules.constrain(_plus(qkv, b_qkv), qkv_axes))
+            packed = self.rules.constrain(_plus(qkv, b_qkv), qkv_axes)
+            q, k, v = split_qkv(packed)
         if cfg.use_rotary_position_embeddings:
+            packed = None
             positions_bt = rope.positions_for(x_btd) if positions_bt is None else positions_bt
             inv_freq = rope.inverse_frequencies(cfg)
             q, k = rope.apply_rope(q, positions_bt, inv_freq), rope.apply_rope(k, positions_bt, inv_freq)
@@ -191,7 +194,7 @@ class Attention(nn.Module):
             mask = jnp.broadcast_to(mask, (*mask.shape[:-2], q.shape[1], mask.shape[-1]))
         rng = _dropout_rng(self, rng, deterministic)
         if cache is not None:  # the mask carries causality and the row's padding
-            out, cache = cached_attention.cached_attention(q, k, v, mask, cache, w_out, self.rules)
+            out, cache = cached_attention.cached_attention(q, k, v, mask, cache, w_out, self.rules, packed)
             return _plus(out, b_out), cache
         if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
             ctx = self._core_with_dropout(q, k, v, mask, rng)
