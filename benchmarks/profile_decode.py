@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import re
 import tempfile
@@ -184,10 +183,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=0, help="default 128 (16 for the tiny shape)")
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--hlo", action="store_true", help="count the kernels of the compiled token loop's body")
-    p.add_argument("--decode-kernel", choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--decode-kernel", choices=["auto", "off"], default="auto",
                    help="decode's attention as jax3d.models.decode_attention, a Pallas kernel reading only the "
-                        "filled slots: where it runs by default (auto: on one GPU, batch x heads >= its "
-                        "min_programs), at every batch (on), or never: XLA's attention (off)")
+                        "filled slots, where it runs (auto: on one GPU; --tune decode_attention:splits=N sets its "
+                        "parts a row), or never: XLA's attention (off)")
     p.add_argument("--top", type=int, default=0, metavar="N",
                    help="also list the N kernels (by name) that took the most time a step, with their us and "
                         "launches a step; decode runs as a CUDA graph, whose kernels a trace does not show one by "
@@ -234,13 +233,8 @@ def main(argv=None) -> int:
                       **({"tune": a.tune} if a.tune else {})}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
-    own = next((t for t in tuned if isinstance(t, decode_attention.Tuning)), decode_attention.DEFAULT)
-    forced = dataclasses.replace(own, min_programs=1)
-    tunings, off = {"auto": ((), ()), "on": ((forced,), ()), "off": ((), pallas_gpu.DECODE_KERNELS)}[a.decode_kernel]
-    if a.decode_kernel == "on" and not _kernel_runs(cfg, mesh, 1, a.prompt_len + a.new, dtype, forced):
-        p.error(f"--decode-kernel on: the kernel would not run here (it needs one GPU, {a.prompt_len + a.new} slots "
-                f"in blocks of {forced.block} and a power-of-two head size), so there would be nothing to measure")
-    with pallas_gpu.kernel_settings(*tuned, *tunings, off=off):  # read when decode is traced, in the first generate below
+    off = pallas_gpu.DECODE_KERNELS if a.decode_kernel == "off" else ()
+    with pallas_gpu.kernel_settings(*tuned, off=off):  # read when decode is traced, in the first generate below
         _profile_batches(a, cfg, params, mesh, dtype, cache_dtype, rs, weight_bytes, rate, weights_ms)
     return 0
 
@@ -281,6 +275,7 @@ def _profile_batches(a, cfg, params, mesh, dtype, cache_dtype, rs, weight_bytes,
         kernel = _kernel_runs(cfg, mesh, b, max_len, dtype, tuning)
         read = _slots_read(a.prompt_len, a.new, tuning.block) if kernel else max_len
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1), "decode_kernel_ran": kernel,
+               **({"decode_kernel_parts": tuning.parts(b * cfg.num_attention_heads)} if kernel else {}),
                "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, read, cache_dtype.itemsize)[1],
                                          rate, wall),
                "of_weights_limit": round(weights_ms / wall, 3), **rec, "compiles": gen.compile_counts()}

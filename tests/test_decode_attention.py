@@ -79,28 +79,26 @@ def test_a_narrower_cache_is_attended_as_it_keeps_the_new_key_and_value(dtype):
 def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     cache = jnp.zeros((1, 1, 96, 8))
-    every = decode_attention.Tuning(block=32, min_programs=1)
+    every = decode_attention.Tuning(block=32)
     assert decode_attention.supported(cache, 1, None, every)
-    assert not decode_attention.supported(cache, 1, None, decode_attention.Tuning(block=64, min_programs=1))
+    assert not decode_attention.supported(cache, 1, None, decode_attention.Tuning(block=64))
     assert not decode_attention.supported(cache, 1, None, None)  # off
     # Triton's arrays are powers of two: a head of 80 (gpt-2.7b) runs XLA's attention
     assert not decode_attention.supported(jnp.zeros((1, 1, 96, 80)), 1, None, every)
 
 
-def test_a_batch_too_small_to_fill_the_gpu_runs_xla_attention(monkeypatch):
-    """The default runs the kernel from min_programs (row, query head) pairs: gpt-1.3b's 16 heads from batch 8,
-    where it measured faster than XLA's attention, and not at batch 1 or 2, where it measured slower."""
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+def test_a_small_batch_splits_each_rows_slots_to_keep_128_programs():
+    """The default splits each row's slots into parts (a power of two) until there are 128 programs: gpt-1.3b's 16
+    heads in 8 parts at batch 1, 4 at 2, 2 at 4 and whole from batch 8 (where each setting measured fastest);
+    grouped-query attention counts query heads; `splits` sets the parts."""
     default = decode_attention.DEFAULT
-    assert default.min_programs == 128
-    assert decode_attention.supported(jnp.zeros((8, 16, 384, 128)), 16, None, default)
-    assert not decode_attention.supported(jnp.zeros((4, 16, 384, 128)), 16, None, default)
-    assert not decode_attention.supported(jnp.zeros((1, 16, 384, 128)), 16, None, default)
-    # grouped-query attention counts query heads: 8 KV heads of 4 queries each at batch 4 are 128 programs
-    assert decode_attention.supported(jnp.zeros((4, 8, 384, 128)), 32, None, default)
-    assert not decode_attention.supported(jnp.zeros((3, 8, 384, 128)), 32, None, default)
+    assert [default.parts(b * 16) for b in (1, 2, 3, 4, 8, 32)] == [8, 4, 4, 2, 1, 1]
+    assert default.parts(1 * 32) == 4  # Llama-3.2-1B: 32 query heads over 8 KV heads
+    assert decode_attention.Tuning(splits=2).parts(16) == 2
     with pytest.raises(ValueError, match="power of two"):
         decode_attention.Tuning(block=48)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention.Tuning(splits=3)
 
 
 @pytest.mark.parametrize("cache_dtype, splits", [(jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1), (jnp.bfloat16, 8)],

@@ -54,21 +54,21 @@ def _gen(cfg, params, batch, tp=1, **kw):
 
 def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported, monkeypatch):
     """Decode's attention as jax3d.models.decode_attention (Pallas' interpreter standing in for the GPU), walking
-    the 64 slots in blocks of 16 from each row's first token: transformers' greedy tokens; with its default
-    settings, too few rows to run it, the same tokens from XLA's attention."""
+    the 64 slots in blocks of 16 from each row's first token, whole or (the default at 4 rows of 6 heads) in 8
+    parts: transformers' greedy tokens, as from XLA's attention with the kernel off."""
     from jax3d.models import decode_attention, pallas_gpu
 
     hf, params, cfg = imported
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     calls = interpreted(monkeypatch, decode_attention, "decode_attention")
     want = _hf_greedy(hf, PROMPTS)
-    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1)):
-        assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
-    assert calls, "the kernel did not run"
-    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1, splits=4)):  # slots in 4 parts
-        assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
+    for tuning in (decode_attention.Tuning(block=16, splits=1), decode_attention.Tuning(block=16)):
+        with pallas_gpu.kernel_settings(tuning):
+            assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
+    assert [t.parts(len(PROMPTS) * cfg.num_attention_heads) for t in calls[::len(calls) // 2]] == [1, 8]
     calls.clear()
-    assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
+    with pallas_gpu.kernel_settings(off=pallas_gpu.DECODE_KERNELS):
+        assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
     assert not calls
 
 
@@ -86,7 +86,7 @@ def test_an_fp8_cache_gives_one_set_of_tokens_from_the_kernel_xla_and_two_device
     assert _gen(cfg, params, batch=4, tp=2, cache_dtype=fp8).generate(PROMPTS, NEW) == xla
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     calls = interpreted(monkeypatch, decode_attention, "decode_attention")
-    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1)):
+    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16)):
         assert _gen(cfg, params, batch=4, cache_dtype=fp8).generate(PROMPTS, NEW) == xla
     assert calls, "the kernel did not run"
     want = _hf_greedy(hf, PROMPTS)

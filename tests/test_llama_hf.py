@@ -140,7 +140,7 @@ def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, mo
     hf, params, cfg = gqa
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     calls = interpreted(monkeypatch, decode_attention, "decode_attention")
-    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, min_programs=1, splits=splits)):
+    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, splits=splits)):
         assert _gen(cfg, params, batch=4).generate(PROMPTS, NEW) == _hf_greedy(hf, PROMPTS)
     assert calls, "the kernel did not run"
 

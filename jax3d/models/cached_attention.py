@@ -8,8 +8,7 @@ heads are a dimension of the query, so a KV head is read once for its g query he
 query row) is products and sums rather than dots, so the compiler has no layout of its own to ask for.
 
 On one GPU a decode step runs jax3d.models.decode_attention, one Pallas kernel that reads only the filled
-slots, when the cache carries the rows' first slots (`cache['start']`, as generation's does) and the batch is
-large enough to fill the GPU with its programs (`Tuning.min_programs`). cuDNN
+slots, when the cache carries the rows' first slots (`cache['start']`, as generation's does). cuDNN
 (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row only with its mask as a
 bias over every (query, key) pair, and wants the slots before the heads; Pallas' own GPU decode kernel
 (`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on every call. Elsewhere the sums

@@ -9,6 +9,9 @@ the three steps are one kernel. It also writes the step's key and value into the
 place): as XLA's own updates they were two more kernels a layer. A KV head's slots are read once per query
 head of its group (grouped-query attention): the other heads' programs find them in L2.
 
+At a small batch each row's slots are split into parts, each walked by a program of its own (`Tuning`), so
+that there are enough programs to keep the GPU's memory busy.
+
 The slots a row's query sees are `visible`'s: from the row's first token (`start`) up to the
 query's own slot, and always its own slot. Pallas' Triton lowering takes arrays whose sizes are powers of two,
 so the head size must be one (64 and 128 are; gpt-2.7b's 80 is not, and runs XLA's attention).
@@ -23,41 +26,46 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
+from jax3d.models.pallas_gpu import block_width, check_powers_of_two, compiler_params, on_one_gpu
 from jax3d.parallel.rules import ShardingRules
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Slots per step of the walk (a power of two that divides the cache's slots), warps per program, and the
-    fewest programs (batch rows x query heads) for which the kernel runs rather than XLA's attention."""
+    """Slots per step of the walk (a power of two that divides the cache's slots), warps per program, the
+    programs to aim for, and the parts each row's slots are split into (0: as many as `programs` asks)."""
 
     block: int = 64
     warps: int = 4
-    # One program per (row, query head) walks its row alone, so a small batch leaves most of the GPU idle. At
-    # the gpt-1.3b shape (16 heads) on one H100, decoding with it against XLA's attention (profile_decode, the
-    # kernel writing the cache, two calls of 2026-12-06): 0.93x the tokens/s at batch 1 (16 programs), 0.94x
-    # at 2, 1.01x at 4, 1.07x at 8 (128 programs), 1.15x at 16; at 32, 1.18x in an earlier call, before it
-    # wrote the cache.
-    min_programs: int = 128
-    # Parts each (row, query head)'s slots are split into, each its own program (a batch of one row has 16
-    # programs at gpt-1.3b, each walking up to 6 blocks in turn): the parts' sums are combined after the kernel.
-    splits: int = 1
+    # One program per (row, query head) walks its row's slots, so a small batch left most of the GPU idle: at
+    # gpt-1.3b's 16 heads, batch 1 is 16 programs each walking up to 6 blocks in turn, and measured 0.96x XLA's
+    # attention. With fewer (row, query head) pairs than `programs`, each row's slots are split into parts (a
+    # power of two), one program each, and the parts' sums combined after the kernel. One H100, one call of
+    # 2026-12-06, profile_decode tokens/s against XLA's attention: batch 1 in 8 parts 1.04x (4 parts 1.03x,
+    # whole 0.96x), batch 2 in 4 parts 1.04x (whole 0.98x), batch 4 in 2 parts 1.04x (whole 1.01x); from
+    # batch 8 (128 programs) the rows are whole, as before (1.07x at 8 and 1.15x at 16 in earlier calls).
+    programs: int = 128
+    splits: int = 0
 
     def __post_init__(self):
-        check_powers_of_two(self, "block", "warps", "splits")
+        check_powers_of_two(self, "block", "warps", "programs")
+        if self.splits:
+            check_powers_of_two(self, "splits")
+
+    def parts(self, pairs: int) -> int:
+        """The parts each row's slots are split into, for `pairs` (row, query head) pairs."""
+        return self.splits or block_width(-(-self.programs // pairs))
 
 
 DEFAULT = Tuning()
 
 
 def supported(k_bksh, query_heads: int, rules: ShardingRules, tuning: Tuning | None) -> bool:
-    """Whether `decode_attention` takes this cache and `query_heads` queries per row: on one GPU, at least
-    `tuning.min_programs` (row, query head) pairs, the slots in whole blocks, a power-of-two head size (never
-    with `tuning` None: the kernel is off, pallas_gpu.kernel_settings)."""
-    b, slots, h = k_bksh.shape[0], k_bksh.shape[2], k_bksh.shape[3]
-    return (tuning is not None and on_one_gpu(rules) and b * query_heads >= tuning.min_programs
-            and slots % tuning.block == 0 and h & (h - 1) == 0)
+    """Whether `decode_attention` takes this cache and `query_heads` queries per row: on one GPU, the slots in
+    whole blocks, a power-of-two head size (never with `tuning` None: the kernel is off,
+    pallas_gpu.kernel_settings)."""
+    slots, h = k_bksh.shape[2], k_bksh.shape[3]
+    return tuning is not None and on_one_gpu(rules) and slots % tuning.block == 0 and h & (h - 1) == 0
 
 
 def visible(slot, start, query):
@@ -156,7 +164,7 @@ def decode_attention(qkv_bckh, k_bksh, v_bksh, start_b, index, tuning: Tuning = 
     n = kv * group
     if slots % tuning.block:
         raise ValueError(f"a cache of {slots} slots is not a multiple of {tuning}'s block")
-    splits = tuning.splits
+    splits = tuning.parts(b * n)
     kernel = functools.partial(_kernel, block=tuning.block, group=group, scale=1.0 / math.sqrt(h), splits=splits)
     f32 = jnp.float32
     outs = ((jax.ShapeDtypeStruct((b, n, h), qkv_bckh.dtype),) if splits == 1 else
