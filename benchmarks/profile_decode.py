@@ -249,7 +249,7 @@ def _kernel_runs(cfg, mesh, batch: int, slots: int, dtype, tuning) -> bool:
 
     cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), dtype)
     with jax.set_mesh(mesh):
-        return decode_attention.supported(cache, cfg.num_attention_heads, ShardingRules.create(False), tuning)
+        return decode_attention.supported(cache, ShardingRules.create(False), tuning)
 
 
 def _slots_read(prompt_len: int, new: int, block: int) -> float:

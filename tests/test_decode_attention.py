@@ -80,11 +80,11 @@ def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     cache = jnp.zeros((1, 1, 96, 8))
     every = decode_attention.Tuning(block=32)
-    assert decode_attention.supported(cache, 1, None, every)
-    assert not decode_attention.supported(cache, 1, None, decode_attention.Tuning(block=64))
-    assert not decode_attention.supported(cache, 1, None, None)  # off
+    assert decode_attention.supported(cache, None, every)
+    assert not decode_attention.supported(cache, None, decode_attention.Tuning(block=64))
+    assert not decode_attention.supported(cache, None, None)  # off
     # Triton's arrays are powers of two: a head of 80 (gpt-2.7b) runs XLA's attention
-    assert not decode_attention.supported(jnp.zeros((1, 1, 96, 80)), 1, None, every)
+    assert not decode_attention.supported(jnp.zeros((1, 1, 96, 80)), None, every)
 
 
 def test_a_small_batch_splits_each_rows_slots_to_keep_128_programs():

@@ -50,7 +50,7 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     g = n // kv
     # Query head n is KV head n // g's (layers.split_qkv's order).
     tuning = pallas_gpu.tuning(decode_attention)
-    if t == 1 and "start" in cache and decode_attention.supported(cache["k"], n, rules, tuning):
+    if t == 1 and "start" in cache and decode_attention.supported(cache["k"], rules, tuning):
         # The projection's layout (layers.split_qkv): put together again where q, k and v are not slices of
         # it, one kernel; slices of it put together, XLA kept as a copy (three at batch 1).
         qkv_bckh = (qkv_btckh[:, 0] if qkv_btckh is not None else

@@ -60,10 +60,9 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(k_bksh, query_heads: int, rules: ShardingRules, tuning: Tuning | None) -> bool:
-    """Whether `decode_attention` takes this cache and `query_heads` queries per row: on one GPU, the slots in
-    whole blocks, a power-of-two head size (never with `tuning` None: the kernel is off,
-    pallas_gpu.kernel_settings)."""
+def supported(k_bksh, rules: ShardingRules, tuning: Tuning | None) -> bool:
+    """Whether `decode_attention` takes this cache: on one GPU, the slots in whole blocks, a power-of-two head
+    size (never with `tuning` None: the kernel is off, pallas_gpu.kernel_settings)."""
     slots, h = k_bksh.shape[2], k_bksh.shape[3]
     return tuning is not None and on_one_gpu(rules) and slots % tuning.block == 0 and h & (h - 1) == 0
 
