@@ -97,6 +97,26 @@ def test_an_fp8_cache_gives_one_set_of_tokens_from_the_kernel_xla_and_two_device
     assert f"f8e4m3fn{cache}" in hlo
 
 
+def test_an_fp8_cache_is_refused_on_a_gpu_without_fp8(imported, monkeypatch):
+    """A GPU below compute capability 8.9 (an A100) has no FP8 conversions for the decode kernel: one sentence
+    naming the flag to drop, before anything is placed; Ada and Hopper GPUs and CPUs take the cache."""
+    from types import SimpleNamespace
+
+    from jax3d.inference import generate
+    from jax3d.parallel.plan import without_fp8
+
+    a100 = SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")
+    h100 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100")
+    assert (without_fp8([a100]), without_fp8([h100]), without_fp8(jax.devices()[:1])) == ("8.0", "", "")
+    _, params, cfg = imported
+    monkeypatch.setattr(generate, "without_fp8", lambda devices: without_fp8([a100]))
+    with pytest.raises(ConfigError, match=r"^an fp8 KV cache \(--kv-cache-dtype fp8\) needs a GPU with FP8 "
+                                          r"\(compute capability 8.9 or later: Ada, Hopper\) and this cpu has 8.0; "
+                                          r"drop --kv-cache-dtype fp8$"):
+        _gen(cfg, params, batch=1, cache_dtype=jax.numpy.float8_e4m3fn)
+    _gen(cfg, params, batch=1)  # a bf16 or fp32 cache is not asked about
+
+
 def test_greedy_batch1_equals_transformers_with_and_without_cache(imported):
     hf, params, cfg = imported
     prompt = PROMPTS[0]

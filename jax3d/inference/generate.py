@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.parallel.mesh import with_auto_axes
+from jax3d.parallel.plan import without_fp8
 from jax3d.models import build_model
 from jax3d.models.cached_attention import CACHE_AXES, visible
 from jax3d.parallel import ShardingRules, named_shardings, tree_specs
@@ -142,6 +143,12 @@ class Generator:
         self.cfg, self.mesh, self.batch, self.max_len, self.dtype, self.eod = cfg, mesh, batch, max_len, dtype, eod
         self.chunk = chunk
         self.cache_dtype = jnp.dtype(cache_dtype or dtype)
+        devices = list(mesh.devices.flat)
+        old_gpu = without_fp8(devices) if self.cache_dtype.itemsize == 1 else ""
+        if old_gpu:  # the decode kernel's fp8 conversions are Triton's, which wants FP8 hardware
+            raise ConfigError(f"an fp8 KV cache (--kv-cache-dtype fp8) needs a GPU with FP8 (compute capability 8.9 "
+                              f"or later: Ada, Hopper) and this {devices[0].device_kind} has {old_gpu}; drop "
+                              "--kv-cache-dtype fp8")
         self.rules = ShardingRules.create(False)
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size

@@ -125,16 +125,23 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *
 FP8_COMPUTE_CAPABILITY = (8, 9)
 
 
-def fp8_device_error(precision, devices) -> str:
-    """Why FP8 can't run on `devices` (GPUs without FP8 tensor cores), or "". CPUs emulate the f8 types (tests)."""
-    if not precision.fp8 or not devices or devices[0].platform != "gpu":
+def without_fp8(devices) -> str:
+    """The compute capability of `devices`' GPUs where they lack FP8 (below 8.9), else "": FP8 GPUs, CPUs (which
+    emulate the f8 types, for tests) and GPUs other than CUDA's (ROCm names its architecture: XLA decides)."""
+    if not devices or devices[0].platform != "gpu":
         return ""
     cc = str(getattr(devices[0], "compute_capability", ""))
     try:
         have = tuple(int(p) for p in cc.split(".")[:2])
     except ValueError:
-        return ""  # not a CUDA device (ROCm names its architecture): XLA decides
-    if have >= FP8_COMPUTE_CAPABILITY:
+        return ""
+    return "" if have >= FP8_COMPUTE_CAPABILITY else cc
+
+
+def fp8_device_error(precision, devices) -> str:
+    """Why FP8 can't run on `devices` (GPUs without FP8 tensor cores), or "". CPUs emulate the f8 types (tests)."""
+    cc = without_fp8(devices) if precision.fp8 else ""
+    if not cc:
         return ""
     return (f"--fp8-{precision.fp8} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper) and this "
             f"{devices[0].device_kind} has {cc}; drop the --fp8-* flags")
