@@ -7,8 +7,8 @@ safetensors, read into jax3d with `jax3d.hf.load_hf_params`, and both generate g
 random prompts. Decode tokens/s counts the new tokens after the first: (generate(new) - generate(1)) over
 (new - 1) steps of every row, for every side. `limit_tok_s` is the weights-only limit (one read of every
 weight per step); `limit_with_cache_tok_s` adds the cache a step must read (its filled part, averaged over
-the run); `jax3d_step_ms` splits jax3d's step as profile_decode does (weights, every slot of the cache, the
-rest), without a trace. jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
+the run); `jax3d_step_ms` splits jax3d's step as profile_decode does (weights, the cache it reads, the rest),
+without a trace. jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
 
     python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU: batch 1 and 32
     python -m benchmarks.generate_speed --trace              # and profile_decode's trace of jax3d's decode
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from benchmarks.profile_decode import breakdown, copy_rate, step_bytes
+from benchmarks.profile_decode import breakdown, copy_rate, slots_read, step_bytes
 from jax3d.cli.common import add_kv_cache_flag
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
@@ -108,7 +108,8 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, 
     t_one, _ = _best(lambda: gen.generate(rows, 1), repeats)
     t_all, toks = _best(lambda: gen.generate(rows, new), repeats)
     rec = {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
-           "compiles": gen.compile_counts(), "warmup_s": warmup_s, "tokens": np.asarray(toks)}
+           "compiles": gen.compile_counts(), "warmup_s": warmup_s, "tokens": np.asarray(toks),
+           "slots_read": slots_read(cfg, gen.mesh, b, prompts.shape[1], new)}
     if trace:  # profile_decode's kernel classes, from the same compiled programs
         from benchmarks.profile_decode import profile
         rec["trace"] = {k: v for k, v in profile(gen, rows, new, repeats).items() if k != "wall_ms_per_step"}
@@ -174,9 +175,9 @@ def main(argv=None) -> int:
         rec = {"batch": b, "jax3d_decode_tok_s": round(ours["decode_tok_s"], 1),
                "limit_tok_s": round(limit, 1), "limit_with_cache_tok_s": round(b * rate / (weight_bytes + filled), 1),
                "jax3d_of_limit": round(ours["decode_tok_s"] / limit, 3),
-               # jax3d's step against the bytes it reads: the weights, every slot of the cache, the rest
+               # jax3d's step against the bytes it reads: the weights, the cache (profile_decode.slots_read), the rest
                "jax3d_step_ms": breakdown(weight_bytes,
-                                          step_bytes(cfg, params, b, a.prompt_len + a.new, item, cache_item)[1],
+                                          step_bytes(cfg, params, b, ours["slots_read"], item, cache_item)[1],
                                           rate, b * 1e3 / ours["decode_tok_s"]),
                **({"jax3d_trace": ours["trace"]} if a.trace else {}),
                "jax3d_total_s": round(ours["total_s"], 3), "jax3d_compiles": ours["compiles"],

@@ -36,6 +36,7 @@ import sys
 
 from jax3d.cli.common import add_kv_cache_flag
 
+
 def kernels(hlo: str, loop_body_only: bool = False) -> dict:
     """The kernels of one pass of a compiled program's text (`loop_body_only`: of its first while loop's body;
     benchmarks.profile_decode.kernel_lines): total, by kind (a fusion's kind, Triton's for its fusions, a
@@ -88,7 +89,7 @@ def decode(a, topology) -> None:
                         cache_dtype=CACHE_DTYPES[a.kv_cache_dtype])
         with pallas_gpu.kernel_settings(off=a.off):  # generation's own options, and --opt's beside them
             hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
-        print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": a.kv_cache_dtype,
+        print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": gen.cache_dtype.name,
                           **kernels(hlo, loop_body_only=True)}), flush=True)
 
 

@@ -4,9 +4,10 @@ A GPT of the shape asked (random weights; bf16 on a GPU, fp32 on a CPU) generate
 random prompts of `--prompt-len` tokens. Per decode step (one token of every row) it reports:
 - the wall time: (generate(new) - generate(1)) / (new - 1), so prefill is left out;
 - the breakdown: `weights_ms`, the weights' bytes over the rate a timed on-device copy moves bytes at (read and
-  written, as the bandwidth figures in the issues count them); `cache_ms`, the KV cache the step reads (every
-  slot: the attention reads the whole cache, see jax3d/models/cached_attention.py); `else_ms`, the rest of
-  the wall time (launch gaps, the host, kernels slower than the bandwidth);
+  written, as the bandwidth figures in the issues count them); `cache_ms`, the KV cache the step reads
+  (`slots_read`: the decode kernel's whole blocks of the filled part where it runs, else every slot, as XLA's
+  attention reads them; see jax3d/models/cached_attention.py); `else_ms`, the rest of the wall time (launch
+  gaps, the host, kernels slower than the bandwidth);
 - the kernel time by operation class (benchmarks.profile_step's classes: matmul, attention, elementwise_norm,
   copies, ...), how many kernels ran and how busy the device was, from traces of generate(new) and
   generate(1), the second subtracted from the first;
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--hlo", action="store_true", help="count the kernels of the compiled token loop's body")
     p.add_argument("--decode-kernel", choices=["auto", "off"], default="auto",
                    help="decode's attention as jax3d.models.decode_attention, a Pallas kernel reading only the "
-                        "filled slots, where it runs (auto: on one GPU; --tune decode_attention:splits=N sets its "
+                        "filled slots, where it runs (auto: on one GPU; --tune decode_attention:parts=N sets its "
                         "parts a row), or never: XLA's attention (off)")
     p.add_argument("--top", type=int, default=0, metavar="N",
                    help="also list the N kernels (by name) that took the most time a step, with their us and "
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from jax3d.config import ModelConfig
-    from jax3d.models import build_model, decode_attention, pallas_gpu
+    from jax3d.models import build_model, pallas_gpu
     from jax3d.models.cached_attention import CACHE_DTYPES
     from jax3d.parallel.mesh import MeshConfig
 
@@ -239,23 +240,29 @@ def main(argv=None) -> int:
     return 0
 
 
-def _kernel_runs(cfg, mesh, batch: int, slots: int, dtype, tuning) -> bool:
-    """Whether decode's attention at this batch is jax3d.models.decode_attention's, with `tuning`, on `mesh`
-    (generation's one device)."""
+def decode_kernel_runs(cfg, mesh, batch: int, slots: int) -> bool:
+    """Whether decode's attention is jax3d.models.decode_attention's on `mesh` (generation's devices), with the
+    decode kernel's settings in force."""
     import jax
+    import jax.numpy as jnp
 
-    from jax3d.models import decode_attention
+    from jax3d.models import decode_attention, pallas_gpu
     from jax3d.parallel import ShardingRules
 
-    cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), dtype)
+    cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), jnp.bfloat16)
     with jax.set_mesh(mesh):
-        return decode_attention.supported(cache, ShardingRules.create(False), tuning)
+        return decode_attention.supported(cache, ShardingRules.create(False), pallas_gpu.tuning(decode_attention))
 
 
-def _slots_read(prompt_len: int, new: int, block: int) -> float:
-    """The cache slots the kernel reads per row, averaged over the decode steps: whole blocks from slot 0 (a row
-    of a full-length prompt) to the block of the slot before the one being decoded (whose key and value the
-    kernel has in hand, and writes)."""
+def slots_read(cfg, mesh, batch: int, prompt_len: int, new: int) -> float:
+    """The cache slots a decode step reads per row, averaged over the steps: where the decode kernel runs, whole
+    blocks from slot 0 (a row of a full-length prompt) to the block of the slot before the one being decoded
+    (whose key and value the kernel has in hand, and writes); else every slot, as XLA's attention reads them."""
+    from jax3d.models import decode_attention, pallas_gpu
+
+    if not decode_kernel_runs(cfg, mesh, batch, prompt_len + new):
+        return prompt_len + new
+    block = pallas_gpu.tuning(decode_attention).block
     steps = range(prompt_len, prompt_len + new - 1)
     return sum(-(-i // block) * block for i in steps) / len(steps)
 
@@ -272,10 +279,10 @@ def _profile_batches(a, cfg, params, mesh, dtype, cache_dtype, rs, weight_bytes,
         rec = profile(gen, rows, a.new, top=a.top)
         wall = rec["wall_ms_per_step"]
         tuning = pallas_gpu.tuning(decode_attention)
-        kernel = _kernel_runs(cfg, mesh, b, max_len, dtype, tuning)
-        read = _slots_read(a.prompt_len, a.new, tuning.block) if kernel else max_len
+        kernel = decode_kernel_runs(cfg, mesh, b, max_len)
+        read = slots_read(cfg, mesh, b, a.prompt_len, a.new)
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1), "decode_kernel_ran": kernel,
-               **({"decode_kernel_parts": tuning.parts(b * cfg.num_attention_heads)} if kernel else {}),
+               **({"decode_kernel_parts": tuning.parts_for(b * cfg.num_attention_heads)} if kernel else {}),
                "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, read, cache_dtype.itemsize)[1],
                                          rate, wall),
                "of_weights_limit": round(weights_ms / wall, 3), **rec, "compiles": gen.compile_counts()}

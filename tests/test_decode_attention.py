@@ -30,10 +30,10 @@ def packed(q_bnh, k_bkh, v_bkh):
     return jnp.concatenate([q_bgkh, k_bkh[:, None], v_bkh[:, None]], axis=1)
 
 
-@pytest.mark.parametrize("heads, kv_heads, slots, block, splits", [(4, 4, 128, 64, 1), (8, 2, 96, 16, 1),
+@pytest.mark.parametrize("heads, kv_heads, slots, block, parts", [(4, 4, 128, 64, 1), (8, 2, 96, 16, 1),
                                                                   (4, 4, 128, 16, 4), (8, 2, 96, 16, 8)],
                          ids=["mha", "gqa", "mha-4-parts", "gqa-8-parts"])
-def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, slots, block, splits):
+def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, slots, block, parts):
     """The kernel writes the step's key and value at the query's slot, touching no other slot, and attends as a
     softmax over the whole updated cache under generation's mask does; with its slots split into parts (some
     of which see no slot, or only pads), too."""
@@ -43,7 +43,7 @@ def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, sl
     k = jax.random.normal(kk, (b, kv_heads, slots, h))
     v = jax.random.normal(kv, (b, kv_heads, slots, h))
     k_new, v_new = jax.random.normal(kn, (2, b, kv_heads, h))
-    tuning = decode_attention.Tuning(block=block, splits=splits)
+    tuning = decode_attention.Tuning(block=block, parts=parts)
     for index in (0, 5, block - 1, block, slots - 1):
         # a row from slot 0, a left-padded row, one whose walk begins in a later block, and a row whose first
         # token is past the query (a pad query)
@@ -59,16 +59,18 @@ def test_kernel_equals_a_masked_softmax_over_the_whole_cache(heads, kv_heads, sl
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_a_narrower_cache_is_attended_as_it_keeps_the_new_key_and_value(dtype):
     """An fp32 key and value written into a bf16 or fp8 cache: the step attends over them as the cache keeps
-    them (rounded), as every later step reads them back."""
+    them (rounded; for fp8 clipped to 448 first), as every later step reads them back."""
     kq, kk, kn = jax.random.split(jax.random.key(1), 3)
     b, n, slots, h, index = 2, 4, 64, 32, 37
     q = jax.random.normal(kq, (b, n, h))
     k, v = jax.random.normal(kk, (2, b, n, slots, h)).astype(dtype)
     k_new, v_new = jax.random.normal(kn, (2, b, n, h))
+    k_new = k_new.at[0, 1, 2].set(1000.0)  # past fp8's 448: stored as 448, not nan
     start = jnp.array([0, 9], jnp.int32)
     got, k_got, v_got = decode_attention.decode_attention(packed(q, k_new, v_new), k, v, start, jnp.int32(index),
                                                           decode_attention.Tuning(block=16), interpret=True)
-    k_want = k.at[:, :, index].set(k_new.astype(dtype))
+    k_want = k.at[:, :, index].set(jnp.clip(k_new, -448, 448).astype(dtype) if dtype == jnp.float8_e4m3fn
+                                   else k_new.astype(dtype))
     v_want = v.at[:, :, index].set(v_new.astype(dtype))
     np.testing.assert_array_equal(k_got, k_want)
     np.testing.assert_array_equal(v_got, v_want)
@@ -90,34 +92,34 @@ def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
 def test_a_small_batch_splits_each_rows_slots_to_keep_128_programs():
     """The default splits each row's slots into parts (a power of two) until there are 128 programs: gpt-1.3b's 16
     heads in 8 parts at batch 1, 4 at 2, 2 at 4 and whole from batch 8 (where each setting measured fastest);
-    grouped-query attention counts query heads; `splits` sets the parts."""
+    grouped-query attention counts query heads; `parts` sets them."""
     default = decode_attention.DEFAULT
-    assert [default.parts(b * 16) for b in (1, 2, 3, 4, 8, 32)] == [8, 4, 4, 2, 1, 1]
-    assert default.parts(1 * 32) == 4  # Llama-3.2-1B: 32 query heads over 8 KV heads
-    assert decode_attention.Tuning(splits=2).parts(16) == 2
+    assert [default.parts_for(b * 16) for b in (1, 2, 3, 4, 8, 32)] == [8, 4, 4, 2, 1, 1]
+    assert default.parts_for(1 * 32) == 4  # Llama-3.2-1B: 32 query heads over 8 KV heads
+    assert decode_attention.Tuning(parts=2).parts_for(16) == 2
     with pytest.raises(ValueError, match="power of two"):
         decode_attention.Tuning(block=48)
     with pytest.raises(ValueError, match="power of two"):
-        decode_attention.Tuning(splits=3)
+        decode_attention.Tuning(parts=3)
 
 
-@pytest.mark.parametrize("cache_dtype, splits", [(jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1), (jnp.bfloat16, 8)],
+@pytest.mark.parametrize("cache_dtype, parts", [(jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1), (jnp.bfloat16, 8)],
                          ids=["bf16", "fp8", "bf16-8-parts"])
-def test_the_kernel_lowers_to_one_named_triton_call_for_cuda(cache_dtype, splits):
+def test_the_kernel_lowers_to_one_named_triton_call_for_cuda(cache_dtype, parts):
     """What a GPU would compile, lowered on this CPU: the kernel's Pallas-to-Triton lowering at gpt-1.3b's decode
     shape (batch 32, 16 heads of 128, 384 slots, bf16; the cache bf16 or fp8; the slots in one part or 8) is
     one Triton custom call, named for the profiler."""
     b, n, h, slots = 32, 16, 128, 384
     qkv, cache = jax.ShapeDtypeStruct((b, 3, n, h), jnp.bfloat16), jax.ShapeDtypeStruct((b, n, slots, h), cache_dtype)
     args = (qkv, cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
-            decode_attention.Tuning(splits=splits))
+            decode_attention.Tuning(parts=parts))
     text = decode_attention.decode_attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     # the cache it writes is its last two outputs in the caches' own buffers (arguments 1 and 2), so a donated
     # cache is updated in place rather than copied for every layer and token
     operands = re.search(r"custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)", text).group(1).split(", ")
     aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)", text)
-    last = 1 if splits == 1 else 3
+    last = 1 if parts == 1 else 3
     assert {(int(out), operands[int(i)]) for out, i in aliases} == {(last, "%arg1"), (last + 1, "%arg2")}
     # the kernel's name in a device trace, which profile_decode classes as attention (unnamed, it was "_kernel")
     assert 'name = "decode_attention"' in text

@@ -129,8 +129,8 @@ def test_ragged_batch_equals_transformers_also_at_tp2(gqa):
     assert tp.generate(PROMPTS, NEW) == want
 
 
-@pytest.mark.parametrize("splits", [1, 4], ids=["one-part", "4-parts"])
-def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, monkeypatch, splits):
+@pytest.mark.parametrize("parts", [1, 4], ids=["one-part", "4-parts"])
+def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, monkeypatch, parts):
     """Decode's attention as jax3d.models.decode_attention (Pallas' interpreter standing in for the GPU): rotated
     queries and keys packed into the projection's layout again, 4 query heads per KV head, the kernel writing
     each KV head's key and value from one of its programs, each row's slots walked whole or in 4 parts; a
@@ -140,7 +140,7 @@ def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, mo
     hf, params, cfg = gqa
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     calls = interpreted(monkeypatch, decode_attention, "decode_attention")
-    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, splits=splits)):
+    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, parts=parts)):
         assert _gen(cfg, params, batch=4).generate(PROMPTS, NEW) == _hf_greedy(hf, PROMPTS)
     assert calls, "the kernel did not run"
 

@@ -108,8 +108,9 @@ def add_kv_cache_flag(p) -> None:
     """Generation's KV cache type (jax3d.models.cached_attention.CACHE_DTYPES), for generate and the decode
     benchmarks."""
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="the KV cache's type: auto keeps the compute type; fp8 (e4m3, unscaled) halves the cache's "
-                        "memory and the bytes each token reads of it, at some accuracy (default: auto)")
+                   help="the KV cache's type: auto keeps the compute type; fp8 (e4m3, unscaled) halves a bf16 "
+                        "cache's memory and the bytes each token reads of it (an fp32 cache's, quarters), at some "
+                        "accuracy (default: auto)")
 
 
 def layer_counts(text: str, flag: str) -> tuple[int, ...]:

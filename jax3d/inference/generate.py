@@ -145,10 +145,10 @@ class Generator:
         self.cache_dtype = jnp.dtype(cache_dtype or dtype)
         devices = list(mesh.devices.flat)
         old_gpu = without_fp8(devices) if self.cache_dtype.itemsize == 1 else ""
-        if old_gpu:  # the decode kernel's fp8 conversions are Triton's, which wants FP8 hardware
-            raise ConfigError(f"an fp8 KV cache (--kv-cache-dtype fp8) needs a GPU with FP8 (compute capability 8.9 "
-                              f"or later: Ada, Hopper) and this {devices[0].device_kind} has {old_gpu}; drop "
-                              "--kv-cache-dtype fp8")
+        if old_gpu:  # the decode kernel's fp8 conversions are Triton's, which wants FP8 hardware; XLA's are untried
+            raise ConfigError(f"jax3d's fp8 KV cache (--kv-cache-dtype fp8) is built for GPUs with FP8 (compute "
+                              f"capability 8.9 or later: Ada, Hopper) and this {devices[0].device_kind} has "
+                              f"{old_gpu}; drop --kv-cache-dtype fp8")
         self.rules = ShardingRules.create(False)
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size

@@ -32,8 +32,9 @@ from jax3d.parallel.rules import ShardingRules
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Slots per step of the walk (a power of two that divides the cache's slots), warps per program, the
-    programs to aim for, and the parts each row's slots are split into (0: as many as `programs` asks)."""
+    """Slots per step of the walk (a power of two that divides the cache's slots), warps per program, the fewest
+    programs to aim for, and the parts each row's slots are split into (0: the fewest, a power of two, that
+    make up `programs`)."""
 
     block: int = 64
     warps: int = 4
@@ -45,16 +46,16 @@ class Tuning:
     # whole 0.96x), batch 2 in 4 parts 1.04x (whole 0.98x), batch 4 in 2 parts 1.04x (whole 1.01x); from
     # batch 8 (128 programs) the rows are whole, as before (1.07x at 8 and 1.15x at 16 in earlier calls).
     programs: int = 128
-    splits: int = 0
+    parts: int = 0
 
     def __post_init__(self):
         check_powers_of_two(self, "block", "warps", "programs")
-        if self.splits:
-            check_powers_of_two(self, "splits")
+        if self.parts:
+            check_powers_of_two(self, "parts")
 
-    def parts(self, pairs: int) -> int:
+    def parts_for(self, pairs: int) -> int:
         """The parts each row's slots are split into, for `pairs` (row, query head) pairs."""
-        return self.splits or block_width(-(-self.programs // pairs))
+        return self.parts or block_width(-(-self.programs // pairs))
 
 
 DEFAULT = Tuning()
@@ -85,9 +86,9 @@ def stored(x, dtype):
 
 
 def _kernel(start_ref, index_ref, qkv_ref, k_ref, v_ref, *out_refs, block: int, group: int, scale: float,
-            splits: int):
+            parts: int):
     row, head = pl.program_id(0), pl.program_id(1)
-    part = pl.program_id(2) if splits > 1 else 0
+    part = pl.program_id(2) if parts > 1 else 0
     kv = head // group
     start, index = start_ref[row], index_ref[0]
     q = qkv_ref[row, head % group, kv, :].astype(jnp.float32) * scale  # (head_dim,)
@@ -117,17 +118,17 @@ def _kernel(start_ref, index_ref, qkv_ref, k_ref, v_ref, *out_refs, block: int, 
 
     # The walk starts from the query's own slot, which it always sees, with the key and value in hand (the
     # slot in the cache may not be written yet), so m is finite throughout; then the slots before it, from the
-    # row's first token's block, in `splits` runs of whole blocks, one a part. Parts after the first start
+    # row's first token's block, in `parts` runs of whole blocks, one a part. Parts after the first start
     # from m far below any score, so their own slot weighs nothing: it is 0 after the first block they see,
     # and their sums are 0 in the combination if they see none (_combined).
     own = jnp.sum(k_new.astype(jnp.float32) * q)
-    init = (own if splits == 1 else jnp.where(part == 0, own, _NOTHING), jnp.float32(1.0), v_new.astype(jnp.float32))
+    init = (own if parts == 1 else jnp.where(part == 0, own, _NOTHING), jnp.float32(1.0), v_new.astype(jnp.float32))
     first = jnp.minimum(start, index) // block
     end = (index + block - 1) // block
-    per = (end - first + splits - 1) // splits
+    per = (end - first + parts - 1) // parts
     lo = first + part * per
     m, l, acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per, end), step, init)
-    if splits == 1:
+    if parts == 1:
         o_ref = out_refs[0]
         o_ref[row, head, :] = (acc / l).astype(o_ref.dtype)
     else:
@@ -163,21 +164,21 @@ def decode_attention(qkv_bckh, k_bksh, v_bksh, start_b, index, tuning: Tuning = 
     n = kv * group
     if slots % tuning.block:
         raise ValueError(f"a cache of {slots} slots is not a multiple of {tuning}'s block")
-    splits = tuning.parts(b * n)
-    kernel = functools.partial(_kernel, block=tuning.block, group=group, scale=1.0 / math.sqrt(h), splits=splits)
+    parts = tuning.parts_for(b * n)
+    kernel = functools.partial(_kernel, block=tuning.block, group=group, scale=1.0 / math.sqrt(h), parts=parts)
     f32 = jnp.float32
-    outs = ((jax.ShapeDtypeStruct((b, n, h), qkv_bckh.dtype),) if splits == 1 else
-            (jax.ShapeDtypeStruct((b, n, splits, h), f32), jax.ShapeDtypeStruct((b, n, splits), f32),
-             jax.ShapeDtypeStruct((b, n, splits), f32)))
+    outs = ((jax.ShapeDtypeStruct((b, n, h), qkv_bckh.dtype),) if parts == 1 else
+            (jax.ShapeDtypeStruct((b, n, parts, h), f32), jax.ShapeDtypeStruct((b, n, parts), f32),
+             jax.ShapeDtypeStruct((b, n, parts), f32)))
     cache = (jax.ShapeDtypeStruct(k_bksh.shape, k_bksh.dtype), jax.ShapeDtypeStruct(v_bksh.shape, v_bksh.dtype))
-    *parts, k_bksh, v_bksh = pl.pallas_call(
+    *sums, k_bksh, v_bksh = pl.pallas_call(
         kernel,
         out_shape=(*outs, *cache),
-        grid=(b, n) if splits == 1 else (b, n, splits),
+        grid=(b, n) if parts == 1 else (b, n, parts),
         input_output_aliases={3: len(outs), 4: len(outs) + 1},  # the cache, updated where it lies
         compiler_params=compiler_params(tuning.warps, interpret),
         interpret=interpret,
         name="decode_attention",  # the kernel's name in a device trace (profile_decode classes it as attention)
     )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), qkv_bckh, k_bksh, v_bksh)
-    ctx = parts[0] if splits == 1 else _combined(*parts, qkv_bckh.dtype)
+    ctx = sums[0] if parts == 1 else _combined(*sums, qkv_bckh.dtype)
     return ctx, k_bksh, v_bksh
