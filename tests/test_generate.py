@@ -73,6 +73,28 @@ def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported
     assert not calls
 
 
+def test_the_decode_kernel_reads_a_grouped_projection_as_it_lies(monkeypatch):
+    """A GPT with grouped-query attention and learned positions (no rotary embedding, so the kernel reads the
+    QKV projection itself, 2 query heads per KV head), rows whole and in 2 parts: the tokens of the forward pass
+    without a cache."""
+    from jax3d.config import ModelConfig
+    from jax3d.models import decode_attention, pallas_gpu
+
+    # weights large enough that attention, not the residual stream, picks the tokens
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                      seq_length=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                      init_method_std=0.3)
+    model = build_model(cfg)
+    params = model.init(jax.random.key(3))
+    want = [greedy_without_cache(model, params, p, 12, cfg.vocab_size) for p in PROMPTS]
+    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+    calls = interpreted(monkeypatch, decode_attention, "decode_attention")
+    for parts in (1, 2):
+        with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, parts=parts)):
+            assert _gen(cfg, params, batch=4).generate(PROMPTS, 12) == want
+    assert calls, "the kernel did not run"
+
+
 def test_an_fp8_cache_gives_one_set_of_tokens_from_the_kernel_xla_and_two_devices(imported, monkeypatch):
     """A float8_e4m3fn KV cache: the decode kernel (interpreted) and XLA's attention read it to the same tokens,
     as do heads split over 2 devices; the compiled decode keeps the cache in fp8. (XLA on a CPU updates an fp8
