@@ -34,6 +34,7 @@ import os
 import re
 import sys
 
+from benchmarks.profile_decode import PRESET_SHAPES, SHAPES
 from jax3d.cli.common import add_kv_cache_flag
 
 
@@ -75,13 +76,12 @@ def decode(a, topology) -> None:
     import jax.numpy as jnp
     from jax.experimental import topologies
 
-    from benchmarks.profile_decode import SHAPES
-    from jax3d.config import ModelConfig
+    from benchmarks.profile_decode import decode_config
     from jax3d.inference import Generator
     from jax3d.models import build_model, pallas_gpu
     from jax3d.models.cached_attention import CACHE_DTYPES
 
-    cfg = ModelConfig(**SHAPES[a.shape], hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = decode_config(a.shape)
     params = jax.eval_shape(lambda: build_model(cfg).init(jax.random.key(0)))
     mesh = topologies.make_mesh(topology, (1, 1), ("data", "model"))
     for b in a.batch:
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--target-config", required=True, help="the GPU's GpuTargetConfigProto, in text form")
     sub = p.add_subparsers(dest="program", required=True)
     d = sub.add_parser("decode", help="generation's decode loop (benchmarks.profile_decode's shapes)")
-    d.add_argument("--shape", default="gpt-1.3b")
+    d.add_argument("--shape", default="gpt-1.3b", choices=[*SHAPES, *PRESET_SHAPES])
     d.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     d.add_argument("--prompt-len", type=int, default=128)
     d.add_argument("--new", type=int, default=256)

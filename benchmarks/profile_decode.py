@@ -20,12 +20,14 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --tune decode_attention:block=128   # a kernel's settings
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN \
         python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --top 12   # the kernels one by one
+    python -m benchmarks.profile_decode --shape llama3.2-1b --batch 1 4 8   # grouped-query heads, rotary positions
     python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU (16-token prompts)
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import re
 import tempfile
@@ -38,6 +40,16 @@ from jax3d.cli.common import add_kv_cache_flag
 
 SHAPES = {"gpt-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50304, seq_length=2048),
           "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64)}
+PRESET_SHAPES = ("llama3.2-1b",)  # jax3d presets (jax3d.models.presets): grouped-query heads, rotary positions
+
+
+def decode_config(shape: str):
+    """The ModelConfig a decode benchmark builds for `shape` (SHAPES' or PRESET_SHAPES'), without dropout."""
+    from jax3d.config import ModelConfig
+    from jax3d.models import get_preset
+
+    cfg = ModelConfig(**SHAPES[shape]) if shape in SHAPES else get_preset(shape)[0]
+    return dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
 # HLO operations that are no kernel of their own
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "call", "while", "conditional",
          "after-all", "partition-id", "replica-id"}
@@ -179,7 +191,7 @@ def profile(gen, rows: list[list[int]], new: int, repeats: int = 3, top: int = 0
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=list(SHAPES), default="gpt-1.3b")
+    p.add_argument("--shape", choices=[*SHAPES, *PRESET_SHAPES], default="gpt-1.3b")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=0, help="default 128 (16 for the tiny shape)")
     p.add_argument("--new", type=int, default=256)
@@ -213,7 +225,6 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jax3d.config import ModelConfig
     from jax3d.models import build_model, pallas_gpu
     from jax3d.models.cached_attention import CACHE_DTYPES
     from jax3d.parallel.mesh import MeshConfig
@@ -222,7 +233,7 @@ def main(argv=None) -> int:
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     item = jnp.dtype(dtype).itemsize
     cache_dtype = jnp.dtype(CACHE_DTYPES[a.kv_cache_dtype] or dtype)
-    cfg = ModelConfig(**SHAPES[a.shape], hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = decode_config(a.shape)
     params = build_model(cfg).init(jax.random.key(0))
     weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
