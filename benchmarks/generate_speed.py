@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     import torch
 
     from jax3d.hf import load_hf_params
-    from jax3d.models.cached_attention import CACHE_DTYPES
+    from jax3d.models.cached_attention import cache_dtype as kv_cache_dtype
 
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         cfg, params = load_hf_params(d)
         convert_s = time.perf_counter() - t0
     item = jnp.dtype(dtype).itemsize
-    cache_dtype = jnp.dtype(CACHE_DTYPES[a.kv_cache_dtype] or dtype)
+    cache_dtype = kv_cache_dtype(a.kv_cache_dtype, dtype)
     cache_item = cache_dtype.itemsize
     weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)

@@ -79,14 +79,14 @@ def decode(a, topology) -> None:
     from benchmarks.profile_decode import decode_config
     from jax3d.inference import Generator
     from jax3d.models import build_model, pallas_gpu
-    from jax3d.models.cached_attention import CACHE_DTYPES
+    from jax3d.models.cached_attention import cache_dtype
 
     cfg = decode_config(a.shape)
     params = jax.eval_shape(lambda: build_model(cfg).init(jax.random.key(0)))
     mesh = topologies.make_mesh(topology, (1, 1), ("data", "model"))
     for b in a.batch:
         gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16,
-                        cache_dtype=CACHE_DTYPES[a.kv_cache_dtype])
+                        cache_dtype=cache_dtype(a.kv_cache_dtype, jnp.bfloat16))
         with pallas_gpu.kernel_settings(off=a.off):  # generation's own options, and --opt's beside them
             hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
         print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": gen.cache_dtype.name,

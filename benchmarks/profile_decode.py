@@ -50,6 +50,8 @@ def decode_config(shape: str):
 
     cfg = ModelConfig(**SHAPES[shape]) if shape in SHAPES else get_preset(shape)[0]
     return dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
+
+
 # HLO operations that are no kernel of their own
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "call", "while", "conditional",
          "after-all", "partition-id", "replica-id"}
@@ -76,7 +78,7 @@ def copy_rate(dtype, gib: float) -> float:
     return 2 * n * jnp.dtype(dtype).itemsize / best
 
 
-def step_bytes(cfg, params, batch: int, slots: int, itemsize: int, cache_itemsize: int = 0) -> tuple[int, int]:
+def step_bytes(cfg, params, batch: int, slots: float, itemsize: int, cache_itemsize: int = 0) -> tuple[int, float]:
     """(weight bytes, cache bytes) one decode step reads: every weight once (of the position table only a
     row), and keys and values of `slots` slots of every row and layer, at `cache_itemsize` bytes each (0:
     `itemsize`)."""
@@ -226,13 +228,13 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from jax3d.models import build_model, pallas_gpu
-    from jax3d.models.cached_attention import CACHE_DTYPES
+    from jax3d.models.cached_attention import cache_dtype as kv_cache_dtype
     from jax3d.parallel.mesh import MeshConfig
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     item = jnp.dtype(dtype).itemsize
-    cache_dtype = jnp.dtype(CACHE_DTYPES[a.kv_cache_dtype] or dtype)
+    cache_dtype = kv_cache_dtype(a.kv_cache_dtype, dtype)
     cfg = decode_config(a.shape)
     params = build_model(cfg).init(jax.random.key(0))
     weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jax3d.models import decode_attention
+from jax3d.models.cached_attention import join_qkv
 
 
 def reference(q_bnh, k_bksh, v_bksh, start_b, index):
@@ -23,11 +24,15 @@ def reference(q_bnh, k_bksh, v_bksh, start_b, index):
 
 
 def packed(q_bnh, k_bkh, v_bkh):
-    """The decode kernel's projection (batch, group + 2, kv_heads, head_dim), layers.split_qkv's layout."""
-    b, n, h = q_bnh.shape
-    kv = k_bkh.shape[1]
-    q_bgkh = jnp.swapaxes(q_bnh.reshape(b, kv, n // kv, h), 1, 2)
-    return jnp.concatenate([q_bgkh, k_bkh[:, None], v_bkh[:, None]], axis=1)
+    """The decode kernel's projection (batch, group + 2, kv_heads, head_dim) of one query row."""
+    return join_qkv(q_bnh[:, None], k_bkh[:, None], v_bkh[:, None])[:, 0]
+
+
+def test_join_qkv_is_what_split_qkv_splits():
+    from jax3d.models.layers import split_qkv
+
+    qkv = jax.random.normal(jax.random.key(4), (2, 3, 4 + 2, 2, 8))  # 4 query heads per KV head
+    np.testing.assert_array_equal(join_qkv(*split_qkv(qkv)), qkv)
 
 
 @pytest.mark.parametrize("heads, kv_heads, slots, block, parts", [(4, 4, 128, 64, 1), (8, 2, 96, 16, 1),

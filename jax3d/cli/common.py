@@ -105,7 +105,7 @@ def add_model_parallel_flags(p, pipeline: bool = True) -> None:
 
 
 def add_kv_cache_flag(p) -> None:
-    """Generation's KV cache type (jax3d.models.cached_attention.CACHE_DTYPES), for generate and the decode
+    """Generation's KV cache type (jax3d.models.cached_attention.cache_dtype), for generate and the decode
     benchmarks."""
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="the KV cache's type: auto keeps the compute type; fp8 (e4m3, unscaled) halves a bf16 "

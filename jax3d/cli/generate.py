@@ -132,14 +132,14 @@ def _main(argv) -> int:
     import jax.numpy as jnp
 
     from jax3d.inference.generate import generator_for, load_gpt_checkpoint
-    from jax3d.models.cached_attention import CACHE_DTYPES
+    from jax3d.models.cached_attention import cache_dtype
     from jax3d.inference.text import Completions
 
     cfg, params, tok = load_gpt_checkpoint(a.load, a.ckpt_step)
     ids = [tok.tokenize(r["prompt"]) for r in reqs]
-    gen = generator_for(cfg, params, tok, ids, a.max_new_tokens, tp=a.tensor_model_parallel_size,
-                        dtype=jnp.bfloat16 if a.bf16 else jnp.float32, checkpoint=a.load, batch=a.batch_size,
-                        cache_dtype=CACHE_DTYPES[a.kv_cache_dtype])
+    dtype = jnp.bfloat16 if a.bf16 else jnp.float32
+    gen = generator_for(cfg, params, tok, ids, a.max_new_tokens, tp=a.tensor_model_parallel_size, dtype=dtype,
+                        checkpoint=a.load, batch=a.batch_size, cache_dtype=cache_dtype(a.kv_cache_dtype, dtype))
     eod = None if a.ignore_eod else gen.eod
     streaming = len(reqs) == 1 and not a.output_jsonl
     out = open(a.output_jsonl, "w", encoding="utf-8") if a.output_jsonl else None  # noqa: SIM115 (closed below)

@@ -35,6 +35,19 @@ visible = decode_attention.visible  # which cached slots a query sees; generatio
 stored = decode_attention.stored  # a key or value as the cache keeps it
 
 
+def cache_dtype(flag: str, dtype) -> jnp.dtype:
+    """The KV cache's dtype for `--kv-cache-dtype flag` where the model computes in `dtype`."""
+    return jnp.dtype(CACHE_DTYPES[flag] or dtype)
+
+
+def join_qkv(q_btnh, k_btkh, v_btkh):
+    """The projection (batch, seq, group + 2, kv_heads, head_dim) that layers.split_qkv splits into these."""
+    b, t, n, h = q_btnh.shape
+    kv = k_btkh.shape[2]
+    q_btgkh = jnp.swapaxes(q_btnh.reshape(b, t, kv, n // kv, h), 2, 3)
+    return jnp.concatenate([q_btgkh, k_btkh[:, :, None], v_btkh[:, :, None]], axis=2)
+
+
 def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, rules, qkv_btckh=None):
     """(output (batch, seq, embed) before the out-projection's bias, updated cache): the keys and values
     written at slot `cache['index']` of `cache['k']`, `cache['v']` (batch, kv_heads, max_len, head_dim), in
@@ -51,10 +64,9 @@ def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, w_out_nhd, 
     # Query head n is KV head n // g's (layers.split_qkv's order).
     tuning = pallas_gpu.tuning(decode_attention)
     if t == 1 and "start" in cache and decode_attention.supported(cache["k"], rules, tuning):
-        # The projection's layout (layers.split_qkv): put together again where q, k and v are not slices of
-        # it, one kernel; slices of it put together, XLA kept as a copy (three at batch 1).
-        qkv_bckh = (qkv_btckh[:, 0] if qkv_btckh is not None else
-                    jnp.concatenate([jnp.swapaxes(q_btnh.reshape(b, kv, g, h), 1, 2), k_btkh, v_btkh], axis=1))
+        # The projection itself where q, k and v are slices of it: joined again, XLA kept them as a copy
+        # (three at batch 1). Rotated q and k are joined in one kernel.
+        qkv_bckh = (qkv_btckh if qkv_btckh is not None else join_qkv(q_btnh, k_btkh, v_btkh))[:, 0]
         ctx_bnh, k_bksh, v_bksh = decode_attention.decode_attention(qkv_bckh, cache["k"], cache["v"],
                                                                     cache["start"], idx, tuning)
         return _out(ctx_bnh.reshape(b, 1, kv, g, h), w_out_nhd, rules), _kept(k_bksh, v_bksh, cache)
