@@ -33,8 +33,8 @@ from jax3d.parallel.rules import ShardingRules
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Slots per step of the walk (a power of two that divides the cache's slots), warps per program, the fewest
-    programs to aim for, and the parts each row's slots are split into (0: the fewest, a power of two, that
-    make up `programs`)."""
+    programs to aim for, the parts each row's slots are split into (0: the fewest, a power of two, that
+    make up `programs`), and the walk's software-pipeline stages (0: Triton's default)."""
 
     block: int = 64
     warps: int = 4
@@ -47,6 +47,7 @@ class Tuning:
     # batch 8 (128 programs) the rows are whole, as before (1.07x at 8 and 1.15x at 16 in earlier calls).
     programs: int = 128
     parts: int = 0
+    stages: int = 0
 
     def __post_init__(self):
         check_powers_of_two(self, "block", "warps", "programs")
@@ -176,7 +177,7 @@ def decode_attention(qkv_bckh, k_bksh, v_bksh, start_b, index, tuning: Tuning = 
         out_shape=(*outs, *cache),
         grid=(b, n) if parts == 1 else (b, n, parts),
         input_output_aliases={3: len(outs), 4: len(outs) + 1},  # the cache, updated where it lies
-        compiler_params=compiler_params(tuning.warps, interpret),
+        compiler_params=compiler_params(tuning.warps, interpret, tuning.stages),
         interpret=interpret,
         name="decode_attention",  # the kernel's name in a device trace (profile_decode classes it as attention)
     )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), qkv_bckh, k_bksh, v_bksh)

@@ -35,9 +35,9 @@ def check_powers_of_two(tuning, *fields: str) -> None:
             raise ValueError(f"{_kernel(type(tuning))}.{tuning}: {name}={n} must be a power of two")
 
 
-def compiler_params(num_warps: int, interpret: bool):
-    """Triton's settings for a pallas_call; none in Pallas' interpreter."""
-    return None if interpret else pltriton.CompilerParams(num_warps=num_warps)
+def compiler_params(num_warps: int, interpret: bool, num_stages: int = 0):
+    """Triton's settings for a pallas_call (`num_stages` 0: Triton's own); none in Pallas' interpreter."""
+    return None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages or None)
 
 
 def fields(tuning) -> tuple[str, ...]:
