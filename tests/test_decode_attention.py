@@ -133,6 +133,21 @@ def test_the_kernel_lowers_to_one_named_triton_call_for_cuda(cache_dtype, parts)
     assert classify("decode_attention", "custom-call.3") == "attention"
 
 
+def test_the_walks_pipeline_stages_reach_triton():
+    """Tuning.stages is what the lowered Triton call is given; 0 leaves Triton's own (3)."""
+    b, n, h, slots = 2, 4, 64, 128
+    qkv, cache = jax.ShapeDtypeStruct((b, 3, n, h), jnp.bfloat16), jax.ShapeDtypeStruct((b, n, slots, h), jnp.bfloat16)
+    args = (qkv, cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+
+    def stages(tuning):
+        text = decode_attention.decode_attention.trace(*args, tuning).lower(lowering_platforms=("cuda",)).as_text()
+        return re.findall(r"num_stages = (\d+)", text)
+
+    assert stages(decode_attention.Tuning()) == ["3"]
+    assert stages(decode_attention.Tuning(stages=1)) == ["1"]
+    assert stages(decode_attention.Tuning(stages=4)) == ["4"]
+
+
 @pytest.mark.parametrize("t", [1, 5], ids=["decode", "prefill"])
 def test_an_fp8_cache_attends_as_an_fp32_cache_of_the_values_it_keeps(t):
     """XLA's attention (cached_attention) over a float8_e4m3fn cache: what an fp32 cache holding the same keys and
