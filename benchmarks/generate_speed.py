@@ -2,7 +2,8 @@
 transformers compiles), same weights, same prompts, one device; and the bandwidth limit measured in the same
 call: the bytes a decode step must read over the rate a timed on-device copy moves bytes at.
 
-A GPT-2-shaped HF model with random weights is built from a config (nothing downloaded), saved as
+An HF model with random weights is built from a config (nothing downloaded): a GPT-2 of `SHAPES`, or the
+LlamaForCausalLM of a jax3d Llama preset (`LLAMA_SHAPES`: grouped-query heads, rotary positions), saved as
 safetensors, read into jax3d with `jax3d.hf.load_hf_params`, and both generate greedily from the same
 random prompts. Decode tokens/s counts the new tokens after the first: (generate(new) - generate(1)) over
 (new - 1) steps of every row, for every side. `limit_tok_s` is the weights-only limit (one read of every
@@ -14,6 +15,8 @@ without a trace. jax3d also reports how often prefill and decode were compiled (
     python -m benchmarks.generate_speed --trace              # and profile_decode's trace of jax3d's decode
     python -m benchmarks.generate_speed --small --batch 1 4  # a tiny model on CPU
     python -m benchmarks.generate_speed --batch 32 --kv-cache-dtype fp8  # jax3d's cache in fp8, the peers' bf16
+    python -m benchmarks.generate_speed --shape llama3.2-1b --batch 1 32  # Llama-3.2-1B's shape
+    python -m benchmarks.generate_speed --shape llama-tiny --prompt-len 16 --new 16 --batch 1 2  # on CPU
 """
 from __future__ import annotations
 
@@ -25,21 +28,36 @@ import time
 
 import numpy as np
 
-from benchmarks.profile_decode import breakdown, copy_rate, slots_read, step_bytes
+from benchmarks.profile_decode import breakdown, copy_rate, decode_config, slots_read, step_bytes
 from jax3d.cli.common import add_kv_cache_flag
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
+LLAMA_SHAPES = ("llama3.2-1b", "llama-tiny")  # jax3d presets, as HF's Llama (jax3d.hf.mapping)
 
 
-def hf_model(shape: str, path: str, vocab: int, positions: int, device: str, dtype):
-    """A random GPT-2 of `shape`, saved to `path` in `dtype` (the weights both sides then use)."""
+def hf_config(shape: str):
+    """The transformers config of `shape`: a GPT-2 of SHAPES' size (GPT-2's vocabulary; 2048 positions at
+    gpt-1.3b, 64 for the small shape), or the Llama that computes what the jax3d preset computes."""
+    import transformers
+
+    if shape in SHAPES:
+        return transformers.GPT2Config(vocab_size=50257, n_positions=2048 if shape == "gpt-1.3b" else 64,
+                                       **SHAPES[shape])
+    from jax3d.hf.mapping import hf_config_from_model
+
+    fields = hf_config_from_model(decode_config(shape))
+    fields.pop("architectures")
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def hf_model(shape: str, path: str, device: str, dtype):
+    """A random model of `shape` (hf_config), saved to `path` in `dtype` (the weights both sides then use)."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, **SHAPES[shape])
     with torch.device(device):  # initialising 1.3B parameters is much faster on the GPU
-        model = transformers.GPT2LMHeadModel(cfg).to(dtype).eval()
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(shape)).to(dtype).eval()
     model.generation_config.eos_token_id = None  # always the full number of new tokens
     model.save_pretrained(path)
     return model
@@ -124,7 +142,7 @@ def decode_rate(batch: int, new: int, t_one: float, t_all: float) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=list(SHAPES), default="gpt-1.3b")
+    p.add_argument("--shape", choices=[*SHAPES, *LLAMA_SHAPES], default="gpt-1.3b")
     p.add_argument("--small", action="store_true", help="the small shape in fp32 on CPU, short prompts")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -151,10 +169,9 @@ def main(argv=None) -> int:
     device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
     bf16 = on_gpu and not a.small
     dtype = jnp.bfloat16 if bf16 else jnp.float32
-    vocab, positions = 50257, 2048 if a.shape == "gpt-1.3b" else 64
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        model = hf_model(a.shape, d, vocab, positions, device, torch.bfloat16 if bf16 else torch.float32)
+        model = hf_model(a.shape, d, device, torch.bfloat16 if bf16 else torch.float32)
         cfg, params = load_hf_params(d)
         convert_s = time.perf_counter() - t0
     item = jnp.dtype(dtype).itemsize
@@ -168,7 +185,7 @@ def main(argv=None) -> int:
                       "copy_tb_s": round(rate / 1e12, 3)}), flush=True)
     rs = np.random.RandomState(0)
     for b in a.batch:
-        prompts = rs.randint(0, vocab, (b, a.prompt_len)).astype(np.int32)
+        prompts = rs.randint(0, model.config.vocab_size, (b, a.prompt_len)).astype(np.int32)
         ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace, cache_dtype)
         filled = step_bytes(cfg, params, b, a.prompt_len + a.new // 2, item, cache_item)[1]  # the cache's filled part, on average
         limit = b * rate / weight_bytes

@@ -14,12 +14,17 @@ def _records(capsys) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_generate_speed_small_agrees_with_both_peers(capsys):
+@pytest.mark.parametrize("shape, args", [("small", ["--small", "--trace"]),
+                                         ("llama-tiny", ["--shape", "llama-tiny", "--prompt-len", "16", "--new", "8",
+                                                         "--eager-new", "8", "--trace"])],
+                         ids=["gpt2", "llama"])
+def test_generate_speed_small_agrees_with_both_peers(capsys, shape, args):
+    """GPT-2, and a jax3d Llama preset as HF's LlamaForCausalLM (grouped-query heads, rotary positions)."""
     from benchmarks import generate_speed
 
-    assert generate_speed.main(["--small", "--batch", "1", "2", "--repeats", "1", "--trace"]) == 0
+    assert generate_speed.main([*args, "--batch", "1", "2", "--repeats", "1"]) == 0
     head, *rows = _records(capsys)
-    assert head["shape"] == "small" and head["weight_gb"] > 0 and head["copy_tb_s"] > 0
+    assert head["shape"] == shape and head["weight_gb"] > 0 and head["copy_tb_s"] > 0
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
         assert r["jax3d_compiles"] == {"prefill": 1, "decode": 1}
