@@ -27,8 +27,10 @@ FP8 = {"fp8": "hybrid", "fp8_amax_history_len": 4, "fp8_amax_compute_algo": "max
 # e4m3 / e5m2 codes (an eighth or a quarter apart), and AdamW's early, nearly sign-sized updates carry that into
 # the weights. Measured over 10 steps at lr 3e-3: 2.0e-4 to 1.2e-3 with FP8 (dots of f8 arrays, power-of-two scales;
 # 8.9e-4 to 1.6e-3 with the dequantized dots before), and 6e-4 to 1.9e-3 for the same layouts
-# computing in bf16 without FP8 (1e-6 in fp32). The first two steps, before the weights part, agree to round-off.
-CURVE_TOL, FIRST_STEPS_TOL = 3e-3, 1e-5
+# computing in bf16 without FP8 (1e-6 in fp32). On an AMD EPYC CPU (another summation order in XLA's CPU code)
+# the four layouts below measured 2.3e-3 to 3.3e-3 with FP8. The first two steps, before the weights part, agree
+# to round-off.
+CURVE_TOL, FIRST_STEPS_TOL = 5e-3, 1e-5
 LAYOUTS = {
     "222-1f1b-zero1": ((2, 2, 2, 1), {}),
     "124-zbh1": ((1, 2, 4), dict(pipeline_schedule="zb-h1")),
@@ -139,7 +141,7 @@ def test_every_layout_gives_the_same_fp8_curve(reference, name):
     assert ref_losses[-1] < ref_losses[0] - 0.3  # it learns
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=name), after_one, ref_one)
     np.testing.assert_allclose(losses[:2], ref_losses[:2], rtol=0, atol=FIRST_STEPS_TOL, err_msg=name)
-    print(name, "max |loss - reference|", np.abs(losses - ref_losses).max())
+    print(name, "max |loss - reference|", np.abs(losses - ref_losses).max(), flush=True)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=CURVE_TOL, err_msg=name)
 
 
