@@ -15,8 +15,8 @@ def _records(capsys) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape, args", [("small", ["--small", "--trace"]),
-                                         ("llama-tiny", ["--shape", "llama-tiny", "--prompt-len", "16", "--new", "8",
-                                                         "--eager-new", "8", "--trace"])],
+                                         ("llama-tiny", ["--shape", "llama-tiny", "--prompt-len", "16", "--new", "32",
+                                                         "--eager-new", "16", "--trace"])],
                          ids=["gpt2", "llama"])
 def test_generate_speed_small_agrees_with_both_peers(capsys, shape, args):
     """GPT-2, and a jax3d Llama preset as HF's LlamaForCausalLM (grouped-query heads, rotary positions)."""
