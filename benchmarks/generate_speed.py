@@ -3,10 +3,10 @@ transformers compiles), same weights, same prompts, one device; and the bandwidt
 call: the bytes a decode step must read over the rate a timed on-device copy moves bytes at.
 
 An HF model with random weights is built from a config (nothing downloaded): a GPT-2 of `SHAPES`, or the
-LlamaForCausalLM of a jax3d Llama preset (`LLAMA_SHAPES`: grouped-query heads, rotary positions), saved as
-safetensors, read into jax3d with `jax3d.hf.load_hf_params`, and both generate greedily from the same
-random prompts. Decode tokens/s counts the new tokens after the first: (generate(new) - generate(1)) over
-(new - 1) steps of every row, for every side. `limit_tok_s` is the weights-only limit (one read of every
+LlamaForCausalLM of a jax3d Llama preset (profile_decode's `PRESET_SHAPES`), saved as safetensors, read
+into jax3d with `jax3d.hf.load_hf_params`, and both generate greedily from the same random prompts. Decode
+tokens/s counts the new tokens after the first: (generate(new) - generate(1)) over (new - 1) steps of every
+row, for every side. `limit_tok_s` is the weights-only limit (one read of every
 weight per step); `limit_with_cache_tok_s` adds the cache a step must read (its filled part, averaged over
 the run); `jax3d_step_ms` splits jax3d's step as profile_decode does (weights, the cache it reads, the rest),
 without a trace. jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
@@ -28,11 +28,10 @@ import time
 
 import numpy as np
 
-from benchmarks.profile_decode import breakdown, copy_rate, decode_config, slots_read, step_bytes
+from benchmarks.profile_decode import PRESET_SHAPES, breakdown, copy_rate, decode_config, slots_read, step_bytes
 from jax3d.cli.common import add_kv_cache_flag
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
-LLAMA_SHAPES = ("llama3.2-1b", "llama-tiny")  # jax3d presets, as HF's Llama (jax3d.hf.mapping)
 
 
 def hf_config(shape: str):
@@ -142,7 +141,7 @@ def decode_rate(batch: int, new: int, t_one: float, t_all: float) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=[*SHAPES, *LLAMA_SHAPES], default="gpt-1.3b")
+    p.add_argument("--shape", choices=[*SHAPES, *PRESET_SHAPES], default="gpt-1.3b")
     p.add_argument("--small", action="store_true", help="the small shape in fp32 on CPU, short prompts")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=128)

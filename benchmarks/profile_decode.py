@@ -40,7 +40,8 @@ from jax3d.cli.common import add_kv_cache_flag
 
 SHAPES = {"gpt-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50304, seq_length=2048),
           "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64)}
-PRESET_SHAPES = ("llama3.2-1b",)  # jax3d presets (jax3d.models.presets): grouped-query heads, rotary positions
+# jax3d presets (jax3d.models.presets): grouped-query heads, rotary positions
+PRESET_SHAPES = ("llama3.2-1b", "llama-tiny")
 
 
 def decode_config(shape: str):
