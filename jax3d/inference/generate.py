@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.parallel.mesh import with_auto_axes
 from jax3d.parallel.plan import without_fp8
-from jax3d.models import build_model
+from jax3d.models import build_model, quantized
 from jax3d.models.cached_attention import CACHE_AXES, visible
 from jax3d.parallel import ShardingRules, named_shardings, tree_specs
 from jax3d.xla_options import unless_in_xla_flags
@@ -120,10 +120,11 @@ class Generator:
     layers in pipeline order: pass `steps.logical_params(state.params)`, not `state.params`. `mesh` has
     jax3d's axis names, as `MeshConfig.build` or `jax.make_mesh` make them (Explicit axes are taken as
     Auto). `cache_dtype` is the KV cache's (None: `dtype`); jnp.float8_e4m3fn halves its bytes
-    (cached_attention)."""
+    (cached_attention). `weight_dtype` jnp.float8_e4m3fn keeps the blocks' GEMM weights in fp8, a scale per output
+    column (jax3d.models.quantized): half the bytes a step reads of them; None keeps them in `dtype`."""
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
-                 eod: int | None = None, chunk: int = CHUNK, cache_dtype=None):
+                 eod: int | None = None, chunk: int = CHUNK, cache_dtype=None, weight_dtype=None):
         if cfg.model_type != "gpt":
             raise ConfigError(f"generation needs a GPT checkpoint, but this one is a {cfg.model_type}; "
                               "pass a checkpoint trained with --model gpt")
@@ -143,12 +144,18 @@ class Generator:
         self.cfg, self.mesh, self.batch, self.max_len, self.dtype, self.eod = cfg, mesh, batch, max_len, dtype, eod
         self.chunk = chunk
         self.cache_dtype = jnp.dtype(cache_dtype or dtype)
+        self.weight_dtype = None if weight_dtype is None else jnp.dtype(weight_dtype)
+        if self.weight_dtype not in (None, jnp.dtype(quantized.E4M3)):
+            raise ConfigError(f"weights can be kept in fp8 (float8_e4m3fn) for generation, not {self.weight_dtype}")
         devices = list(mesh.devices.flat)
-        old_gpu = without_fp8(devices) if self.cache_dtype.itemsize == 1 else ""
+        fp8 = {what: flag for what, flag, on in (("KV cache", "--kv-cache-dtype fp8", self.cache_dtype.itemsize == 1),
+                                                 ("weights", "--quantization fp8", self.weight_dtype is not None)) if on}
+        old_gpu = without_fp8(devices) if fp8 else ""
         if old_gpu:  # the decode kernel's fp8 conversions are Triton's, which wants FP8 hardware; XLA's are untried
-            raise ConfigError(f"jax3d's fp8 KV cache (--kv-cache-dtype fp8) is built for GPUs with FP8 (compute "
-                              f"capability 8.9 or later: Ada, Hopper) and this {devices[0].device_kind} has "
-                              f"{old_gpu}; drop --kv-cache-dtype fp8")
+            raise ConfigError(f"jax3d's fp8 {' and '.join(fp8)} ({' and '.join(fp8.values())}) "
+                              f"{'is' if list(fp8) == ['KV cache'] else 'are'} built for GPUs with FP8 (compute capability 8.9 "
+                              f"or later: Ada, Hopper) and this {devices[0].device_kind} has {old_gpu}; drop "
+                              f"{' and '.join(fp8.values())}")
         self.rules = ShardingRules.create(False)
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size
@@ -163,6 +170,8 @@ class Generator:
                                                       jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["blocks"]),
                                          layer_sh, dtype)
                                  for i in range(cfg.num_layers)]
+        if self.weight_dtype is not None:
+            self.params["blocks"] = [_quantized(p, layer_sh, self.weight_dtype) for p in self.params["blocks"]]
         kv = NamedSharding(mesh, self.rules.spec(CACHE_AXES))
         self.cache_sharding = [{"k": kv, "v": kv} for _ in range(cfg.num_layers)]
         self._repl = NamedSharding(mesh, self.rules.spec(()))
@@ -361,6 +370,21 @@ def _concrete(a) -> bool:
     return not isinstance(a, jax.ShapeDtypeStruct)
 
 
+def _quantized(layer, shardings, dtype):
+    """One placed layer with its GEMM weights Quantized (jax3d.models.quantized), each on its weight's sharding,
+    the scale on the weight's spec past the contracted dims; abstract leaves (see _placed) stay abstract."""
+    def out_sharding(path, sh):
+        name = path[-1].key
+        if name not in quantized.CONTRACTED:
+            return sh
+        return quantized.Quantized(sh, NamedSharding(sh.mesh, P(*tuple(sh.spec)[quantized.CONTRACTED[name]:])))
+    out_sh = jax.tree_util.tree_map_with_path(out_sharding, shardings)
+    if all(_concrete(a) for a in jax.tree.leaves(layer)):
+        return jax.jit(quantized.quantize_layer, static_argnums=1, out_shardings=out_sh)(layer, dtype)
+    shapes = jax.eval_shape(lambda tree: quantized.quantize_layer(tree, dtype), layer)
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_sh)
+
+
 def _placed(tree, shardings, dtype):
     """`tree` in `dtype` on its shardings: arrays put there, abstract leaves (jax.ShapeDtypeStruct) given them,
     to compile without allocating (for devices this host may not have: benchmarks/gpu_compile.py)."""
@@ -401,7 +425,7 @@ def load_gpt_checkpoint(load: str, step: int = -1):
 
 def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]], max_new_tokens: int, *,
                   tp: int = 1, dtype=jnp.float32, checkpoint: str = "", batch: int = 0,
-                  cache_dtype=None) -> Generator:
+                  cache_dtype=None, weight_dtype=None) -> Generator:
     """A Generator sized for these token prompts, `batch` of them at a time (0: all), tensor parallel over the
     first `tp` devices. `checkpoint` is the --load directory `cfg` came from, for errors to name."""
     from jax3d.config import Config, ParallelConfig, TrainConfig
@@ -422,6 +446,6 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
     if size and not cfg.unpadded_vocab_size and size < cfg.vocab_size:  # a train.py run: the rest is padding
         cfg = dataclasses.replace(cfg, unpadded_vocab_size=size)
     return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=min(batch or len(prompts), len(prompts)),
-                     dtype=dtype, cache_dtype=cache_dtype,
+                     dtype=dtype, cache_dtype=cache_dtype, weight_dtype=weight_dtype,
                      max_len=min(cfg.max_position_embeddings, longest + max_new_tokens + PROMPT_BUCKET),
                      eod=getattr(tokenizer, "eod", None))

@@ -62,13 +62,14 @@ class Completions:
 
 def generate_text(load: str, prompts: list[str], max_new_tokens: int, sampling: Sampling = Sampling(greedy=True), *,
                   tp: int = 1, dtype=jnp.float32, seed: int = 0, step: int = -1, stop: tuple[str, ...] = (),
-                  cache_dtype=None) -> list[str]:
+                  cache_dtype=None, weight_dtype=None) -> list[str]:
     """The continuation of each text prompt by checkpoint `load`, up to the end-of-document token or the
-    first of the `stop` strings (left out); the KV cache in `cache_dtype` (None: `dtype`)."""
+    first of the `stop` strings (left out); the KV cache in `cache_dtype` (None: `dtype`), the blocks' GEMM
+    weights in `weight_dtype` (None: `dtype`; see Generator)."""
     cfg, params, tok = load_gpt_checkpoint(load, step)
     ids = [tok.tokenize(p) for p in prompts]
     gen = generator_for(cfg, params, tok, ids, max_new_tokens, tp=tp, dtype=dtype, checkpoint=load,
-                        cache_dtype=cache_dtype)
+                        cache_dtype=cache_dtype, weight_dtype=weight_dtype)
     out = Completions(tok, [list(stop)] * len(ids), gen.eod)
     for chunk in gen.stream(ids, max_new_tokens, sampling, seed, stop_at_eod=gen.eod is not None, halt=out.halt):
         out.add(chunk)

@@ -21,12 +21,13 @@ as they come, clipped to e4m3's largest value (448) rather than scaled, and read
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jax3d.models import decode_attention, one_row, pallas_gpu
+from jax3d.models import decode_attention, one_row, pallas_gpu, quantized
 
 CACHE_AXES = ("batch", "heads", "seq", "kv")
 CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}  # --kv-cache-dtype: None keeps the compute dtype
@@ -103,8 +104,9 @@ def _out(ctx_btkgh, w_out_nhd, rules):
     ctx_btkgh = rules.constrain(ctx_btkgh, ("batch", "seq", "heads", None, "kv"))
     # dot_general with the contracting dims in memory order: jnp.einsum lists them reversed, and XLA on the
     # CPU then copied the (heads, head_dim, embed) weight transposed on every token.
-    w_kghd = w_out_nhd.reshape(kv, g, h, -1)
-    return one_row.gemm(lambda c, w: jax.lax.dot_general(c, w, (((2, 3, 4), (0, 1, 2)), ((), ()))), ctx_btkgh, w_kghd)
+    def dot(c_btkgh, w_nhd):
+        return jax.lax.dot_general(c_btkgh, w_nhd.reshape(kv, g, h, -1), (((2, 3, 4), (0, 1, 2)), ((), ())))
+    return one_row.gemm(functools.partial(quantized.dot, dot), ctx_btkgh, w_out_nhd)
 
 
 def _kept(k_bksh, v_bksh, cache):

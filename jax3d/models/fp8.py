@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax3d.models import fp8_cast, one_row, pallas_gpu
+from jax3d.models import fp8_cast, one_row, pallas_gpu, quantized
 from jax3d.models.fp8_cast import largest, quantize  # noqa: F401 (largest: jax3d.train.fp8's)
 
 # (forward operands, output gradient) formats of each mode; float8_e4m3fn is e4m3 with no infinities, as on Hopper.
@@ -56,7 +56,7 @@ def einsum(spec: str, x, w, scales=None, fmt: str = "", rules=None):
     """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given. With the cast kernel on
     (jax3d.models.fp8_cast) and on one GPU (`rules`), the operands are quantized in both layouts by it."""
     if scales is None:
-        return one_row.gemm(functools.partial(jnp.einsum, spec), x, w)  # the block's x: (batch, seq, ...)
+        return one_row.gemm(functools.partial(quantized.einsum, spec), x, w)  # the block's x: (batch, seq, ...)
     tuning, layout = pallas_gpu.tuning(fp8_cast), _layout(spec)
     if rules is not None and layout is not None and _fits(layout, x.shape, w.shape):
         t, k, n = _sizes(layout, x.shape, w.shape)

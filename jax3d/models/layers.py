@@ -22,7 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
-from jax3d.models import cached_attention, fp8, fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu, rope
+from jax3d.models import (cached_attention, fp8, fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu, quantized,
+                          rope)
 from jax3d.parallel.rules import ShardingRules, traced_platform
 
 
@@ -92,7 +93,7 @@ _ACTIVATIONS = {
 def _activate_then_dense(h, b, w_fd, activation: str):
     """act(h + b) @ w; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and the up projection."""
     g_btf = checkpoint_name(_ACTIVATIONS[activation](_plus(h, b)), "gelu_out")
-    return jnp.einsum("btf,fd->btd", g_btf, w_fd)
+    return quantized.einsum("btf,fd->btd", g_btf, w_fd)
 
 
 # Keeps the GEMM's output h (the bias is re-added in the backward fusion, so h + b is never written) and

@@ -1,0 +1,72 @@
+"""Generation with the blocks' GEMM weights in fp8 (jax3d.models.quantized): each column within e4m3's rounding of
+the weight, and decoding that gives the tokens of the same model holding the dequantized weights, on one device and
+with heads over two."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax3d.config import ModelConfig
+from jax3d.inference import Generator
+from jax3d.models import build_model, get_preset, quantized
+from jax3d.parallel.mesh import MeshConfig
+
+PROMPTS = [[5, 17, 300, 41, 9, 77, 2], [11], [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 12], [88, 3, 3, 250]]
+
+
+@pytest.mark.parametrize("shape, contracted", [((64, 3, 4, 16), 1), ((4, 16, 64), 2)], ids=["qkv", "out"])
+def test_each_column_is_kept_to_e4m3s_rounding_of_its_own_scale(shape, contracted):
+    """Columns whose magnitudes differ by up to 10**6: every element within half an e4m3 step of itself (2**-4,
+    relative) or, below e4m3's normal range, of the column's largest (2**-10 / 448); each column's largest
+    kept; an all-zero column stays zero."""
+    rs = np.random.RandomState(0)
+    cols = shape[contracted:]
+    w = rs.standard_normal(shape) * 10.0 ** rs.uniform(-3, 3, cols)
+    w[(slice(None),) * contracted + (0,) * len(cols)] = 0.0
+    q = quantized.quantize(jnp.asarray(w, jnp.float32), contracted)
+    assert q.values.dtype == jnp.float8_e4m3fn and q.scale.shape == cols and q.shape == shape
+    back = np.asarray(quantized.dequantize(q), np.float64)
+    axes = tuple(range(contracted))
+    amax = np.max(np.abs(w), axis=axes)
+    err = np.abs(back - w)
+    bound = np.maximum(2.0 ** -4 * np.abs(w), 2.0 ** -10 / 448 * amax) * (1 + 1e-6) + 1e-30
+    assert np.all(err <= bound), float(np.max(err / bound))
+    np.testing.assert_allclose(np.max(np.abs(back), axis=axes), amax, rtol=1e-6)
+    assert np.all(back[(slice(None),) * contracted + (0,) * len(cols)] == 0)
+    assert np.max(err / (np.abs(w) + 1e-30)) > 2.0 ** -6  # it rounded: not a bf16 or fp32 copy
+
+
+def _dequantized(params):
+    """The model's parameters with each GEMM weight of the blocks (stacked over layers) replaced by what its fp8
+    form stands for: the reference a Generator with fp8 weights should equal."""
+    def one(path, w):
+        c = quantized.CONTRACTED.get(path[-1].key)
+        return w if c is None else jax.vmap(lambda a: quantized.dequantize(quantized.quantize(a, c)))(w)
+    return {**params, "blocks": jax.tree_util.tree_map_with_path(one, params["blocks"])}
+
+
+def _gen(cfg, params, tp=1, **kw):
+    return Generator(cfg, params, MeshConfig(1, 1, tp).build(jax.devices()[:tp]), batch=len(PROMPTS), max_len=64, **kw)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layout(model):
+    """Greedy tokens of a ragged batch with the GEMM weights in fp8 equal those of the fp32 model holding their
+    dequantized values, with heads over 1 and 2 devices; a GPT (biases, GELU) and a Llama (grouped-query heads,
+    rotary positions, SwiGLU, no biases). The compiled decode takes the weights in fp8."""
+    if model == "gpt":  # weights large enough that attention, not the residual stream, picks the tokens
+        cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64,
+                          max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
+    else:
+        cfg = get_preset("llama-tiny")[0]
+        cfg = cfg.__class__(**{**cfg.__dict__, "num_layers": 2, "max_position_embeddings": 64, "seq_length": 64,
+                               "init_method_std": 0.1})
+    params = build_model(cfg).init(jax.random.key(3))
+    want = _gen(cfg, _dequantized(params)).generate(PROMPTS, 12)
+    fp8 = _gen(cfg, params, weight_dtype=jnp.float8_e4m3fn)
+    assert fp8.generate(PROMPTS, 12) == want
+    assert _gen(cfg, params, tp=2, weight_dtype=jnp.float8_e4m3fn).generate(PROMPTS, 12) == want
+    kernels = [v for k, v in fp8.params["blocks"][0]["attn"].items() if k.endswith("kernel")]
+    assert kernels and all(isinstance(v, quantized.Quantized) for v in kernels)
+    qkv = fp8.params["blocks"][0]["attn"]["qkv_kernel"].values
+    assert f"f8e4m3fn[{','.join(map(str, qkv.shape))}]" in fp8.decode_hlo(PROMPTS)
