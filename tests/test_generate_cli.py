@@ -71,6 +71,21 @@ def test_kv_cache_dtype_fp8_prints_the_librarys_fp8_text(ckpt):
     assert r.returncode == 2 and "--kv-cache-dtype" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_quantization_fp8_prints_the_librarys_text_from_fp8_weights(ckpt):
+    """--quantization fp8 streams what the library generates with the GEMM weights in fp8 (tests/test_quantized.py
+    checks those against their dequantized values), with heads over 2 devices; an unknown kind is refused by the
+    parser."""
+    import jax.numpy as jnp
+
+    want = generate_text(ckpt, [PROMPT], 16, weight_dtype=jnp.float8_e4m3fn)[0]
+    r = _run("--load", ckpt, "--prompt", PROMPT, "--greedy", "--max-new-tokens", "16", "--quantization", "fp8",
+             "--tensor-model-parallel-size", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == PROMPT + want + "\n"
+    r = _run("--load", ckpt, "--prompt", PROMPT, "--quantization", "int4")
+    assert r.returncode == 2 and "--quantization" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.parametrize("lines, flags, words", [
     ("", [], "holds no prompt"),
     ('{"prompt": "x"}\n{"text": "y"}\n', [], 'line 2 has no "prompt" text'),

@@ -104,13 +104,17 @@ def add_model_parallel_flags(p, pipeline: bool = True) -> None:
                        help="pipeline stages the layers are divided into (mesh axis `stage`)")
 
 
-def add_kv_cache_flag(p) -> None:
-    """Generation's KV cache type (jax3d.models.cached_attention.cache_dtype), for generate and the decode
-    benchmarks."""
+def add_decode_dtype_flags(p) -> None:
+    """Generation's KV cache type (jax3d.models.cached_attention.cache_dtype) and weight type
+    (jax3d.models.quantized.weight_dtype), for generate and the decode benchmarks."""
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="the KV cache's type: auto keeps the compute type; fp8 (e4m3, unscaled) halves a bf16 "
                         "cache's memory and the bytes each token reads of it (an fp32 cache's, quarters), at some "
                         "accuracy (default: auto)")
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                   help="the blocks' GEMM weights for generation: none keeps the compute type; fp8 stores them in "
+                        "e4m3 with a scale per output column, half of bf16's bytes for each token to read, at some "
+                        "accuracy; the checkpoint is not changed (default: none)")
 
 
 def layer_counts(text: str, flag: str) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ import time
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jax3d.cli.common import (HelpFormatter, OneLineParser, add_device_flags, add_kv_cache_flag,
+    from jax3d.cli.common import (HelpFormatter, OneLineParser, add_device_flags, add_decode_dtype_flags,
                                   add_model_parallel_flags)
 
     p = OneLineParser(prog="launch/generate.py", description="Continue prompts with a jax3d GPT checkpoint (KV cache; "
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens that hold this much probability; 1.0 for all")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16")
-    add_kv_cache_flag(p)
+    add_decode_dtype_flags(p)
     p.add_argument("--ignore-eod", action="store_true", help="keep going past the end-of-document token")
     add_model_parallel_flags(p, pipeline=False)
     add_device_flags(p)
@@ -133,13 +133,15 @@ def _main(argv) -> int:
 
     from jax3d.inference.generate import generator_for, load_gpt_checkpoint
     from jax3d.models.cached_attention import cache_dtype
+    from jax3d.models.quantized import weight_dtype
     from jax3d.inference.text import Completions
 
     cfg, params, tok = load_gpt_checkpoint(a.load, a.ckpt_step)
     ids = [tok.tokenize(r["prompt"]) for r in reqs]
     dtype = jnp.bfloat16 if a.bf16 else jnp.float32
     gen = generator_for(cfg, params, tok, ids, a.max_new_tokens, tp=a.tensor_model_parallel_size, dtype=dtype,
-                        checkpoint=a.load, batch=a.batch_size, cache_dtype=cache_dtype(a.kv_cache_dtype, dtype))
+                        checkpoint=a.load, batch=a.batch_size, cache_dtype=cache_dtype(a.kv_cache_dtype, dtype),
+                        weight_dtype=weight_dtype(a.quantization))
     eod = None if a.ignore_eod else gen.eod
     streaming = len(reqs) == 1 and not a.output_jsonl
     out = open(a.output_jsonl, "w", encoding="utf-8") if a.output_jsonl else None  # noqa: SIM115 (closed below)
