@@ -15,6 +15,7 @@ without a trace. jax3d also reports how often prefill and decode were compiled (
     python -m benchmarks.generate_speed --trace              # and profile_decode's trace of jax3d's decode
     python -m benchmarks.generate_speed --small --batch 1 4  # a tiny model on CPU
     python -m benchmarks.generate_speed --batch 32 --kv-cache-dtype fp8  # jax3d's cache in fp8, the peers' bf16
+    python -m benchmarks.generate_speed --batch 1 32 --quantization fp8  # jax3d's GEMM weights in fp8, the peers' bf16
     python -m benchmarks.generate_speed --shape llama3.2-1b --batch 1 32  # Llama-3.2-1B's shape
     python -m benchmarks.generate_speed --shape llama-tiny --prompt-len 16 --new 16 --batch 1 2  # on CPU
 """
@@ -29,7 +30,7 @@ import time
 import numpy as np
 
 from benchmarks.profile_decode import PRESET_SHAPES, breakdown, copy_rate, decode_config, slots_read, step_bytes
-from jax3d.cli.common import add_kv_cache_flag
+from jax3d.cli.common import add_decode_dtype_flags
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
 
@@ -109,7 +110,7 @@ def time_hf(model, prompts: np.ndarray, new: int, device: str, static: bool, rep
 
 
 def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, trace: bool = False,
-               cache_dtype=None) -> dict:
+               cache_dtype=None, weight_dtype=None) -> dict:
     import jax
 
     from jax3d.inference import Generator
@@ -117,7 +118,7 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, 
 
     b = prompts.shape[0]
     gen = Generator(cfg, params, MeshConfig(1, 1, 1).build(jax.devices()[:1]), batch=b,
-                    max_len=prompts.shape[1] + new, dtype=dtype, cache_dtype=cache_dtype)
+                    max_len=prompts.shape[1] + new, dtype=dtype, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
     rows = [list(map(int, r)) for r in prompts]
     t0 = time.perf_counter()
     gen.generate(rows, new)  # warm-up: prefill and decode compile here, for these shapes
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
     p.add_argument("--trace", action="store_true", help="also trace jax3d's decode as profile_decode does (kernel "
                    "time by class, kernels per step, device busy), without compiling it again")
-    add_kv_cache_flag(p)
+    add_decode_dtype_flags(p)
     a = p.parse_args(argv)
     if a.small:
         a.shape, a.prompt_len, a.new, a.eager_new = "small", 16, 16, 16
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
 
     from jax3d.hf import load_hf_params
     from jax3d.models.cached_attention import cache_dtype as kv_cache_dtype
+    from jax3d.models.quantized import weight_dtype
 
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
@@ -176,16 +178,18 @@ def main(argv=None) -> int:
     item = jnp.dtype(dtype).itemsize
     cache_dtype = kv_cache_dtype(a.kv_cache_dtype, dtype)
     cache_item = cache_dtype.itemsize
-    weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]
+    weights = weight_dtype(a.quantization)
+    weight_bytes = step_bytes(cfg, params, 1, 0, item, gemm_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
                       "prompt_len": a.prompt_len, "new_tokens": a.new, "save_and_import_s": round(convert_s, 1),
-                      "kv_cache_dtype": cache_dtype.name, "weight_gb": round(weight_bytes / 1e9, 3),
+                      "kv_cache_dtype": cache_dtype.name, "quantization": a.quantization,
+                      "weight_gb": round(weight_bytes / 1e9, 3),
                       "copy_tb_s": round(rate / 1e12, 3)}), flush=True)
     rs = np.random.RandomState(0)
     for b in a.batch:
         prompts = rs.randint(0, model.config.vocab_size, (b, a.prompt_len)).astype(np.int32)
-        ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace, cache_dtype)
+        ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace, cache_dtype, weights)
         filled = step_bytes(cfg, params, b, a.prompt_len + a.new // 2, item, cache_item)[1]  # the cache's filled part, on average
         limit = b * rate / weight_bytes
         rec = {"batch": b, "jax3d_decode_tok_s": round(ours["decode_tok_s"], 1),

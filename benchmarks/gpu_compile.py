@@ -35,7 +35,7 @@ import re
 import sys
 
 from benchmarks.profile_decode import PRESET_SHAPES, SHAPES
-from jax3d.cli.common import add_kv_cache_flag
+from jax3d.cli.common import add_decode_dtype_flags
 
 
 def kernels(hlo: str, loop_body_only: bool = False) -> dict:
@@ -80,16 +80,18 @@ def decode(a, topology) -> None:
     from jax3d.inference import Generator
     from jax3d.models import build_model, pallas_gpu
     from jax3d.models.cached_attention import cache_dtype
+    from jax3d.models.quantized import weight_dtype
 
     cfg = decode_config(a.shape)
     params = jax.eval_shape(lambda: build_model(cfg).init(jax.random.key(0)))
     mesh = topologies.make_mesh(topology, (1, 1), ("data", "model"))
     for b in a.batch:
         gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16,
-                        cache_dtype=cache_dtype(a.kv_cache_dtype, jnp.bfloat16))
+                        cache_dtype=cache_dtype(a.kv_cache_dtype, jnp.bfloat16), weight_dtype=weight_dtype(a.quantization))
         with pallas_gpu.kernel_settings(off=a.off):  # generation's own options, and --opt's beside them
             hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
         print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": gen.cache_dtype.name,
+                          "quantization": a.quantization,
                           **kernels(hlo, loop_body_only=True)}), flush=True)
 
 
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     d.add_argument("--off", action="append", default=[], metavar="KERNEL",
                    help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
                         "jax3d.models.pallas_gpu's KERNELS and DECODE_KERNELS)")
-    add_kv_cache_flag(d)
+    add_decode_dtype_flags(d)
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
     s.add_argument("--shape", default="1.3b-b16")
     s.add_argument("--batch", type=int, nargs="*", default=[])

@@ -21,6 +21,7 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN \
         python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --top 12   # the kernels one by one
     python -m benchmarks.profile_decode --shape llama3.2-1b --batch 1 4 8   # grouped-query heads, rotary positions
+    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --quantization fp8   # GEMM weights in fp8
     python -m benchmarks.profile_decode --shape tiny --batch 1 --new 8   # tries it on a CPU (16-token prompts)
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 import numpy as np
 
 from benchmarks.profile_step import CLASSES, classify, traced_kernels
-from jax3d.cli.common import add_kv_cache_flag
+from jax3d.cli.common import add_decode_dtype_flags
 
 SHAPES = {"gpt-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50304, seq_length=2048),
           "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64)}
@@ -79,13 +80,20 @@ def copy_rate(dtype, gib: float) -> float:
     return 2 * n * jnp.dtype(dtype).itemsize / best
 
 
-def step_bytes(cfg, params, batch: int, slots: float, itemsize: int, cache_itemsize: int = 0) -> tuple[int, float]:
+def step_bytes(cfg, params, batch: int, slots: float, itemsize: int, cache_itemsize: int = 0,
+               gemm_itemsize: int = 0) -> tuple[int, float]:
     """(weight bytes, cache bytes) one decode step reads: every weight once (of the position table only a
-    row), and keys and values of `slots` slots of every row and layer, at `cache_itemsize` bytes each (0:
-    `itemsize`)."""
+    row), the blocks' GEMM weights at `gemm_itemsize` bytes each (0: `itemsize`; their fp8 scales, under 0.1%,
+    not counted), and keys and values of `slots` slots of every row and layer, at `cache_itemsize` bytes each
+    (0: `itemsize`)."""
     import jax
 
-    weights = (sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size) * itemsize
+    from jax3d.models.quantized import CONTRACTED
+
+    gemm = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params["blocks"])
+               if path[-1].key in CONTRACTED)
+    weights = ((sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size)
+               * itemsize - gemm * (itemsize - (gemm_itemsize or itemsize)))
     return weights, 2 * cfg.num_layers * batch * cfg.kv_heads * cfg.head_dim * slots * (cache_itemsize or itemsize)
 
 
@@ -210,7 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
                    help="a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128); "
                         "repeatable, all apply")
-    add_kv_cache_flag(p)
+    add_decode_dtype_flags(p)
     a = p.parse_args(argv)
     if a.top < 0:
         p.error(f"--top {a.top}: give how many kernels to list, 0 (none) or more")
@@ -230,27 +238,29 @@ def main(argv=None) -> int:
 
     from jax3d.models import build_model, pallas_gpu
     from jax3d.models.cached_attention import cache_dtype as kv_cache_dtype
+    from jax3d.models.quantized import weight_dtype
     from jax3d.parallel.mesh import MeshConfig
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     item = jnp.dtype(dtype).itemsize
     cache_dtype = kv_cache_dtype(a.kv_cache_dtype, dtype)
+    weights = weight_dtype(a.quantization)
     cfg = decode_config(a.shape)
     params = build_model(cfg).init(jax.random.key(0))
-    weight_bytes = step_bytes(cfg, params, 1, 0, item)[0]
+    weight_bytes = step_bytes(cfg, params, 1, 0, item, gemm_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
     weights_ms = weight_bytes / rate * 1e3
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
                       "weight_gb": round(weight_bytes / 1e9, 3), "copy_tb_s": round(rate / 1e12, 3),
                       "weights_ms": round(weights_ms, 3), "decode_kernel": a.decode_kernel,
-                      "kv_cache_dtype": cache_dtype.name,
+                      "kv_cache_dtype": cache_dtype.name, "quantization": a.quantization,
                       **({"tune": a.tune} if a.tune else {})}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
     off = pallas_gpu.DECODE_KERNELS if a.decode_kernel == "off" else ()
     with pallas_gpu.kernel_settings(*tuned, off=off):  # read when decode is traced, in the first generate below
-        _profile_batches(a, cfg, params, mesh, dtype, cache_dtype, rs, weight_bytes, rate, weights_ms)
+        _profile_batches(a, cfg, params, mesh, (dtype, cache_dtype, weights), rs, weight_bytes, rate, weights_ms)
     return 0
 
 
@@ -281,13 +291,17 @@ def slots_read(cfg, mesh, batch: int, prompt_len: int, new: int) -> float:
     return sum(-(-i // block) * block for i in steps) / len(steps)
 
 
-def _profile_batches(a, cfg, params, mesh, dtype, cache_dtype, rs, weight_bytes, rate, weights_ms) -> None:
+def _profile_batches(a, cfg, params, mesh, dtypes, rs, weight_bytes, rate, weights_ms) -> None:
+    """Decode of each of --batch's sizes, the model computing, keeping its cache and its GEMM weights in
+    `dtypes`."""
     from jax3d.inference import Generator
     from jax3d.models import decode_attention, pallas_gpu
 
+    dtype, cache_dtype, weights = dtypes
     for b in a.batch:
         max_len = a.prompt_len + a.new
-        gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype, cache_dtype=cache_dtype)
+        gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype, cache_dtype=cache_dtype,
+                        weight_dtype=weights)
         rows = [list(map(int, r)) for r in rs.randint(0, cfg.vocab_size, (b, a.prompt_len))]
         gen.generate(rows, a.new)  # compiles prefill and decode
         rec = profile(gen, rows, a.new, top=a.top)
