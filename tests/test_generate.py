@@ -122,7 +122,8 @@ def test_an_fp8_cache_gives_one_set_of_tokens_from_the_kernel_xla_and_two_device
 
 def test_an_fp8_cache_is_refused_on_a_gpu_without_fp8(imported, monkeypatch):
     """A GPU below compute capability 8.9 (an A100) has no FP8 conversions for the decode kernel: one sentence
-    naming the flag to drop, before anything is placed; Ada and Hopper GPUs and CPUs take the cache."""
+    naming the flag to drop (both, with fp8 weights too), before anything is placed; Ada and Hopper GPUs and CPUs
+    take the cache."""
     from types import SimpleNamespace
 
     from jax3d.inference import generate
@@ -137,6 +138,10 @@ def test_an_fp8_cache_is_refused_on_a_gpu_without_fp8(imported, monkeypatch):
                                           r"FP8 \(compute capability 8.9 or later: Ada, Hopper\) and this cpu has "
                                           r"8.0; drop --kv-cache-dtype fp8$"):
         _gen(cfg, params, batch=1, cache_dtype=jax.numpy.float8_e4m3fn)
+    with pytest.raises(ConfigError, match=r"^jax3d's fp8 KV cache and weights \(--kv-cache-dtype fp8 and --quantization "
+                                          r"fp8\) are built .* and this cpu has 8.0; drop --kv-cache-dtype fp8 and "
+                                          r"--quantization fp8$"):
+        _gen(cfg, params, batch=1, cache_dtype=jax.numpy.float8_e4m3fn, weight_dtype=jax.numpy.float8_e4m3fn)
     _gen(cfg, params, batch=1)  # a bf16 or fp32 cache is not asked about
 
 
