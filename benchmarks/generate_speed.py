@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     cache_dtype = kv_cache_dtype(a.kv_cache_dtype, dtype)
     cache_item = cache_dtype.itemsize
     weights = weight_dtype(a.quantization)
-    weight_bytes = step_bytes(cfg, params, 1, 0, item, gemm_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
+    weight_bytes = step_bytes(cfg, params, 1, 0, item, quantized_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,
                       "prompt_len": a.prompt_len, "new_tokens": a.new, "save_and_import_s": round(convert_s, 1),

@@ -81,19 +81,18 @@ def copy_rate(dtype, gib: float) -> float:
 
 
 def step_bytes(cfg, params, batch: int, slots: float, itemsize: int, cache_itemsize: int = 0,
-               gemm_itemsize: int = 0) -> tuple[int, float]:
+               quantized_itemsize: int = 0) -> tuple[int, float]:
     """(weight bytes, cache bytes) one decode step reads: every weight once (of the position table only a
-    row), the blocks' GEMM weights at `gemm_itemsize` bytes each (0: `itemsize`; their fp8 scales, under 0.1%,
-    not counted), and keys and values of `slots` slots of every row and layer, at `cache_itemsize` bytes each
-    (0: `itemsize`)."""
+    row), those generation can keep in fp8 (jax3d.models.quantized.CONTRACTED) at `quantized_itemsize` bytes each (0:
+    `itemsize`; their scales, under 0.1%, not counted), and keys and values of `slots` slots of every row and
+    layer, at `cache_itemsize` bytes each (0: `itemsize`)."""
     import jax
 
     from jax3d.models.quantized import CONTRACTED
 
-    gemm = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params["blocks"])
-               if path[-1].key in CONTRACTED)
+    quantized = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params) if path[-1].key in CONTRACTED)
     weights = ((sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size)
-               * itemsize - gemm * (itemsize - (gemm_itemsize or itemsize)))
+               * itemsize - quantized * (itemsize - (quantized_itemsize or itemsize)))
     return weights, 2 * cfg.num_layers * batch * cfg.kv_heads * cfg.head_dim * slots * (cache_itemsize or itemsize)
 
 
@@ -248,7 +247,7 @@ def main(argv=None) -> int:
     weights = weight_dtype(a.quantization)
     cfg = decode_config(a.shape)
     params = build_model(cfg).init(jax.random.key(0))
-    weight_bytes = step_bytes(cfg, params, 1, 0, item, gemm_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
+    weight_bytes = step_bytes(cfg, params, 1, 0, item, quantized_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
     weights_ms = weight_bytes / rate * 1e3
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,

@@ -14,35 +14,41 @@ from jax3d.parallel.mesh import MeshConfig
 PROMPTS = [[5, 17, 300, 41, 9, 77, 2], [11], [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 12], [88, 3, 3, 250]]
 
 
-@pytest.mark.parametrize("shape, contracted", [((64, 3, 4, 16), 1), ((4, 16, 64), 2)], ids=["qkv", "out"])
+@pytest.mark.parametrize("shape, contracted", [((64, 3, 4, 16), (0,)), ((4, 16, 64), (0, 1)), ((96, 64), (1,))],
+                         ids=["qkv", "out", "table"])
 def test_each_column_is_kept_to_e4m3s_rounding_of_its_own_scale(shape, contracted):
-    """Columns whose magnitudes differ by up to 10**6: every element within half an e4m3 step of itself (2**-4,
-    relative) or, below e4m3's normal range, of the column's largest (2**-10 / 448); each column's largest
-    kept; an all-zero column stays zero."""
+    """Columns (a table's rows) whose magnitudes differ by up to 10**6: every element within half an e4m3 step of
+    itself (2**-4, relative) or, below e4m3's normal range, of the column's largest (2**-10 / 448); each column's
+    largest kept; an all-zero column stays zero."""
     rs = np.random.RandomState(0)
-    cols = shape[contracted:]
-    w = rs.standard_normal(shape) * 10.0 ** rs.uniform(-3, 3, cols)
-    w[(slice(None),) * contracted + (0,) * len(cols)] = 0.0
+    cols = tuple(n for i, n in enumerate(shape) if i not in contracted)
+    w = rs.standard_normal(shape) * np.expand_dims(10.0 ** rs.uniform(-3, 3, cols), contracted)
+    first = tuple(slice(None) if i in contracted else 0 for i in range(len(shape)))  # the first column
+    w[first] = 0.0
     q = quantized.quantize(jnp.asarray(w, jnp.float32), contracted)
     assert q.values.dtype == jnp.float8_e4m3fn and q.scale.shape == cols and q.shape == shape
     back = np.asarray(quantized.dequantize(q), np.float64)
-    axes = tuple(range(contracted))
-    amax = np.max(np.abs(w), axis=axes)
+    amax = np.max(np.abs(w), axis=contracted, keepdims=True)
     err = np.abs(back - w)
     bound = np.maximum(2.0 ** -4 * np.abs(w), 2.0 ** -10 / 448 * amax) * (1 + 1e-6) + 1e-30
     assert np.all(err <= bound), float(np.max(err / bound))
-    np.testing.assert_allclose(np.max(np.abs(back), axis=axes), amax, rtol=1e-6)
-    assert np.all(back[(slice(None),) * contracted + (0,) * len(cols)] == 0)
+    np.testing.assert_allclose(np.max(np.abs(back), axis=contracted, keepdims=True), amax, rtol=1e-6)
+    assert np.all(back[first] == 0)
     assert np.max(err / (np.abs(w) + 1e-30)) > 2.0 ** -6  # it rounded: not a bf16 or fp32 copy
 
 
 def _dequantized(params):
-    """The model's parameters with each GEMM weight of the blocks (stacked over layers) replaced by what its fp8
-    form stands for: the reference a Generator with fp8 weights should equal."""
+    """The model's parameters with each weight generation keeps in fp8 (the blocks' GEMM weights, stacked over
+    layers, and the vocabulary tables) replaced by what its fp8 form stands for: the reference a Generator with fp8
+    weights should equal."""
     def one(path, w):
         c = quantized.CONTRACTED.get(path[-1].key)
-        return w if c is None else jax.vmap(lambda a: quantized.dequantize(quantized.quantize(a, c)))(w)
-    return {**params, "blocks": jax.tree_util.tree_map_with_path(one, params["blocks"])}
+        if c is None:
+            return w
+        if path[0].key == "blocks":
+            return jax.vmap(lambda a: quantized.dequantize(quantized.quantize(a, c)))(w)
+        return quantized.dequantize(quantized.quantize(w, c))
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def _gen(cfg, params, tp=1, **kw):
@@ -51,9 +57,10 @@ def _gen(cfg, params, tp=1, **kw):
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layout(model):
-    """Greedy tokens of a ragged batch with the GEMM weights in fp8 equal those of the fp32 model holding their
-    dequantized values, with heads over 1 and 2 devices; a GPT (biases, GELU) and a Llama (grouped-query heads,
-    rotary positions, SwiGLU, no biases). The compiled decode takes the weights in fp8."""
+    """Greedy tokens of a ragged batch with the GEMM weights and vocabulary tables in fp8 equal those of the fp32
+    model holding their dequantized values, with heads over 1 and 2 devices; a GPT (biases, GELU, a tied table)
+    and a Llama (grouped-query heads, rotary positions, SwiGLU, no biases, an untied head). The compiled decode
+    takes the weights in fp8."""
     if model == "gpt":  # weights large enough that attention, not the residual stream, picks the tokens
         cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64,
                           max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
@@ -68,5 +75,7 @@ def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layou
     assert _gen(cfg, params, tp=2, weight_dtype=jnp.float8_e4m3fn).generate(PROMPTS, 12) == want
     kernels = [v for k, v in fp8.params["blocks"][0]["attn"].items() if k.endswith("kernel")]
     assert kernels and all(isinstance(v, quantized.Quantized) for v in kernels)
+    tables = [fp8.params["embed"]["word"], *([fp8.params["head"]["output"]] if "head" in fp8.params else [])]
+    assert len(tables) == (2 if model == "llama" else 1) and all(isinstance(t, quantized.Quantized) for t in tables)
     qkv = fp8.params["blocks"][0]["attn"]["qkv_kernel"].values
     assert f"f8e4m3fn[{','.join(map(str, qkv.shape))}]" in fp8.decode_hlo(PROMPTS)

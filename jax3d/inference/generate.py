@@ -166,6 +166,8 @@ class Generator:
         layer_sh = named_shardings(mesh, layer_specs)
         ends = {k: v for k, v in params.items() if k != "blocks"}
         self.params = _placed(ends, named_shardings(mesh, specs), dtype)
+        if self.weight_dtype is not None:
+            self.params = _quantized(self.params, named_shardings(mesh, specs), self.weight_dtype)
         self.params["blocks"] = [_placed(jax.tree.map(lambda a, i=i: a[i] if _concrete(a) else
                                                       jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["blocks"]),
                                          layer_sh, dtype)
@@ -370,18 +372,21 @@ def _concrete(a) -> bool:
     return not isinstance(a, jax.ShapeDtypeStruct)
 
 
-def _quantized(layer, shardings, dtype):
-    """One placed layer with its GEMM weights Quantized (jax3d.models.quantized), each on its weight's sharding,
-    the scale on the weight's spec past the contracted dims; abstract leaves (see _placed) stay abstract."""
-    def out_sharding(path, sh):
-        name = path[-1].key
-        if name not in quantized.CONTRACTED:
+def _quantized(tree, shardings, dtype):
+    """Placed parameters (a layer, or the embedding and head) with jax3d.models.quantized.CONTRACTED's weights
+    Quantized, each on its weight's sharding and its scale on the weight's spec without the contracted dims;
+    abstract leaves (see _placed) stay abstract."""
+    def out_sharding(path, a, sh):
+        contracted = quantized.CONTRACTED.get(path[-1].key)
+        if contracted is None:
             return sh
-        return quantized.Quantized(sh, NamedSharding(sh.mesh, P(*tuple(sh.spec)[quantized.CONTRACTED[name]:])))
-    out_sh = jax.tree_util.tree_map_with_path(out_sharding, shardings)
-    if all(_concrete(a) for a in jax.tree.leaves(layer)):
-        return jax.jit(quantized.quantize_layer, static_argnums=1, out_shardings=out_sh)(layer, dtype)
-    shapes = jax.eval_shape(lambda tree: quantized.quantize_layer(tree, dtype), layer)
+        spec = tuple(sh.spec) + (None,) * (a.ndim - len(sh.spec))  # past its length a spec replicates
+        scale = P(*[s for i, s in enumerate(spec) if i not in contracted])
+        return quantized.Quantized(sh, NamedSharding(sh.mesh, scale), contracted)
+    out_sh = jax.tree_util.tree_map_with_path(out_sharding, tree, shardings)
+    if all(_concrete(a) for a in jax.tree.leaves(tree)):
+        return jax.jit(quantized.quantize_layer, static_argnums=1, out_shardings=out_sh)(tree, dtype)
+    shapes = jax.eval_shape(lambda t: quantized.quantize_layer(t, dtype), tree)
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_sh)
 
 

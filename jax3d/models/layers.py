@@ -343,7 +343,7 @@ class Embedding(nn.Module):
             pos = jnp.take(wpe, positions_bt, axis=0)
         # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
         # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
-        x_btd = _plus(jnp.take(wte, tokens_bt, axis=0), pos)
+        x_btd = _plus(quantized.take(wte, tokens_bt), pos)
         if self.num_tokentypes:
             wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)
             x_btd = x_btd + jnp.take(wtt, types_bt, axis=0)
@@ -360,7 +360,7 @@ def vocab_parallel_logits(x_btd, wte_vd, rules: ShardingRules):
     memory; asking the GEMM for fp32 output instead makes XLA run all three on TF32 kernels.
     `cross_entropy_sum` upcasts inside its reductions, so the loss is still summed in fp32.
     """
-    logits = jnp.einsum("btd,vd->btv", x_btd, wte_vd)
+    logits = quantized.einsum("btd,vd->btv", x_btd, wte_vd)
     return rules.constrain(logits, ("batch", "seq", "vocab"))
 
 

@@ -1,5 +1,5 @@
-"""Weights stored in fp8 for generation: each GEMM weight of the blocks as e4m3 values with one scale per
-output column, dequantized inside the GEMM.
+"""Weights stored in fp8 for generation: each GEMM weight of the blocks, and the vocabulary tables, as e4m3
+values with one scale per output column (a vocabulary row), dequantized inside the GEMM.
 
 Decoding reads every weight once per step, so at small batches a step's time is its weights' bytes. Stored in
 e4m3 they are half of bf16's. The GEMM converts the values to the compute dtype as it loads them (XLA fuses
@@ -25,19 +25,23 @@ E4M3 = jnp.float8_e4m3fn
 
 QUANTIZATIONS = {"none": None, "fp8": E4M3}  # --quantization: None keeps the compute dtype
 
-# The blocks' GEMM weights and how many of their leading dims each GEMM contracts (jax3d.models.layers): the
-# rest are its output columns, which get one scale each.
-CONTRACTED = {"qkv_kernel": 1, "out_kernel": 2, "up_kernel": 1, "down_kernel": 1}
+# The weights generation keeps in fp8 and the dims each one's GEMM contracts (jax3d.models.layers): the blocks'
+# GEMMs, and the word embedding and untied output table, which the LM head contracts over `embed` (a scale per
+# vocabulary row, which the embedding's lookup applies to its row too). Their other dims are the output columns,
+# which get one scale each.
+CONTRACTED = {"qkv_kernel": (0,), "out_kernel": (0, 1), "up_kernel": (0,), "down_kernel": (0,),
+              "word": (1,), "output": (1,)}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Quantized:
-    """A weight as `values` (its shape, in fp8) and `scale` (its output columns' shape: values.shape[c:] for
-    the c contracted dims, in fp32); the weight is values * scale."""
+    """A weight as `values` (its shape, in fp8) and `scale` (its output columns' shape: its shape without the
+    contracted dims, in the weight's own dtype); the weight is values * scale, broadcast over those dims."""
 
     values: jax.Array
     scale: jax.Array
+    contracted: tuple = dataclasses.field(default=(0,), metadata=dict(static=True))
 
     @property
     def shape(self):
@@ -48,24 +52,25 @@ class Quantized:
         return self.values.size
 
 
-def quantize(w, contracted: int, dtype=E4M3) -> Quantized:
-    """`w` as fp8 `dtype` values with one fp32 scale per output column (its dims after the first `contracted`)."""
+def quantize(w, contracted: tuple, dtype=E4M3) -> Quantized:
+    """`w` as fp8 `dtype` values with one scale per output column (w's dims but the `contracted` ones), in w's
+    dtype."""
     w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=tuple(range(contracted)))
+    amax = jnp.max(jnp.abs(w32), axis=contracted)
     largest = float(jnp.finfo(dtype).max)
-    scale = jnp.where(amax > 0, amax / largest, 1.0)  # an all-zero column keeps zeros under any scale
-    values = jnp.clip(w32 / scale, -largest, largest).astype(dtype)
-    return Quantized(values, scale)
+    scale = jnp.where(amax > 0, amax / largest, 1.0).astype(w.dtype)  # an all-zero column keeps zeros
+    values = jnp.clip(w32 / jnp.expand_dims(scale.astype(jnp.float32), contracted), -largest, largest).astype(dtype)
+    return Quantized(values, scale, contracted)
 
 
 def weight_dtype(flag: str):
-    """The blocks' GEMM weights' dtype for `--quantization flag` (None: the compute dtype)."""
+    """The dtype generation keeps CONTRACTED's weights in for `--quantization flag` (None: the compute dtype)."""
     return QUANTIZATIONS[flag]
 
 
 def dequantize(w: Quantized, dtype=jnp.float32):
     """The weight `w` stands for, in `dtype`: the reference its GEMMs are tested against."""
-    return (w.values.astype(jnp.float32) * w.scale).astype(dtype)
+    return (w.values.astype(jnp.float32) * jnp.expand_dims(w.scale.astype(jnp.float32), w.contracted)).astype(dtype)
 
 
 def dot(fn, x, w):
@@ -82,7 +87,15 @@ def einsum(spec: str, x, w):
     return dot(functools.partial(jnp.einsum, spec), x, w)
 
 
+def take(table, ids):
+    """Rows `ids` of a (vocab, embed) table (`jnp.take` on axis 0), of a Quantized one in its scale's dtype."""
+    if not isinstance(table, Quantized):
+        return jnp.take(table, ids, axis=0)
+    rows = jnp.take(table.values, ids, axis=0).astype(table.scale.dtype)
+    return rows * jnp.take(table.scale, ids, axis=0)[..., None]
+
+
 def quantize_layer(layer: dict, dtype=E4M3) -> dict:
-    """One block's parameters (nested dicts) with its GEMM weights (CONTRACTED's names) Quantized."""
+    """Parameters (nested dicts) with CONTRACTED's weights Quantized."""
     return {k: quantize_layer(v, dtype) if isinstance(v, dict) else
             quantize(v, CONTRACTED[k], dtype) if k in CONTRACTED else v for k, v in layer.items()}
