@@ -87,7 +87,8 @@ def decode(a, topology) -> None:
     mesh = topologies.make_mesh(topology, (1, 1), ("data", "model"))
     for b in a.batch:
         gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16,
-                        cache_dtype=cache_dtype(a.kv_cache_dtype, jnp.bfloat16), weight_dtype=weight_dtype(a.quantization))
+                        cache_dtype=cache_dtype(a.kv_cache_dtype, jnp.bfloat16),
+                        weight_dtype=weight_dtype(a.quantization))
         with pallas_gpu.kernel_settings(off=a.off):  # generation's own options, and --opt's beside them
             hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
         print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": gen.cache_dtype.name,

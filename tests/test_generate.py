@@ -138,9 +138,9 @@ def test_an_fp8_cache_is_refused_on_a_gpu_without_fp8(imported, monkeypatch):
                                           r"FP8 \(compute capability 8.9 or later: Ada, Hopper\) and this cpu has "
                                           r"8.0; drop --kv-cache-dtype fp8$"):
         _gen(cfg, params, batch=1, cache_dtype=jax.numpy.float8_e4m3fn)
-    with pytest.raises(ConfigError, match=r"^jax3d's fp8 KV cache and weights \(--kv-cache-dtype fp8 and --quantization "
-                                          r"fp8\) are built .* and this cpu has 8.0; drop --kv-cache-dtype fp8 and "
-                                          r"--quantization fp8$"):
+    with pytest.raises(ConfigError, match=r"^jax3d's fp8 KV cache and weights \(--kv-cache-dtype fp8 and "
+                                          r"--quantization fp8\) are built .* and this cpu has 8.0; drop "
+                                          r"--kv-cache-dtype fp8 and --quantization fp8$"):
         _gen(cfg, params, batch=1, cache_dtype=jax.numpy.float8_e4m3fn, weight_dtype=jax.numpy.float8_e4m3fn)
     _gen(cfg, params, batch=1)  # a bf16 or fp32 cache is not asked about
 

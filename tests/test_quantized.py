@@ -11,7 +11,8 @@ from jax3d.inference import Generator
 from jax3d.models import build_model, get_preset, quantized
 from jax3d.parallel.mesh import MeshConfig
 
-PROMPTS = [[5, 17, 300, 41, 9, 77, 2], [11], [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 12], [88, 3, 3, 250]]
+PROMPTS = [[5, 17, 300, 41, 9, 77, 2], [11], [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 12],
+           [88, 3, 3, 250]]
 
 
 @pytest.mark.parametrize("shape, contracted", [((64, 3, 4, 16), (0,)), ((4, 16, 64), (0, 1)), ((96, 64), (1,))],

@@ -112,9 +112,9 @@ def add_decode_dtype_flags(p) -> None:
                         "cache's memory and the bytes each token reads of it (an fp32 cache's, quarters), at some "
                         "accuracy (default: auto)")
     p.add_argument("--quantization", choices=("none", "fp8"), default="none",
-                   help="the blocks' GEMM weights for generation: none keeps the compute type; fp8 stores them in "
-                        "e4m3 with a scale per output column, half of bf16's bytes for each token to read, at some "
-                        "accuracy; the checkpoint is not changed (default: none)")
+                   help="generation's GEMM weights (the blocks' and the vocabulary tables): none keeps the compute "
+                        "type; fp8 stores them in e4m3 with a scale per output column, half of bf16's bytes for each "
+                        "token to read, at some accuracy; the checkpoint is not changed (default: none)")
 
 
 def layer_counts(text: str, flag: str) -> tuple[int, ...]:

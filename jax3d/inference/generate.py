@@ -120,8 +120,9 @@ class Generator:
     layers in pipeline order: pass `steps.logical_params(state.params)`, not `state.params`. `mesh` has
     jax3d's axis names, as `MeshConfig.build` or `jax.make_mesh` make them (Explicit axes are taken as
     Auto). `cache_dtype` is the KV cache's (None: `dtype`); jnp.float8_e4m3fn halves its bytes
-    (cached_attention). `weight_dtype` jnp.float8_e4m3fn keeps the blocks' GEMM weights in fp8, a scale per output
-    column (jax3d.models.quantized): half the bytes a step reads of them; None keeps them in `dtype`."""
+    (cached_attention). `weight_dtype` jnp.float8_e4m3fn keeps the blocks' GEMM weights and the vocabulary tables
+    in fp8, a scale per output column (jax3d.models.quantized): half the bytes a step reads of them; None keeps them
+    in `dtype`."""
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
                  eod: int | None = None, chunk: int = CHUNK, cache_dtype=None, weight_dtype=None):
@@ -148,14 +149,15 @@ class Generator:
         if self.weight_dtype not in (None, jnp.dtype(quantized.E4M3)):
             raise ConfigError(f"weights can be kept in fp8 (float8_e4m3fn) for generation, not {self.weight_dtype}")
         devices = list(mesh.devices.flat)
-        fp8 = {what: flag for what, flag, on in (("KV cache", "--kv-cache-dtype fp8", self.cache_dtype.itemsize == 1),
-                                                 ("weights", "--quantization fp8", self.weight_dtype is not None)) if on}
+        fp8 = {what: flag for what, flag, on in (
+            ("KV cache", "--kv-cache-dtype fp8", self.cache_dtype.itemsize == 1),
+            ("weights", "--quantization fp8", self.weight_dtype is not None)) if on}
         old_gpu = without_fp8(devices) if fp8 else ""
         if old_gpu:  # the decode kernel's fp8 conversions are Triton's, which wants FP8 hardware; XLA's are untried
-            raise ConfigError(f"jax3d's fp8 {' and '.join(fp8)} ({' and '.join(fp8.values())}) "
-                              f"{'is' if list(fp8) == ['KV cache'] else 'are'} built for GPUs with FP8 (compute capability 8.9 "
-                              f"or later: Ada, Hopper) and this {devices[0].device_kind} has {old_gpu}; drop "
-                              f"{' and '.join(fp8.values())}")
+            flags, verb = " and ".join(fp8.values()), "is" if list(fp8) == ["KV cache"] else "are"
+            raise ConfigError(f"jax3d's fp8 {' and '.join(fp8)} ({flags}) {verb} built for GPUs with FP8 (compute "
+                              f"capability 8.9 or later: Ada, Hopper) and this {devices[0].device_kind} has "
+                              f"{old_gpu}; drop {flags}")
         self.rules = ShardingRules.create(False)
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size

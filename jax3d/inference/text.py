@@ -64,8 +64,8 @@ def generate_text(load: str, prompts: list[str], max_new_tokens: int, sampling: 
                   tp: int = 1, dtype=jnp.float32, seed: int = 0, step: int = -1, stop: tuple[str, ...] = (),
                   cache_dtype=None, weight_dtype=None) -> list[str]:
     """The continuation of each text prompt by checkpoint `load`, up to the end-of-document token or the
-    first of the `stop` strings (left out); the KV cache in `cache_dtype` (None: `dtype`), the blocks' GEMM
-    weights in `weight_dtype` (None: `dtype`; see Generator)."""
+    first of the `stop` strings (left out); the KV cache in `cache_dtype` (None: `dtype`), the GEMM weights
+    in `weight_dtype` (None: `dtype`; see Generator)."""
     cfg, params, tok = load_gpt_checkpoint(load, step)
     ids = [tok.tokenize(p) for p in prompts]
     gen = generator_for(cfg, params, tok, ids, max_new_tokens, tp=tp, dtype=dtype, checkpoint=load,
