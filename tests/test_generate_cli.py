@@ -57,33 +57,20 @@ def test_streamed_text_equals_the_batch_path_and_stops_at_the_stop_string(ckpt, 
     assert "compiled prefill 1x and decode 1x" in r.stderr  # two batches of one bucket
 
 
-def test_kv_cache_dtype_fp8_prints_the_librarys_fp8_text(ckpt):
-    """--kv-cache-dtype fp8 streams what the library generates with a float8_e4m3fn cache, with heads over 2
+@pytest.mark.parametrize("flag, kwargs", [("--kv-cache-dtype", {"cache_dtype": "float8_e4m3fn"}),
+                                          ("--quantization", {"weight_dtype": "float8_e4m3fn"})],
+                         ids=["kv-cache", "weights"])
+def test_fp8_flags_print_the_librarys_fp8_text(ckpt, flag, kwargs):
+    """--kv-cache-dtype fp8 and --quantization fp8 stream what the library generates with a float8_e4m3fn cache
+    or fp8 GEMM weights (tests/test_generate.py and tests/test_quantized.py check those), with heads over 2
     devices; an unknown type is refused by the parser."""
-    import jax.numpy as jnp
-
-    want = generate_text(ckpt, [PROMPT], 16, cache_dtype=jnp.float8_e4m3fn)[0]
-    r = _run("--load", ckpt, "--prompt", PROMPT, "--greedy", "--max-new-tokens", "16", "--kv-cache-dtype", "fp8",
+    want = generate_text(ckpt, [PROMPT], 16, **kwargs)[0]
+    r = _run("--load", ckpt, "--prompt", PROMPT, "--greedy", "--max-new-tokens", "16", flag, "fp8",
              "--tensor-model-parallel-size", "2")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout == PROMPT + want + "\n"
-    r = _run("--load", ckpt, "--prompt", PROMPT, "--kv-cache-dtype", "int4")
-    assert r.returncode == 2 and "--kv-cache-dtype" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-
-
-def test_quantization_fp8_prints_the_librarys_text_from_fp8_weights(ckpt):
-    """--quantization fp8 streams what the library generates with the GEMM weights in fp8 (tests/test_quantized.py
-    checks those against their dequantized values), with heads over 2 devices; an unknown kind is refused by the
-    parser."""
-    import jax.numpy as jnp
-
-    want = generate_text(ckpt, [PROMPT], 16, weight_dtype=jnp.float8_e4m3fn)[0]
-    r = _run("--load", ckpt, "--prompt", PROMPT, "--greedy", "--max-new-tokens", "16", "--quantization", "fp8",
-             "--tensor-model-parallel-size", "2")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout == PROMPT + want + "\n"
-    r = _run("--load", ckpt, "--prompt", PROMPT, "--quantization", "int4")
-    assert r.returncode == 2 and "--quantization" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _run("--load", ckpt, "--prompt", PROMPT, flag, "int4")
+    assert r.returncode == 2 and flag in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.parametrize("lines, flags, words", [
