@@ -82,17 +82,24 @@ def copy_rate(dtype, gib: float) -> float:
 
 def step_bytes(cfg, params, batch: int, slots: float, itemsize: int, cache_itemsize: int = 0,
                quantized_itemsize: int = 0) -> tuple[int, float]:
-    """(weight bytes, cache bytes) one decode step reads: every weight once (of the position table only a
-    row), those generation can keep in fp8 (jax3d.models.quantized.CONTRACTED) at `quantized_itemsize` bytes each (0:
-    `itemsize`; their scales, under 0.1%, not counted), and keys and values of `slots` slots of every row and
-    layer, at `cache_itemsize` bytes each (0: `itemsize`)."""
+    """(weight bytes, cache bytes) one decode step reads: every weight once but the tables a step looks a row up
+    in (the positions, and the word embedding where the head has its own table), those generation can keep in fp8
+    (jax3d.models.quantized.CONTRACTED) at `quantized_itemsize` bytes each (0: `itemsize`; their scales, under
+    0.1%, not counted), and keys and values of `slots` slots of every row and layer, at `cache_itemsize` bytes
+    each (0: `itemsize`)."""
     import jax
 
     from jax3d.models.quantized import CONTRACTED
 
-    quantized = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params) if path[-1].key in CONTRACTED)
-    weights = ((sum(x.size for x in jax.tree.leaves(params)) - cfg.max_position_embeddings * cfg.hidden_size)
-               * itemsize - quantized * (itemsize - (quantized_itemsize or itemsize)))
+    looked_up = {"position"} | ({"word"} if cfg.untie_embeddings_and_output_weights else set())
+
+    def read(path, x) -> int:
+        name = path[-1].key
+        if name in looked_up:
+            return 0
+        return x.size * ((quantized_itemsize or itemsize) if name in CONTRACTED else itemsize)
+
+    weights = sum(read(path, x) for path, x in jax.tree_util.tree_leaves_with_path(params))
     return weights, 2 * cfg.num_layers * batch * cfg.kv_heads * cfg.head_dim * slots * (cache_itemsize or itemsize)
 
 
@@ -203,7 +210,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=[*SHAPES, *PRESET_SHAPES], default="gpt-1.3b")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--prompt-len", type=int, default=0, help="default 128 (16 for the tiny shape)")
+    p.add_argument("--prompt-len", type=int, default=0, help="default 128 (16 for the tiny shapes: tiny, llama-tiny)")
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--hlo", action="store_true", help="count the kernels of the compiled token loop's body")
     p.add_argument("--decode-kernel", choices=["auto", "off"], default="auto",
@@ -231,7 +238,11 @@ def main(argv=None) -> int:
             tuned.append(kernel_tuning(module, fields, DECODE_KERNELS, "decode kernel"))
         except ValueError as e:
             p.error(f"--tune {t}: {e}")
-    a.prompt_len = a.prompt_len or (16 if a.shape == "tiny" else 128)
+    a.prompt_len = a.prompt_len or (16 if a.shape.endswith("tiny") else 128)
+    positions = decode_config(a.shape).max_position_embeddings
+    if a.prompt_len + a.new > positions:
+        p.error(f"--prompt-len {a.prompt_len} plus --new {a.new} is longer than {a.shape}'s {positions} positions; "
+                "ask for fewer")
     import jax
     import jax.numpy as jnp
 
