@@ -20,7 +20,13 @@ Each program runs many GEMMs in turn, over enough distinct weights to overflow L
 per shape, GB/s and the fraction of the copy rate. One H100's figures, and what they meant for decode:
 docs/decode.md.
 
+With `--quantization fp8` the weights are generation's fp8 ones (jax3d.models.quantized: e4m3 values, a scale
+per column): each XLA variant converts them inside its GEMM and scales its output as decode does
+(quantized.dot), the Pallas GEMV reads the f8 values and its output is scaled after; the bytes are the f8
+values'.
+
     PYTHONPATH=. python -m benchmarks.gemv_probe                # gpt-1.3b's shapes, on a GPU (about a minute)
+    PYTHONPATH=. python -m benchmarks.gemv_probe --quantization fp8 --shape qkv up   # fp8 weights
     PYTHONPATH=. python -m benchmarks.gemv_probe --small        # toy shapes, any backend (checks, no timing)
 """
 from __future__ import annotations
@@ -35,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.models import one_row
+from jax3d.models import one_row, quantized
 from jax3d.models.pallas_gpu import compiler_params
 
 # gpt-1.3b's one-row GEMMs (K, N): QKV, attention out, MLP up, MLP down
@@ -64,7 +70,7 @@ def _kernel(x_ref, w_ref, o_ref, *, rows: int, cols: int, per_split: int):
 
 @functools.partial(jax.jit, static_argnames=("cols", "splits", "warps", "rows", "interpret"))
 def gemv(x_1k, w_kn, cols: int = 64, splits: int = 1, warps: int = 4, rows: int = 256, interpret: bool = False):
-    """x (1, K) @ w (K, N) in fp32 sums, w's dtype out: one program per `cols` columns and per `splits`-th of
+    """x (1, K) @ w (K, N) in fp32 sums, x's dtype out: one program per `cols` columns and per `splits`-th of
     the rows, each walking its rows `rows` at a time; the splits' partial sums are added after. K must divide
     into splits x rows, N into cols."""
     k, n = w_kn.shape
@@ -78,7 +84,7 @@ def gemv(x_1k, w_kn, cols: int = 64, splits: int = 1, warps: int = 4, rows: int 
         compiler_params=compiler_params(warps, interpret),
         interpret=interpret,
     )(x_1k, w_kn)
-    return jnp.sum(partial, axis=0, keepdims=True).astype(w_kn.dtype)
+    return jnp.sum(partial, axis=0, keepdims=True).astype(x_1k.dtype)
 
 
 def split_k(x_1k, w_kn, splits: int, rows: int = 2):
@@ -130,6 +136,23 @@ def variants(interpret: bool) -> dict:
     return out
 
 
+def fp8_variants(interpret: bool) -> dict:
+    """variants() for a Quantized w: XLA's on its values converted, output scaled (quantized.dot, as decode runs
+    them); the Pallas GEMV on the f8 values themselves, output scaled after."""
+    def pallas(f):
+        return lambda x, w: f(x, w.values) * w.scale.astype(x.dtype)
+    return {name: pallas(f) if name.startswith("pallas") else functools.partial(quantized.dot, f)
+            for name, f in variants(interpret).items()}
+
+
+def weights_for(name: str, w_kn, fp8: bool):
+    """A variant's weight: w (K, N), or (N, K) for the names in TRANSPOSED; with `fp8`, Quantized by column."""
+    if not fp8:
+        return jnp.asarray(w_kn.T) if name in TRANSPOSED else w_kn
+    q = quantized.quantize(w_kn, (0,))
+    return quantized.Quantized(jnp.asarray(q.values.T), q.scale, (1,)) if name in TRANSPOSED else q
+
+
 def timed(f, x, ws, reps: int, n: int) -> float:
     """Seconds per GEMM: `reps` rounds over the weights `ws`, each GEMM's output added to a running sum (so
     none is dropped), in one compiled loop; best of 5 after a warm-up."""
@@ -156,16 +179,21 @@ def main(argv=None) -> int:
     p.add_argument("--shape", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--l2-mib", type=int, default=256, help="distinct weights per loop, at least this many MiB")
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                   help="the weights as they are (none) or generation's fp8 ones (jax3d.models.quantized)")
     a = p.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
+    fp8 = a.quantization == "fp8"
     key = jax.random.key(0)
+    all_variants = (fp8_variants if fp8 else variants)(interpret=not gpu)
     if a.small or not gpu:
-        for name, f in variants(interpret=not gpu).items():
+        for name, f in all_variants.items():
             x = jax.random.normal(key, (1, 2048), dtype)
             w = jax.random.normal(jax.random.fold_in(key, 1), (2048, 256), dtype)
-            y = f(x, w.T if name in TRANSPOSED else w)
-            err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - (x @ w).astype(jnp.float32))))
+            y = f(x, weights_for(name, w, fp8))
+            ref = x.astype(jnp.float32) @ (quantized.dequantize(quantized.quantize(w, (0,))) if fp8 else w)
+            err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)))
             print(json.dumps({"variant": name, "max_abs_err": round(err, 5)}), flush=True)
         return 0
     from benchmarks.profile_decode import copy_rate
@@ -174,15 +202,14 @@ def main(argv=None) -> int:
     print(json.dumps({"device": jax.devices()[0].device_kind, "copy_tb_s": round(rate / 1e12, 3)}), flush=True)
     for shape in a.shape:
         k, n = SHAPES[shape]
-        nbytes = k * n * jnp.dtype(dtype).itemsize
+        nbytes = k * n * (1 if fp8 else jnp.dtype(dtype).itemsize)
         copies = max(1, math.ceil(a.l2_mib * 2**20 / nbytes))
         ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), dtype) for i in range(copies)]
-        ws_t = [jnp.asarray(w.T) for w in ws]
         x = jax.random.normal(key, (1, k), dtype)
-        rec = {"shape": shape, "k": k, "n": n, "weights": copies}
-        for name, f in variants(interpret=False).items():
+        rec = {"shape": shape, "k": k, "n": n, "weights": copies, "quantization": a.quantization}
+        for name, f in all_variants.items():
             try:
-                s = timed(f, x, ws_t if name in TRANSPOSED else ws, a.reps, n)
+                s = timed(f, x, [weights_for(name, w, fp8) for w in ws], a.reps, n)
                 rec[name] = {"us": round(s * 1e6, 2), "gb_s": round(nbytes / s / 1e9, 1),
                              "of_copy_rate": round(nbytes / s / rate, 3)}
             except Exception as e:  # a tiling that does not compile is a result too

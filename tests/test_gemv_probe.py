@@ -1,5 +1,6 @@
 """benchmarks.gemv_probe on a CPU: its Pallas one-row GEMM (in Pallas' interpreter) against a plain dot, for
-each tiling the GPU run times, and its refusal of a tiling that does not divide the matrix."""
+each tiling the GPU run times, every variant with bf16 and fp8 weights, and its refusal of a tiling that does not
+divide the matrix."""
 import json
 
 import jax
@@ -23,8 +24,10 @@ def test_a_tiling_that_does_not_divide_is_refused():
         gemv_probe.gemv(jnp.ones((1, 512)), jnp.ones((512, 256)), splits=4)
 
 
-def test_small_run_checks_every_variant(capsys):
-    assert gemv_probe.main(["--small"]) == 0
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_small_run_checks_every_variant(capsys, quantization):
+    """Each variant against a dot, with fp8 weights against the dot of their dequantized values."""
+    assert gemv_probe.main(["--small", "--quantization", quantization]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["variant"] for r in rows} == set(gemv_probe.variants(interpret=True))
     assert all(r["max_abs_err"] < 1e-2 for r in rows)
