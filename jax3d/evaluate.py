@@ -10,10 +10,12 @@ sentence-order loss and accuracy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax3d.config import Config, ConfigError, ParallelConfig, PrecisionConfig, TrainConfig
@@ -167,8 +169,10 @@ def evaluate_params(steps, params, dataset, count: int, progress: bool = True) -
 def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: str = "", split: str | None = None,
                         which: str = "valid", num_samples: int = 0, micro_batch_size: int = 4, tp: int = 1,
                         pp: int = 1, dp: int = 0, dtype: str = "float32", seed: int | None = None,
-                        tokenizer=None, progress: bool = True) -> dict:
-    """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices."""
+                        tokenizer=None, progress: bool = True, quantization: str = "none") -> dict:
+    """Loss / perplexity of checkpoint `load` over a data set on a (dp, pp, tp) layout of the devices; with
+    `quantization` "fp8", of the weights generation's `--quantization fp8` holds (jax3d.models.quantized.rounded):
+    what fp8 weights cost the model on this data."""
     from jax3d.parallel import with_shardings
     from jax3d.parallel.pipeline_spec import fewest_microbatches
     from jax3d.parallel.plan import evaluation_mesh, resolve
@@ -196,7 +200,13 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples, validated)
     steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
     targets = with_shardings(steps.abstract_logical_state.params, steps.logical_shardings.params)
-    params = steps.state_params(restore_arrays(load, step, {"params": targets}).params)
+    params = restore_arrays(load, step, {"params": targets}).params
+    if quantization == "fp8":
+        from jax3d.models import quantized
+        params = jax.jit(functools.partial(quantized.rounded, compute_dtype=jnp.dtype(dtype)),
+                         out_shardings=steps.logical_shardings.params)(params)
+    params = steps.state_params(params)
     out = evaluate_params(steps, params, dataset, count, progress)
-    out.update(step=int(meta["step"]), layout={"data": layout.data, "stage": pp, "model": tp})
+    out.update(step=int(meta["step"]), layout={"data": layout.data, "stage": pp, "model": tp},
+               **({"quantization": quantization} if quantization != "none" else {}))
     return out

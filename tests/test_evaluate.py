@@ -50,6 +50,22 @@ def test_text_file_and_partial_last_batch(gpt_run, tmp_path):
     assert a["tokens"] == b["tokens"] > 64 and abs(a["loss"] - b["loss"]) < 1e-5
 
 
+def test_fp8_weights_cost_a_little_loss_the_same_on_every_layout(gpt_run, capsys):
+    """--quantization fp8 evaluates the weights generation's fp8 holds (tests/test_quantized.py ties
+    quantized.rounded to the Generator's): one loss on one device and on a pipelined, tensor-parallel layout, near
+    the checkpoint's own and not equal to it."""
+    prefix, _ = default_corpus(kind="gpt")
+    kw = dict(data_paths=[prefix], num_samples=32, micro_batch_size=2, progress=False)
+    plain = evaluate_checkpoint(str(gpt_run / "ckpt"), **kw)
+    fp8 = evaluate_checkpoint(str(gpt_run / "ckpt"), quantization="fp8", **kw)
+    fp8_222 = evaluate_checkpoint(str(gpt_run / "ckpt"), quantization="fp8", tp=2, pp=2, **kw)
+    assert fp8["quantization"] == "fp8" and abs(fp8["loss"] - fp8_222["loss"]) < 1e-5
+    assert 0 < abs(fp8["loss"] - plain["loss"]) < 0.01 * plain["loss"]
+    assert evaluate_main(["--load", str(gpt_run / "ckpt"), "--data-path", prefix, "--num-samples", "32",
+                          "--micro-batch-size", "2", "--quantization", "fp8", "--no-progress"]) == 0
+    assert abs(json.loads(capsys.readouterr().out)["loss"] - fp8["loss"]) < 1e-6
+
+
 def test_bad_input(gpt_run, tmp_path, capsys):
     ck = str(gpt_run / "ckpt")
     for argv, words in [(["--load", ck, "--data-path", "d", "--text-file", "t"], "exactly one of"),

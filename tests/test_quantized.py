@@ -38,20 +38,6 @@ def test_each_column_is_kept_to_e4m3s_rounding_of_its_own_scale(shape, contracte
     assert np.max(err / (np.abs(w) + 1e-30)) > 2.0 ** -6  # it rounded: not a bf16 or fp32 copy
 
 
-def _dequantized(params):
-    """The model's parameters with each weight generation keeps in fp8 (the blocks' GEMM weights, stacked over
-    layers, and the vocabulary tables) replaced by what its fp8 form stands for: the reference a Generator with fp8
-    weights should equal."""
-    def one(path, w):
-        c = quantized.CONTRACTED.get(path[-1].key)
-        if c is None:
-            return w
-        if path[0].key == "blocks":
-            return jax.vmap(lambda a: quantized.dequantize(quantized.quantize(a, c)))(w)
-        return quantized.dequantize(quantized.quantize(w, c))
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
 def _gen(cfg, params, tp=1, **kw):
     return Generator(cfg, params, MeshConfig(1, 1, tp).build(jax.devices()[:tp]), batch=len(PROMPTS), max_len=64, **kw)
 
@@ -70,7 +56,7 @@ def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layou
         cfg = cfg.__class__(**{**cfg.__dict__, "num_layers": 2, "max_position_embeddings": 64, "seq_length": 64,
                                "init_method_std": 0.1})
     params = build_model(cfg).init(jax.random.key(3))
-    want = _gen(cfg, _dequantized(params)).generate(PROMPTS, 12)
+    want = _gen(cfg, quantized.rounded(params)).generate(PROMPTS, 12)
     fp8 = _gen(cfg, params, weight_dtype=jnp.float8_e4m3fn)
     assert fp8.generate(PROMPTS, 12) == want
     assert _gen(cfg, params, tp=2, weight_dtype=jnp.float8_e4m3fn).generate(PROMPTS, 12) == want
@@ -80,3 +66,25 @@ def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layou
     assert len(tables) == (2 if model == "llama" else 1) and all(isinstance(t, quantized.Quantized) for t in tables)
     qkv = fp8.params["blocks"][0]["attn"]["qkv_kernel"].values
     assert f"f8e4m3fn[{','.join(map(str, qkv.shape))}]" in fp8.decode_hlo(PROMPTS)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rounded_parameters_are_the_generators_fp8_weights(dtype):
+    """quantized.rounded (what `launch/evaluate.py --quantization fp8` evaluates) holds exactly the values of the
+    Generator's fp8 weights, layer by layer and for the table, placed in fp32 or bf16 (whose scales are bf16)."""
+    cfg = get_preset("llama-tiny")[0]
+    params = build_model(cfg).init(jax.random.key(1))
+    gen = Generator(cfg, params, MeshConfig(1, 1, 1).build(jax.devices()[:1]), batch=1, max_len=32, dtype=dtype,
+                    weight_dtype=jnp.float8_e4m3fn)
+    want = quantized.rounded(params, compute_dtype=dtype)
+    for i, layer in enumerate(gen.params["blocks"]):
+        got = jax.tree.map(lambda a: quantized.dequantize(a) if isinstance(a, quantized.Quantized) else a, layer,
+                           is_leaf=lambda a: isinstance(a, quantized.Quantized))
+        for path, w in jax.tree_util.tree_leaves_with_path(got):
+            if path[-1].key in quantized.CONTRACTED:
+                ref = want["blocks"]
+                for k in path:
+                    ref = ref[k.key]
+                np.testing.assert_array_equal(np.asarray(w), np.asarray(ref[i]))
+    np.testing.assert_array_equal(np.asarray(quantized.dequantize(gen.params["embed"]["word"])),
+                                  np.asarray(want["embed"]["word"]))

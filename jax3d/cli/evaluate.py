@@ -30,6 +30,9 @@ def build_parser():
     p.add_argument("--micro-batch-size", type=int, default=4, help="samples per device per forward pass")
     add_model_parallel_flags(p)
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (default: float32)")
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                   help="evaluate the weights as launch/generate.py --quantization fp8 keeps them (e4m3, a scale per "
+                        "output column): what fp8 generation costs the model on this data (default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_device_flags(p)
     return p
@@ -52,6 +55,6 @@ def _main(argv) -> int:
                               split=a.split, which=a.split_name, num_samples=a.num_samples,
                               micro_batch_size=a.micro_batch_size, tp=a.tensor_model_parallel_size,
                               pp=a.pipeline_model_parallel_size, dtype="bfloat16" if a.bf16 else "float32",
-                              seed=a.seed, progress=not a.no_progress)
+                              seed=a.seed, progress=not a.no_progress, quantization=a.quantization)
     print(json.dumps(out))
     return 0

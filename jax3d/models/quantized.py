@@ -95,6 +95,21 @@ def take(table, ids):
     return rows * jnp.take(table.scale, ids, axis=0)[..., None]
 
 
+def rounded(params: dict, compute_dtype=None) -> dict:
+    """A model's parameters (the train state's logical tree, blocks stacked over layers) with each of CONTRACTED's
+    weights replaced by the values its fp8 form stands for, in its own dtype: what generation's fp8 GEMMs multiply
+    by, to evaluate. `compute_dtype` is the one generation places the weights in before quantizing (None: theirs);
+    an e4m3 value times its bf16 scale is exact in fp32."""
+    def one(path, w):
+        contracted = CONTRACTED.get(path[-1].key)
+        if contracted is None:
+            return w
+        def back(a):
+            return dequantize(quantize(a.astype(compute_dtype or a.dtype), contracted), w.dtype)
+        return jax.vmap(back)(w) if path[0].key == "blocks" else back(w)
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def quantize_layer(layer: dict, dtype=E4M3) -> dict:
     """Parameters (nested dicts) with CONTRACTED's weights Quantized."""
     return {k: quantize_layer(v, dtype) if isinstance(v, dict) else
