@@ -239,10 +239,10 @@ def main(argv=None) -> int:
         except ValueError as e:
             p.error(f"--tune {t}: {e}")
     a.prompt_len = a.prompt_len or (16 if a.shape.endswith("tiny") else 128)
-    positions = decode_config(a.shape).max_position_embeddings
-    if a.prompt_len + a.new > positions:
-        p.error(f"--prompt-len {a.prompt_len} plus --new {a.new} is longer than {a.shape}'s {positions} positions; "
-                "ask for fewer")
+    cfg = decode_config(a.shape)
+    if a.prompt_len + a.new > cfg.max_position_embeddings:
+        p.error(f"--prompt-len {a.prompt_len} plus --new {a.new} is longer than {a.shape}'s "
+                f"{cfg.max_position_embeddings} positions; ask for fewer")
     import jax
     import jax.numpy as jnp
 
@@ -256,7 +256,6 @@ def main(argv=None) -> int:
     item = jnp.dtype(dtype).itemsize
     cache_dtype = kv_cache_dtype(a.kv_cache_dtype, dtype)
     weights = weight_dtype(a.quantization)
-    cfg = decode_config(a.shape)
     params = build_model(cfg).init(jax.random.key(0))
     weight_bytes = step_bytes(cfg, params, 1, 0, item, quantized_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)

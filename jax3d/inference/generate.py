@@ -167,9 +167,10 @@ class Generator:
         layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), specs.pop("blocks"), is_leaf=lambda x: isinstance(x, P))
         layer_sh = named_shardings(mesh, layer_specs)
         ends = {k: v for k, v in params.items() if k != "blocks"}
-        self.params = _placed(ends, named_shardings(mesh, specs), dtype)
+        ends_sh = named_shardings(mesh, specs)
+        self.params = _placed(ends, ends_sh, dtype)
         if self.weight_dtype is not None:
-            self.params = _quantized(self.params, named_shardings(mesh, specs), self.weight_dtype)
+            self.params = _quantized(self.params, ends_sh, self.weight_dtype)
         self.params["blocks"] = [_placed(jax.tree.map(lambda a, i=i: a[i] if _concrete(a) else
                                                       jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["blocks"]),
                                          layer_sh, dtype)
@@ -387,8 +388,8 @@ def _quantized(tree, shardings, dtype):
         return quantized.Quantized(sh, NamedSharding(sh.mesh, scale), contracted)
     out_sh = jax.tree_util.tree_map_with_path(out_sharding, tree, shardings)
     if all(_concrete(a) for a in jax.tree.leaves(tree)):
-        return jax.jit(quantized.quantize_layer, static_argnums=1, out_shardings=out_sh)(tree, dtype)
-    shapes = jax.eval_shape(lambda t: quantized.quantize_layer(t, dtype), tree)
+        return jax.jit(quantized.quantize_params, static_argnums=1, out_shardings=out_sh)(tree, dtype)
+    shapes = jax.eval_shape(lambda t: quantized.quantize_params(t, dtype), tree)
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_sh)
 
 

@@ -37,11 +37,12 @@ CONTRACTED = {"qkv_kernel": (0,), "out_kernel": (0, 1), "up_kernel": (0,), "down
 @dataclasses.dataclass(frozen=True)
 class Quantized:
     """A weight as `values` (its shape, in fp8) and `scale` (its output columns' shape: its shape without the
-    contracted dims, in the weight's own dtype); the weight is values * scale, broadcast over those dims."""
+    contracted dims, in the weight's own dtype), `contracted` those dims; the weight is values * scale, broadcast
+    over them."""
 
     values: jax.Array
     scale: jax.Array
-    contracted: tuple = dataclasses.field(default=(0,), metadata=dict(static=True))
+    contracted: tuple = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self):
@@ -110,7 +111,7 @@ def rounded(params: dict, compute_dtype=None) -> dict:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def quantize_layer(layer: dict, dtype=E4M3) -> dict:
-    """Parameters (nested dicts) with CONTRACTED's weights Quantized."""
-    return {k: quantize_layer(v, dtype) if isinstance(v, dict) else
-            quantize(v, CONTRACTED[k], dtype) if k in CONTRACTED else v for k, v in layer.items()}
+def quantize_params(params: dict, dtype=E4M3) -> dict:
+    """Parameters (nested dicts: a layer, or the embedding and head) with CONTRACTED's weights Quantized."""
+    return {k: quantize_params(v, dtype) if isinstance(v, dict) else
+            quantize(v, CONTRACTED[k], dtype) if k in CONTRACTED else v for k, v in params.items()}
