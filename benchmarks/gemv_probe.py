@@ -21,9 +21,9 @@ per shape, GB/s and the fraction of the copy rate. One H100's figures, and what 
 docs/decode.md.
 
 With `--quantization fp8` the weights are generation's fp8 ones (jax3d.models.quantized: e4m3 values, a scale
-per column): each XLA variant converts them inside its GEMM and scales its output as decode does
-(quantized.dot), the Pallas GEMV reads the f8 values and its output is scaled after; the bytes are the f8
-values'.
+per column), and `reduce` is decode's one-row GEMM of them (quantized.dot: a row reduction over the values
+stored column by column); each XLA variant converts the values inside its GEMM, the Pallas GEMV reads them as
+f8, and every output is scaled after; the bytes are the f8 values'.
 
     PYTHONPATH=. python -m benchmarks.gemv_probe                # gpt-1.3b's shapes, on a GPU (about a minute)
     PYTHONPATH=. python -m benchmarks.gemv_probe --quantization fp8 --shape qkv up   # fp8 weights
@@ -137,20 +137,27 @@ def variants(interpret: bool) -> dict:
 
 
 def fp8_variants(interpret: bool) -> dict:
-    """variants() for a Quantized w: XLA's on its values converted, output scaled (quantized.dot, as decode runs
-    them); the Pallas GEMV on the f8 values themselves, output scaled after."""
-    def pallas(f):
-        return lambda x, w: f(x, w.values) * w.scale.astype(x.dtype)
-    return {name: pallas(f) if name.startswith("pallas") else functools.partial(quantized.dot, f)
-            for name, f in variants(interpret).items()}
+    """jax3d's one-row GEMM of fp8 weights (`reduce`: quantized.dot, a row reduction over the values stored column
+    by column), and variants() on the values in (K, N) order ((N, K) for TRANSPOSED): XLA's converting them inside
+    its GEMM, the Pallas GEMV reading the f8 values themselves; every output scaled after."""
+    def scaled(name, f):
+        if name.startswith("pallas"):
+            return lambda x, w: f(x, w[0]) * w[1].astype(x.dtype)
+        return lambda x, w: f(x, w[0].astype(x.dtype)) * w[1].astype(x.dtype)
+    return {"reduce": lambda x, w: quantized.dot(jnp.matmul, x, w),
+            **{name: scaled(name, f) for name, f in variants(interpret).items()}}
 
 
 def weights_for(name: str, w_kn, fp8: bool):
-    """A variant's weight: w (K, N), or (N, K) for the names in TRANSPOSED; with `fp8`, Quantized by column."""
+    """A variant's weight: w (K, N), or (N, K) for the names in TRANSPOSED; with `fp8`, Quantized by column for
+    `reduce`, else its values in that order and its scale."""
     if not fp8:
         return jnp.asarray(w_kn.T) if name in TRANSPOSED else w_kn
     q = quantized.quantize(w_kn, (0,))
-    return quantized.Quantized(jnp.asarray(q.values.T), q.scale, (1,)) if name in TRANSPOSED else q
+    if name == "reduce":
+        return q
+    values = q.unstored()
+    return (jnp.asarray(values.T) if name in TRANSPOSED else values), q.scale
 
 
 def timed(f, x, ws, reps: int, n: int) -> float:

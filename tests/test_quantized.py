@@ -38,8 +38,37 @@ def test_each_column_is_kept_to_e4m3s_rounding_of_its_own_scale(shape, contracte
     assert np.max(err / (np.abs(w) + 1e-30)) > 2.0 ** -6  # it rounded: not a bf16 or fp32 copy
 
 
-def _gen(cfg, params, tp=1, **kw):
-    return Generator(cfg, params, MeshConfig(1, 1, tp).build(jax.devices()[:tp]), batch=len(PROMPTS), max_len=64, **kw)
+def _out_dot(c_btkgh, w_nhd):  # the attention's out-projection (jax3d.models.cached_attention._out)
+    kv, g, h = c_btkgh.shape[2:]
+    return jax.lax.dot_general(c_btkgh, w_nhd.reshape(kv, g, h, -1), (((2, 3, 4), (0, 1, 2)), ((), ())))
+
+
+GEMMS = {"qkv": (lambda x, w: jnp.einsum("btd,dcnh->btcnh", x, w), (64, 3, 4, 16), (0,), (64,)),
+         "out": (_out_dot, (4, 16, 64), (0, 1), (2, 2, 16)),
+         "head": (lambda x, w: jnp.einsum("btd,vd->btv", x, w), (96, 64), (1,), (64,))}
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("gemm", list(GEMMS))
+def test_a_quantized_gemm_is_the_gemm_of_its_dequantized_weight(gemm, rows):
+    """quantized.dot on one row (a reduction over the stored values, no dot) and on three (the GEMM on the values
+    put back in the weight's dim order) gives the GEMM of the dequantized weight, for the blocks' QKV and
+    out-projection and the LM head's table."""
+    fn, shape, contracted, row = GEMMS[gemm]
+    key = jax.random.key(0)
+    q = quantized.quantize(jax.random.normal(key, shape), contracted)
+    assert q.shape == shape and q.values.shape[q.values.ndim - len(contracted):] == tuple(shape[i] for i in contracted)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (rows, 1) + row)
+    want = fn(x, quantized.dequantize(q))
+    got = quantized.dot(fn, x, q)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    eqns = jax.make_jaxpr(lambda x, q: quantized.dot(fn, x, q))(x, q).eqns
+    assert len([e for e in eqns if e.primitive.name == "dot_general"]) == (rows > 1)
+
+
+def _gen(cfg, params, tp=1, batch=len(PROMPTS), **kw):
+    return Generator(cfg, params, MeshConfig(1, 1, tp).build(jax.devices()[:tp]), batch=batch, max_len=64, **kw)
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -47,7 +76,7 @@ def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layou
     """Greedy tokens of a ragged batch with the GEMM weights and vocabulary tables in fp8 equal those of the fp32
     model holding their dequantized values, with heads over 1 and 2 devices; a GPT (biases, GELU, a tied table)
     and a Llama (grouped-query heads, rotary positions, SwiGLU, no biases, an untied head). The compiled decode
-    takes the weights in fp8."""
+    takes the weights in fp8. At batch 1 too, where each GEMM is a reduction of one row."""
     if model == "gpt":  # weights large enough that attention, not the residual stream, picks the tokens
         cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64,
                           max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
@@ -60,6 +89,9 @@ def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layou
     fp8 = _gen(cfg, params, weight_dtype=jnp.float8_e4m3fn)
     assert fp8.generate(PROMPTS, 12) == want
     assert _gen(cfg, params, tp=2, weight_dtype=jnp.float8_e4m3fn).generate(PROMPTS, 12) == want
+    for tp in (1, 2):  # one row: the GEMMs are quantized.dot's reductions
+        one = _gen(cfg, params, tp=tp, batch=1, weight_dtype=jnp.float8_e4m3fn)
+        assert [one.generate([p], 12)[0] for p in PROMPTS[:2]] == want[:2]
     kernels = [v for k, v in fp8.params["blocks"][0]["attn"].items() if k.endswith("kernel")]
     assert kernels and all(isinstance(v, quantized.Quantized) for v in kernels)
     tables = [fp8.params["embed"]["word"], *([fp8.params["head"]["output"]] if "head" in fp8.params else [])]

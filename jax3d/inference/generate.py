@@ -377,15 +377,16 @@ def _concrete(a) -> bool:
 
 def _quantized(tree, shardings, dtype):
     """Placed parameters (a layer, or the embedding and head) with jax3d.models.quantized.CONTRACTED's weights
-    Quantized, each on its weight's sharding and its scale on the weight's spec without the contracted dims;
-    abstract leaves (see _placed) stay abstract."""
+    Quantized, each on its weight's sharding (its values' spec in their stored order) and its scale on the
+    weight's spec without the contracted dims; abstract leaves (see _placed) stay abstract."""
     def out_sharding(path, a, sh):
         contracted = quantized.CONTRACTED.get(path[-1].key)
         if contracted is None:
             return sh
         spec = tuple(sh.spec) + (None,) * (a.ndim - len(sh.spec))  # past its length a spec replicates
+        values = P(*[spec[i] for i in quantized.stored_order(a.ndim, contracted)])
         scale = P(*[s for i, s in enumerate(spec) if i not in contracted])
-        return quantized.Quantized(sh, NamedSharding(sh.mesh, scale), contracted)
+        return quantized.Quantized(NamedSharding(sh.mesh, values), NamedSharding(sh.mesh, scale), contracted)
     out_sh = jax.tree_util.tree_map_with_path(out_sharding, tree, shardings)
     if all(_concrete(a) for a in jax.tree.leaves(tree)):
         return jax.jit(quantized.quantize_params, static_argnums=1, out_shardings=out_sh)(tree, dtype)

@@ -28,6 +28,15 @@ from jax3d.parallel.rules import ShardingRules, traced_platform
 
 
 def _param(module: nn.Module, name: str, axes: tuple, shape: tuple, init):
+    """The module's parameter `name`. A Quantized one (generation's fp8 weights) stores its values in another dim
+    order than the weight's (jax3d.models.quantized), so it is checked against `shape` here rather than by flax,
+    which compares its stored leaves."""
+    if module.has_variable("params", name):
+        held = module.get_variable("params", name)
+        if isinstance(held, quantized.Quantized):
+            if held.shape != tuple(shape):
+                raise ValueError(f"parameter {name!r} of {module.name} is {held.shape}, not {tuple(shape)}")
+            return held
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax3d.models import quantized
 from jax3d.parallel.rules import traced_platform
 
 
@@ -25,8 +26,9 @@ def gemm(dot, x_bt, w):
     """`dot(x_bt, w)` for an `x_bt` of (batch, seq, ...) whose result is (batch, seq, ...); with one row
     (batch * seq == 1) and operands below XLA's bound, on a GPU, computed on the row repeated twice. Above the
     bound XLA keeps the one row's dot a GEMM itself; the CPU has no such rewrite, and the second row cost decode
-    at batch 1 6% there (the tiny shape)."""
+    at batch 1 6% there (the tiny shape). A Quantized weight's one row is a reduction of jax3d's own
+    (jax3d.models.quantized.dot), so it keeps its one row."""
     if (x_bt.shape[0] * x_bt.shape[1] != 1 or x_bt.size + w.size >= REWRITTEN_BELOW
-            or traced_platform() != "gpu"):
+            or traced_platform() != "gpu" or isinstance(w, quantized.Quantized)):
         return dot(x_bt, w)
     return dot(jnp.broadcast_to(x_bt, (1, 2) + x_bt.shape[2:]), w)[:, :1]

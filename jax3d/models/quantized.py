@@ -5,7 +5,8 @@ Decoding reads every weight once per step, so at small batches a step's time is 
 e4m3 they are half of bf16's. The GEMM converts the values to the compute dtype as it loads them (XLA fuses
 the convert into its GEMM's operand: compiled for an H100, the fusion reads the f8 weight itself) and its
 output is multiplied by the scale, a vector over the output columns, which XLA fuses into the GEMM's epilogue
-or the split-K reduction after it.
+or the split-K reduction after it. Of one row (decode at batch 1) the product is a row reduction instead: the
+values are stored with each output column's weights together, and the reduction reads them once (`dot`).
 
 A column's scale is its largest magnitude over the contracted dims divided by e4m3's largest value (448), so
 the largest element of each column is stored exactly and every other one to e4m3's 3-bit mantissa (within
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -33,24 +36,42 @@ CONTRACTED = {"qkv_kernel": (0,), "out_kernel": (0, 1), "up_kernel": (0,), "down
               "word": (1,), "output": (1,)}
 
 
+def stored_order(ndim: int, contracted: tuple) -> tuple:
+    """A weight's dims in the order its Quantized values store them: the output columns', then the contracted."""
+    return tuple(i for i in range(ndim) if i not in contracted) + tuple(contracted)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Quantized:
-    """A weight as `values` (its shape, in fp8) and `scale` (its output columns' shape: its shape without the
-    contracted dims, in the weight's own dtype), `contracted` those dims; the weight is values * scale, broadcast
-    over them."""
+    """A weight as `values` (in fp8) and `scale` (its output columns' shape: its shape without the `contracted`
+    dims, in the weight's own dtype); the weight is values * scale, broadcast over the contracted dims. The values
+    are stored with the contracted dims last (`order`), so that each output column's weights lie together: one
+    row's product is then a row reduction that reads each weight once (`dot`)."""
 
     values: jax.Array
     scale: jax.Array
     contracted: tuple = dataclasses.field(metadata=dict(static=True))
 
     @property
+    def order(self) -> tuple:
+        """The weight's dims in the order `values` stores them: the output columns', then the contracted ones."""
+        return stored_order(self.values.ndim, self.contracted)
+
+    @property
     def shape(self):
-        return self.values.shape
+        """The weight's own shape (not the stored one)."""
+        return tuple(self.values.shape[self.order.index(i)] for i in range(self.values.ndim))
 
     @property
     def size(self):
         return self.values.size
+
+    def unstored(self, dtype=None):
+        """The values in the weight's own dim order (a transpose XLA folds into the GEMM), converted to `dtype` if
+        given."""
+        values = jnp.transpose(self.values, tuple(np.argsort(self.order)))
+        return values if dtype is None else values.astype(dtype)
 
 
 def quantize(w, contracted: tuple, dtype=E4M3) -> Quantized:
@@ -61,7 +82,7 @@ def quantize(w, contracted: tuple, dtype=E4M3) -> Quantized:
     largest = float(jnp.finfo(dtype).max)
     scale = jnp.where(amax > 0, amax / largest, 1.0).astype(w.dtype)  # an all-zero column keeps zeros
     values = jnp.clip(w32 / jnp.expand_dims(scale.astype(jnp.float32), contracted), -largest, largest).astype(dtype)
-    return Quantized(values, scale, contracted)
+    return Quantized(jnp.transpose(values, stored_order(w.ndim, contracted)), scale, tuple(contracted))
 
 
 def weight_dtype(flag: str):
@@ -71,15 +92,27 @@ def weight_dtype(flag: str):
 
 def dequantize(w: Quantized, dtype=jnp.float32):
     """The weight `w` stands for, in `dtype`: the reference its GEMMs are tested against."""
-    return (w.values.astype(jnp.float32) * jnp.expand_dims(w.scale.astype(jnp.float32), w.contracted)).astype(dtype)
+    return (w.unstored(jnp.float32) * jnp.expand_dims(w.scale.astype(jnp.float32), w.contracted)).astype(dtype)
 
 
 def dot(fn, x, w):
-    """`fn(x, w)` for a GEMM `fn` whose output ends in w's output columns; with `w` Quantized, on its values
-    converted to x's dtype, and the output scaled."""
+    """`fn(x, w)` for a GEMM `fn` that contracts x's last dims with w's contracted ones (in their order) and ends
+    its output in w's output columns. With `w` Quantized: of one row (x holds one row's worth), a row reduction
+    over the stored values, in fp32; of more rows, `fn` on the values converted to x's dtype; either scaled after.
+
+    XLA's GEMM of one row and fp8 weights read them far below the copy rate on an H100 (its autotuner picked one
+    pipeline stage and no TMA for gpt-1.3b's QKV and up shapes: docs/decode.md); a row reduction reads each
+    column's contiguous weights once."""
     if not isinstance(w, Quantized):
         return fn(x, w)
-    y = fn(x, w.values.astype(x.dtype))
+    k = len(w.contracted)
+    row = w.values.shape[w.values.ndim - k:]
+    if x.size == math.prod(row):
+        out = jax.eval_shape(fn, x, jax.ShapeDtypeStruct(w.shape, x.dtype))
+        products = w.values.astype(jnp.float32) * x.reshape(row).astype(jnp.float32)
+        y = jnp.sum(products, axis=tuple(range(w.values.ndim - k, w.values.ndim)))
+        return (y * w.scale.astype(jnp.float32)).astype(out.dtype).reshape(out.shape)
+    y = fn(x, w.unstored(x.dtype))
     return y * w.scale.astype(y.dtype)
 
 
@@ -92,7 +125,7 @@ def take(table, ids):
     """Rows `ids` of a (vocab, embed) table (`jnp.take` on axis 0), of a Quantized one in its scale's dtype."""
     if not isinstance(table, Quantized):
         return jnp.take(table, ids, axis=0)
-    rows = jnp.take(table.values, ids, axis=0).astype(table.scale.dtype)
+    rows = jnp.take(table.unstored(), ids, axis=0).astype(table.scale.dtype)
     return rows * jnp.take(table.scale, ids, axis=0)[..., None]
 
 
