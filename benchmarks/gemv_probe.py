@@ -3,8 +3,8 @@
 At batch 1 a gpt-1.3b decode step runs at about 61% of its weights' bytes over the copy rate on an H100
 (docs/decode.md), and fewer small kernels bought little, so the question is how close each one-row GEMM
 comes to the copy rate, and whether a GEMM written for one row (a Pallas kernel, each program a strip of
-columns, optionally a share of the rows) does better than XLA's. For each of the block's four GEMM shapes it
-times, in one process:
+columns, optionally a share of the rows) does better than XLA's. For each of the block's four GEMM shapes and
+the LM head's it times, in one process:
 - `xla`: the one-row dot as jax3d writes it (jax3d.models.one_row.gemm: the row twice, on a GPU);
 - `xla-row`: the plain one-row dot (which XLA's GPU compiler rewrites into a multiply and a sum below 10M
   elements);
@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax3d.models import one_row, quantized
 from jax3d.models.pallas_gpu import compiler_params
 
-# gpt-1.3b's one-row GEMMs (K, N): QKV, attention out, MLP up, MLP down
-SHAPES = {"qkv": (2048, 6144), "out": (2048, 2048), "up": (2048, 8192), "down": (8192, 2048)}
+# gpt-1.3b's one-row GEMMs (K, N): QKV, attention out, MLP up, MLP down, the LM head
+SHAPES = {"qkv": (2048, 6144), "out": (2048, 2048), "up": (2048, 8192), "down": (8192, 2048), "head": (2048, 50304)}
 # XLA's GEMM with its rows split this many ways as a batch dimension (partial sums added after)
 SPLITS = (2, 4, 8, 16)
 # the row repeated this many times (jax3d repeats it twice)
