@@ -63,6 +63,26 @@ def hf_model(shape: str, path: str, device: str, dtype):
     return model
 
 
+def hf_judges(model, prompts: np.ndarray, tokens: np.ndarray, device: str) -> dict:
+    """transformers' own logits over jax3d's tokens, teacher-forced (one forward pass of prompt and tokens a
+    row): how often each jax3d token is transformers' top pick there, and by how much transformers' top logit
+    beats it at most. Free-running agreement ends at the first near-tie that bf16 flips; this does not: a
+    jax3d that computed the model right picks, at every step, a token transformers ranks first or within
+    rounding of it, where a wrong one picks tokens far below (about the logits' spread)."""
+    import torch
+
+    top1, gap = [], 0.0
+    with torch.no_grad():
+        for p, t in zip(prompts, tokens):  # a row at a time: a batch's logits over a 128k vocabulary are GBs
+            ids = torch.tensor(np.concatenate([p, t])[None], dtype=torch.long, device=device)
+            logits = model(ids).logits[0, len(p) - 1:-1].float()  # the logits that picked each token
+            picked = logits.gather(1, torch.tensor(t, dtype=torch.long, device=device)[:, None])[:, 0]
+            best = logits.max(dim=1).values
+            top1.append((picked == best).float().mean().item())
+            gap = max(gap, (best - picked).max().item())
+    return {"hf_top1_of_jax3d_frac": round(float(np.mean(top1)), 3), "hf_max_logit_gap_of_jax3d": round(gap, 4)}
+
+
 def _best(fn, repeats: int) -> tuple[float, object]:
     best, out = float("inf"), None
     for _ in range(repeats):
@@ -218,6 +238,8 @@ def main(argv=None) -> int:
             # in bf16 near-ties can flip a greedy pick, so agreement is reported, not asserted
             n = min(new, ours["tokens"].shape[1])
             rec[f"same_tokens_frac_{peer}"] = round(float(np.mean(ours["tokens"][:, :n] == hf["tokens"][:, :n])), 3)
+        if a.peers:
+            rec.update(hf_judges(model, prompts, ours["tokens"], device))
         print(json.dumps(rec), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -30,10 +30,35 @@ def test_generate_speed_small_agrees_with_both_peers(capsys, shape, args):
         assert r["jax3d_compiles"] == {"prefill": 1, "decode": 1}
         assert r["hf_static_compiled"] is True  # transformers' compiled path, not a silent eager fallback
         assert r["same_tokens_frac_static"] == 1.0 and r["same_tokens_frac_eager"] == 1.0  # fp32: token for token
+        assert r["hf_top1_of_jax3d_frac"] == 1.0 and r["hf_max_logit_gap_of_jax3d"] == 0.0  # and transformers' picks
         assert r["limit_tok_s"] == pytest.approx(r["batch"] * rows[0]["limit_tok_s"], rel=1e-3)
         assert r["limit_with_cache_tok_s"] < r["limit_tok_s"]
         assert r["jax3d_trace"]["kernels_per_step"] > 0
         assert sum(r["jax3d_step_ms"].values()) == pytest.approx(r["batch"] * 1e3 / r["jax3d_decode_tok_s"], abs=2e-3)
+
+
+def test_transformers_judges_its_own_greedy_tokens_first_and_other_tokens_below(tmp_path):
+    """generate_speed.hf_judges, teacher-forced: transformers' greedy tokens are its top picks (gap 0); tokens it
+    ranks last are none, and fall short of its top logit by the logits' range."""
+    import numpy as np
+    import torch
+
+    from benchmarks.generate_speed import hf_judges
+    from tests.hf_fixtures import tiny_gpt2
+
+    model = tiny_gpt2(str(tmp_path / "hf"), vocab=200).eval()
+    prompts = np.random.RandomState(0).randint(0, 200, (2, 5))
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompts), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    greedy = out[:, 5:].numpy()
+    assert hf_judges(model, prompts, greedy, "cpu") == {"hf_top1_of_jax3d_frac": 1.0, "hf_max_logit_gap_of_jax3d": 0.0}
+    with torch.no_grad():
+        first = model(torch.tensor(prompts)).logits[:, -1]
+    worst = first.argmin(dim=1).numpy()[:, None]  # one token a row: the one transformers ranks last
+    judged = hf_judges(model, prompts, worst, "cpu")
+    spread = (first.max(dim=1).values - first.min(dim=1).values).max().item()
+    assert judged["hf_top1_of_jax3d_frac"] == 0.0
+    assert judged["hf_max_logit_gap_of_jax3d"] == pytest.approx(spread, rel=1e-3)
 
 
 def test_profile_decode_tiny_breakdown_adds_up(capsys):
