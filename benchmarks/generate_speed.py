@@ -10,6 +10,9 @@ row, for every side. `limit_tok_s` is the weights-only limit (one read of every
 weight per step); `limit_with_cache_tok_s` adds the cache a step must read (its filled part, averaged over
 the run); `jax3d_step_ms` splits jax3d's step as profile_decode does (weights, the cache it reads, the rest),
 without a trace. jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
+Beside the peers, transformers' own logits judge jax3d's tokens teacher-forced (`hf_judges`): the share it ranks
+first and the largest gap to its top logit, which stay within bf16's rounding where the free-running
+`same_tokens_frac_*` part at the first near-tie.
 
     python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU: batch 1 and 32
     python -m benchmarks.generate_speed --trace              # and profile_decode's trace of jax3d's decode
