@@ -48,15 +48,21 @@ GEMMS = {"qkv": (lambda x, w: jnp.einsum("btd,dcnh->btcnh", x, w), (64, 3, 4, 16
          "head": (lambda x, w: jnp.einsum("btd,vd->btv", x, w), (96, 64), (1,), (64,))}
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, None], ids=["fp8", "rows"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("gemm", list(GEMMS))
-def test_a_quantized_gemm_is_the_gemm_of_its_dequantized_weight(gemm, rows):
+def test_a_quantized_gemm_is_the_gemm_of_its_dequantized_weight(gemm, rows, dtype):
     """quantized.dot on one row (a reduction over the stored values, no dot) and on three (the GEMM on the values
     put back in the weight's dim order) gives the GEMM of the dequantized weight, for the blocks' QKV and
-    out-projection and the LM head's table."""
+    out-projection and the LM head's table; in fp8, and as the weight's own values stored as rows (no scale),
+    which dequantize to the weight itself."""
     fn, shape, contracted, row = GEMMS[gemm]
     key = jax.random.key(0)
-    q = quantized.quantize(jax.random.normal(key, shape), contracted)
+    w = jax.random.normal(key, shape)
+    q = quantized.quantize(w, contracted, dtype)
+    if dtype is None:
+        assert q.scale is None and q.values.dtype == w.dtype
+        np.testing.assert_array_equal(quantized.dequantize(q), w)
     assert q.shape == shape and q.values.shape[q.values.ndim - len(contracted):] == tuple(shape[i] for i in contracted)
     x = jax.random.normal(jax.random.fold_in(key, 1), (rows, 1) + row)
     want = fn(x, quantized.dequantize(q))
@@ -65,6 +71,15 @@ def test_a_quantized_gemm_is_the_gemm_of_its_dequantized_weight(gemm, rows):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     eqns = jax.make_jaxpr(lambda x, q: quantized.dot(fn, x, q))(x, q).eqns
     assert len([e for e in eqns if e.primitive.name == "dot_general"]) == (rows > 1)
+
+
+def _tiny(model: str) -> ModelConfig:
+    if model == "gpt":  # weights large enough that attention, not the residual stream, picks the tokens
+        return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64,
+                           max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
+    cfg = get_preset("llama-tiny")[0]
+    return cfg.__class__(**{**cfg.__dict__, "num_layers": 2, "max_position_embeddings": 64, "seq_length": 64,
+                            "init_method_std": 0.1})
 
 
 def _gen(cfg, params, tp=1, batch=len(PROMPTS), **kw):
@@ -77,13 +92,7 @@ def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layou
     model holding their dequantized values, with heads over 1 and 2 devices; a GPT (biases, GELU, a tied table)
     and a Llama (grouped-query heads, rotary positions, SwiGLU, no biases, an untied head). The compiled decode
     takes the weights in fp8. At batch 1 too, where each GEMM is a reduction of one row."""
-    if model == "gpt":  # weights large enough that attention, not the residual stream, picks the tokens
-        cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64,
-                          max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
-    else:
-        cfg = get_preset("llama-tiny")[0]
-        cfg = cfg.__class__(**{**cfg.__dict__, "num_layers": 2, "max_position_embeddings": 64, "seq_length": 64,
-                               "init_method_std": 0.1})
+    cfg = _tiny(model)
     params = build_model(cfg).init(jax.random.key(3))
     want = _gen(cfg, quantized.rounded(params)).generate(PROMPTS, 12)
     fp8 = _gen(cfg, params, weight_dtype=jnp.float8_e4m3fn)
@@ -98,6 +107,31 @@ def test_fp8_weights_give_the_tokens_of_their_dequantized_weights_on_every_layou
     assert len(tables) == (2 if model == "llama" else 1) and all(isinstance(t, quantized.Quantized) for t in tables)
     qkv = fp8.params["blocks"][0]["attn"]["qkv_kernel"].values
     assert f"f8e4m3fn[{','.join(map(str, qkv.shape))}]" in fp8.decode_hlo(PROMPTS)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_weights_stored_as_rows_at_batch_1_give_the_gemms_tokens(model, monkeypatch):
+    """At batch 1 on a GPU (generate.as_rows, here forced on the CPU) the Generator keeps its GEMM weights and
+    tables as rows, each product a reduction: the greedy tokens of the Generator whose GEMMs take the weights as
+    they are, with heads over 1 and 2 devices; a GPT (biases, GELU, a tied table) and a Llama (grouped-query
+    heads, rotary positions, SwiGLU, an untied head). Off the GPU, and at more rows, the weights stay as they are."""
+    from jax3d.inference import generate
+
+    cfg = _tiny(model)
+    params = build_model(cfg).init(jax.random.key(3))
+    plain = _gen(cfg, params, batch=1)
+    assert not isinstance(plain.params["blocks"][0]["attn"]["qkv_kernel"], quantized.Quantized)
+    want = [plain.generate([p], 12)[0] for p in PROMPTS[:2]]
+    monkeypatch.setattr(generate, "as_rows", lambda batch, devices: batch == 1)
+    for tp in (1, 2):
+        rows = _gen(cfg, params, tp=tp, batch=1)
+        assert [rows.generate([p], 12)[0] for p in PROMPTS[:2]] == want
+    stored = [v for k, v in rows.params["blocks"][0]["attn"].items() if k.endswith("kernel")]
+    stored += [rows.params["embed"]["word"], *([rows.params["head"]["output"]] if "head" in rows.params else [])]
+    assert all(isinstance(v, quantized.Quantized) and v.scale is None and v.values.dtype == jnp.float32
+               for v in stored)
+    assert " dot(" in plain.decode_hlo(PROMPTS[:1]) and " dot(" not in rows.decode_hlo(PROMPTS[:1])  # reductions
+    assert not isinstance(_gen(cfg, params, batch=2).params["blocks"][0]["attn"]["qkv_kernel"], quantized.Quantized)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

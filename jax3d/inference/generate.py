@@ -122,7 +122,7 @@ class Generator:
     Auto). `cache_dtype` is the KV cache's (None: `dtype`); jnp.float8_e4m3fn halves its bytes
     (cached_attention). `weight_dtype` jnp.float8_e4m3fn keeps the blocks' GEMM weights and the vocabulary tables
     in fp8, a scale per output column (jax3d.models.quantized): half the bytes a step reads of them; None keeps them
-    in `dtype`."""
+    in `dtype` (at batch 1 on a GPU stored column by column: `as_rows`)."""
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
                  eod: int | None = None, chunk: int = CHUNK, cache_dtype=None, weight_dtype=None):
@@ -169,13 +169,16 @@ class Generator:
         ends = {k: v for k, v in params.items() if k != "blocks"}
         ends_sh = named_shardings(mesh, specs)
         self.params = _placed(ends, ends_sh, dtype)
-        if self.weight_dtype is not None:
+        # fp8 weights, or at batch 1 on a GPU the weights themselves stored as rows: either way jax3d's
+        # Quantized, whose product of one row is a row reduction (jax3d.models.quantized.dot)
+        stored = self.weight_dtype is not None or as_rows(batch, devices)
+        if stored:
             self.params = _quantized(self.params, ends_sh, self.weight_dtype)
         self.params["blocks"] = [_placed(jax.tree.map(lambda a, i=i: a[i] if _concrete(a) else
                                                       jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["blocks"]),
                                          layer_sh, dtype)
                                  for i in range(cfg.num_layers)]
-        if self.weight_dtype is not None:
+        if stored:
             self.params["blocks"] = [_quantized(p, layer_sh, self.weight_dtype) for p in self.params["blocks"]]
         kv = NamedSharding(mesh, self.rules.spec(CACHE_AXES))
         self.cache_sharding = [{"k": kv, "v": kv} for _ in range(cfg.num_layers)]
@@ -371,14 +374,26 @@ class Generator:
         return [[int(t) for t in row if t != PAD] for row in out]
 
 
+def as_rows(batch: int, devices) -> bool:
+    """Whether a Generator of `batch` rows on `devices` stores its GEMM weights and vocabulary tables column by
+    column (a Quantized weight without a scale: the same values, the same bytes). Each decode product is then one
+    row's, a row reduction that reads each weight once. One H200, one call (docs/decode.md, "On one H200"):
+    gpt-1.3b at batch 1 decoded 1.15x the tokens/s of XLA's GEMMs, and lost 3% at batch 32, so batch 1 only;
+    off the GPU it is untimed, so GPUs only. The blocks' weights are the Generator's own copies either way
+    (sliced a layer at a time), so storing them as rows holds no more memory; the vocabulary tables are copied
+    once more than the caller's."""
+    return batch == 1 and devices[0].platform == "gpu"
+
+
 def _concrete(a) -> bool:
     return not isinstance(a, jax.ShapeDtypeStruct)
 
 
 def _quantized(tree, shardings, dtype):
     """Placed parameters (a layer, or the embedding and head) with jax3d.models.quantized.CONTRACTED's weights
-    Quantized, each on its weight's sharding (its values' spec in their stored order) and its scale on the
-    weight's spec without the contracted dims; abstract leaves (see _placed) stay abstract."""
+    Quantized in `dtype` (None: their own values, without a scale), each on its weight's sharding (its values'
+    spec in their stored order) and its scale on the weight's spec without the contracted dims; abstract leaves
+    (see _placed) stay abstract."""
     def out_sharding(path, a, sh):
         contracted = quantized.CONTRACTED.get(path[-1].key)
         if contracted is None:
@@ -386,7 +401,8 @@ def _quantized(tree, shardings, dtype):
         spec = tuple(sh.spec) + (None,) * (a.ndim - len(sh.spec))  # past its length a spec replicates
         values = P(*[spec[i] for i in quantized.stored_order(a.ndim, contracted)])
         scale = P(*[s for i, s in enumerate(spec) if i not in contracted])
-        return quantized.Quantized(NamedSharding(sh.mesh, values), NamedSharding(sh.mesh, scale), contracted)
+        return quantized.Quantized(NamedSharding(sh.mesh, values),
+                                   None if dtype is None else NamedSharding(sh.mesh, scale), contracted)
     out_sh = jax.tree_util.tree_map_with_path(out_sharding, tree, shardings)
     if all(_concrete(a) for a in jax.tree.leaves(tree)):
         return jax.jit(quantized.quantize_params, static_argnums=1, out_shardings=out_sh)(tree, dtype)

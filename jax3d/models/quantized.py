@@ -47,10 +47,11 @@ class Quantized:
     """A weight as `values` (in fp8) and `scale` (its output columns' shape: its shape without the `contracted`
     dims, in the weight's own dtype); the weight is values * scale, broadcast over the contracted dims. The values
     are stored with the contracted dims last (`order`), so that each output column's weights lie together: one
-    row's product is then a row reduction that reads each weight once (`dot`)."""
+    row's product is then a row reduction that reads each weight once (`dot`). With `scale` None the values are
+    the weight itself, in its own dtype, only stored so (`quantize` with dtype None)."""
 
     values: jax.Array
-    scale: jax.Array
+    scale: jax.Array | None
     contracted: tuple = dataclasses.field(metadata=dict(static=True))
 
     @property
@@ -76,7 +77,9 @@ class Quantized:
 
 def quantize(w, contracted: tuple, dtype=E4M3) -> Quantized:
     """`w` as fp8 `dtype` values with one scale per output column (w's dims but the `contracted` ones), in w's
-    dtype."""
+    dtype; with `dtype` None, w's own values stored column by column, without a scale."""
+    if dtype is None:
+        return Quantized(jnp.transpose(w, stored_order(w.ndim, contracted)), None, tuple(contracted))
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=contracted)
     largest = float(jnp.finfo(dtype).max)
@@ -92,7 +95,13 @@ def weight_dtype(flag: str):
 
 def dequantize(w: Quantized, dtype=jnp.float32):
     """The weight `w` stands for, in `dtype`: the reference its GEMMs are tested against."""
-    return (w.unstored(jnp.float32) * jnp.expand_dims(w.scale.astype(jnp.float32), w.contracted)).astype(dtype)
+    return _scaled(w.unstored(jnp.float32), w, w.contracted).astype(dtype)
+
+
+def _scaled(y, w: Quantized, at: tuple = ()):
+    """`y` (values of `w`, or a product's output columns) times w's scale, expanded at dims `at`; as it is for a
+    weight without a scale."""
+    return y if w.scale is None else y * jnp.expand_dims(w.scale.astype(y.dtype), at)
 
 
 def dot(fn, x, w):
@@ -111,9 +120,8 @@ def dot(fn, x, w):
         out = jax.eval_shape(fn, x, jax.ShapeDtypeStruct(w.shape, x.dtype))
         products = w.values.astype(jnp.float32) * x.reshape(row).astype(jnp.float32)
         y = jnp.sum(products, axis=tuple(range(w.values.ndim - k, w.values.ndim)))
-        return (y * w.scale.astype(jnp.float32)).astype(out.dtype).reshape(out.shape)
-    y = fn(x, w.unstored(x.dtype))
-    return y * w.scale.astype(y.dtype)
+        return _scaled(y, w).astype(out.dtype).reshape(out.shape)
+    return _scaled(fn(x, w.unstored(x.dtype)), w)
 
 
 def einsum(spec: str, x, w):
@@ -125,6 +133,8 @@ def take(table, ids):
     """Rows `ids` of a (vocab, embed) table (`jnp.take` on axis 0), of a Quantized one in its scale's dtype."""
     if not isinstance(table, Quantized):
         return jnp.take(table, ids, axis=0)
+    if table.scale is None:
+        return jnp.take(table.unstored(), ids, axis=0)
     rows = jnp.take(table.unstored(), ids, axis=0).astype(table.scale.dtype)
     return rows * jnp.take(table.scale, ids, axis=0)[..., None]
 
@@ -145,6 +155,7 @@ def rounded(params: dict, compute_dtype=None) -> dict:
 
 
 def quantize_params(params: dict, dtype=E4M3) -> dict:
-    """Parameters (nested dicts: a layer, or the embedding and head) with CONTRACTED's weights Quantized."""
+    """Parameters (nested dicts: a layer, or the embedding and head) with CONTRACTED's weights Quantized (dtype
+    None: stored column by column, unscaled)."""
     return {k: quantize_params(v, dtype) if isinstance(v, dict) else
             quantize(v, CONTRACTED[k], dtype) if k in CONTRACTED else v for k, v in params.items()}
