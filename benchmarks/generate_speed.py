@@ -242,7 +242,10 @@ def main(argv=None) -> int:
             n = min(new, ours["tokens"].shape[1])
             rec[f"same_tokens_frac_{peer}"] = round(float(np.mean(ours["tokens"][:, :n] == hf["tokens"][:, :n])), 3)
         if a.peers:
-            rec.update(hf_judges(model, prompts, ours["tokens"], device))
+            try:
+                rec.update(hf_judges(model, prompts, ours["tokens"], device))
+            except Exception as e:  # noqa: BLE001 (as for a peer: reported, and the timings are kept)
+                rec["hf_judges_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         print(json.dumps(rec), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -47,6 +47,7 @@ def test_transformers_judges_its_own_greedy_tokens_first_and_other_tokens_below(
     from tests.hf_fixtures import tiny_gpt2
 
     model = tiny_gpt2(str(tmp_path / "hf"), vocab=200).eval()
+    model.generation_config.eos_token_id = None  # six tokens a row, none of them padding
     prompts = np.random.RandomState(0).randint(0, 200, (2, 5))
     with torch.no_grad():
         out = model.generate(torch.tensor(prompts), max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -134,6 +134,16 @@ def test_weights_stored_as_rows_at_batch_1_give_the_gemms_tokens(model, monkeypa
     assert not isinstance(_gen(cfg, params, batch=2).params["blocks"][0]["attn"]["qkv_kernel"], quantized.Quantized)
 
 
+def test_weights_are_stored_as_rows_at_batch_1_on_a_gpu_only():
+    from types import SimpleNamespace
+
+    from jax3d.inference.generate import as_rows
+
+    gpu, cpu = SimpleNamespace(platform="gpu"), SimpleNamespace(platform="cpu")
+    assert as_rows(1, [gpu]) and not as_rows(2, [gpu]) and not as_rows(1, [cpu])
+    assert not as_rows(1, jax.devices())  # this CPU's Generator keeps the weights as they are
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rounded_parameters_are_the_generators_fp8_weights(dtype):
     """quantized.rounded (what `launch/evaluate.py --quantization fp8` evaluates) holds exactly the values of the

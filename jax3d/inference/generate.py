@@ -174,12 +174,13 @@ class Generator:
         stored = self.weight_dtype is not None or as_rows(batch, devices)
         if stored:
             self.params = _quantized(self.params, ends_sh, self.weight_dtype)
-        self.params["blocks"] = [_placed(jax.tree.map(lambda a, i=i: a[i] if _concrete(a) else
-                                                      jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["blocks"]),
-                                         layer_sh, dtype)
-                                 for i in range(cfg.num_layers)]
-        if stored:
-            self.params["blocks"] = [_quantized(p, layer_sh, self.weight_dtype) for p in self.params["blocks"]]
+
+        def layer(i):  # placed, and stored at once: one layer's weights at a time held twice, never the model's
+            placed = _placed(jax.tree.map(lambda a: a[i] if _concrete(a) else
+                                          jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["blocks"]),
+                             layer_sh, dtype)
+            return _quantized(placed, layer_sh, self.weight_dtype) if stored else placed
+        self.params["blocks"] = [layer(i) for i in range(cfg.num_layers)]
         kv = NamedSharding(mesh, self.rules.spec(CACHE_AXES))
         self.cache_sharding = [{"k": kv, "v": kv} for _ in range(cfg.num_layers)]
         self._repl = NamedSharding(mesh, self.rules.spec(()))
@@ -377,11 +378,12 @@ class Generator:
 def as_rows(batch: int, devices) -> bool:
     """Whether a Generator of `batch` rows on `devices` stores its GEMM weights and vocabulary tables column by
     column (a Quantized weight without a scale: the same values, the same bytes). Each decode product is then one
-    row's, a row reduction that reads each weight once. One H200, one call (docs/decode.md, "On one H200"):
-    gpt-1.3b at batch 1 decoded 1.15x the tokens/s of XLA's GEMMs, and lost 3% at batch 32, so batch 1 only;
-    off the GPU it is untimed, so GPUs only. The blocks' weights are the Generator's own copies either way
-    (sliced a layer at a time), so storing them as rows holds no more memory; the vocabulary tables are copied
-    once more than the caller's."""
+    row's, a row reduction that reads each weight once. An experiment with this layout (bf16 weights quantized
+    with unit scales; one H200, one call, docs/decode.md "On one H200") decoded gpt-1.3b at batch 1 1.15x the
+    tokens/s of XLA's GEMMs and lost 3% at batch 32, so batch 1 only; off the GPU it is untimed, so GPUs only.
+    This code path itself is not yet timed. The blocks' weights are the Generator's own copies either way,
+    stored as each layer is placed; the vocabulary tables, whose contracted dim is already last, are copied
+    once and go through `quantized.dot`'s reduction."""
     return batch == 1 and devices[0].platform == "gpu"
 
 

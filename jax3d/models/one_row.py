@@ -8,7 +8,9 @@ GEMM and reads the weight once; the first row of its output is the answer. Decod
 644 tokens/s on one H100 (docs/decode.md). It wraps the attention's out-projection and the GEMMs that go through
 jax3d.models.fp8.einsum; below the bound are gpt-1.3b's out-projection and Llama-3.2-1B's QKV and
 out-projections (compiled for an H100 without one; only gpt-1.3b was timed). Training and batched decode have
-more rows and are untouched.
+more rows and are untouched. jax3d's Generator at batch 1 on a GPU now keeps its weights as rows instead, whose
+one-row products are reductions (jax3d.inference.generate.as_rows), so this serves a one-row call of the model
+made outside it.
 """
 from __future__ import annotations
 
