@@ -337,7 +337,7 @@ def probe_gemms(flagset: str, small: bool, repeats: int, hlo_dir: str, only=()):
             dt = harness.median_seconds(compiled, args, repeats)
             rec.update(ms=round(dt * 1e3, 3), tflops=round(flops / dt / 1e12, 1))
         except Exception as e:  # noqa: BLE001 - one failing variant must not cost the others
-            rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rec["error"] = harness.error_line(e)
         yield rec
 
 
@@ -372,7 +372,7 @@ def probe_steps(flagset: str, small: bool, repeats: int, hlo_dir: str, only=()):
             _, _, t0, t1 = harness.time_steps(steps, compiled, state, data, repeats, warmup=1)
             rec["ms"] = round((t1 - t0) / repeats * 1e3, 3)
         except Exception as e:  # noqa: BLE001
-            rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rec["error"] = harness.error_line(e)
         yield rec
 
 

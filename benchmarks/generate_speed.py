@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from benchmarks.harness import error_line
 from benchmarks.profile_decode import PRESET_SHAPES, breakdown, copy_rate, decode_config, slots_read, step_bytes
 from jax3d.cli.common import add_decode_dtype_flags
 
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
             try:
                 hf = time_hf(model, prompts, new, device, peer == "static", a.repeats)
             except Exception as e:  # noqa: BLE001 (a peer that can't run here is reported, not fatal)
-                rec[f"hf_{peer}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                rec[f"hf_{peer}_error"] = error_line(e)
                 print(f"note: transformers' {peer} generate failed here ({rec[f'hf_{peer}_error']}); skipped",
                       flush=True)
                 continue
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
             try:
                 rec.update(hf_judges(model, prompts, ours["tokens"], device))
             except Exception as e:  # noqa: BLE001 (as for a peer: reported, and the timings are kept)
-                rec["hf_judges_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                rec["hf_judges_error"] = error_line(e)
         print(json.dumps(rec), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()

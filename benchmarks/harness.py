@@ -47,6 +47,11 @@ BERT_VOCAB = 30592  # BERT's 30522 WordPiece ids, padded to a multiple of 128
 _BINARY_KEYS = ("types", "loss_mask", "padding_mask", "is_random")
 
 
+def error_line(e: BaseException) -> str:
+    """An exception as one line of a benchmark's record: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 def is_bert(shape: str) -> bool:
     """Whether a SHAPES entry is a BERT (the rest are GPTs, the peer's model)."""
     return shape.startswith("bert")

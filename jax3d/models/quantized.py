@@ -133,10 +133,10 @@ def take(table, ids):
     """Rows `ids` of a (vocab, embed) table (`jnp.take` on axis 0), of a Quantized one in its scale's dtype."""
     if not isinstance(table, Quantized):
         return jnp.take(table, ids, axis=0)
+    rows = jnp.take(table.unstored(), ids, axis=0)
     if table.scale is None:
-        return jnp.take(table.unstored(), ids, axis=0)
-    rows = jnp.take(table.unstored(), ids, axis=0).astype(table.scale.dtype)
-    return rows * jnp.take(table.scale, ids, axis=0)[..., None]
+        return rows
+    return rows.astype(table.scale.dtype) * jnp.take(table.scale, ids, axis=0)[..., None]
 
 
 def rounded(params: dict, compute_dtype=None) -> dict:
