@@ -18,6 +18,7 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel off   # XLA's attention
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --tune decode_attention:block=128   # a kernel's settings
+    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 --off row_gemv   # batch 1's blocks as XLA runs them
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN \
         python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --top 12   # the kernels one by one
     python -m benchmarks.profile_decode --shape llama3.2-1b --batch 1 4 8   # grouped-query heads, rotary positions
@@ -217,6 +218,9 @@ def main(argv=None) -> int:
                    help="decode's attention as jax3d.models.decode_attention, a Pallas kernel reading only the "
                         "filled slots, where it runs (auto: on one GPU; --tune decode_attention:parts=N sets its "
                         "parts a row), or never: XLA's attention (off)")
+    p.add_argument("--off", action="append", default=[], metavar="KERNEL",
+                   help="a decode kernel left out (jax3d.models.pallas_gpu.DECODE_KERNELS: decode_attention, "
+                        "row_gemv), its plain JAX function run instead; repeatable")
     p.add_argument("--top", type=int, default=0, metavar="N",
                    help="also list the N kernels (by name) that took the most time a step, with their us and "
                         "launches a step; decode runs as a CUDA graph, whose kernels a trace does not show one by "
@@ -231,6 +235,10 @@ def main(argv=None) -> int:
     from benchmarks.harness import kernel_tuning
     from jax3d.models.pallas_gpu import DECODE_KERNELS
 
+    from jax3d.models.pallas_gpu import unknown_kernels
+
+    if unknown_kernels(a.off) or set(a.off) - set(DECODE_KERNELS):
+        p.error(f"--off {' '.join(a.off)}: choose decode kernels from {', '.join(DECODE_KERNELS)}")
     tuned = []
     for t in a.tune:
         module, _, fields = t.partition(":")
@@ -264,10 +272,10 @@ def main(argv=None) -> int:
                       "weight_gb": round(weight_bytes / 1e9, 3), "copy_tb_s": round(rate / 1e12, 3),
                       "weights_ms": round(weights_ms, 3), "decode_kernel": a.decode_kernel,
                       "kv_cache_dtype": cache_dtype.name, "quantization": a.quantization,
-                      **({"tune": a.tune} if a.tune else {})}), flush=True)
+                      **({"tune": a.tune} if a.tune else {}), **({"off": a.off} if a.off else {})}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
-    off = pallas_gpu.DECODE_KERNELS if a.decode_kernel == "off" else ()
+    off = pallas_gpu.DECODE_KERNELS if a.decode_kernel == "off" else tuple(a.off)
     with pallas_gpu.kernel_settings(*tuned, off=off):  # read when decode is traced, in the first generate below
         _profile_batches(a, cfg, params, mesh, (dtype, cache_dtype, weights), rs, weight_bytes, rate, weights_ms)
     return 0
@@ -285,6 +293,21 @@ def decode_kernel_runs(cfg, mesh, batch: int, slots: int) -> bool:
     cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), jnp.bfloat16)
     with jax.set_mesh(mesh):
         return decode_attention.supported(cache, ShardingRules.create(False), pallas_gpu.tuning(decode_attention))
+
+
+def fused_blocks_run(gen, batch: int) -> bool:
+    """Whether `gen`'s decode runs its blocks as jax3d.models.decode_rows' kernels (batch 1 on one GPU), with
+    the decode kernels' settings in force."""
+    import jax
+
+    from jax3d.models import decode_rows
+
+    cfg = gen.cfg
+    x = jax.ShapeDtypeStruct((batch, 1, cfg.hidden_size), gen.dtype)
+    cache = {"k": jax.ShapeDtypeStruct((batch, cfg.kv_heads, gen.max_len, cfg.head_dim), gen.cache_dtype),
+             "start": None}
+    with jax.set_mesh(gen.mesh):
+        return decode_rows.applies(cfg, gen.params["blocks"][0], x, cache, gen.rules)
 
 
 def slots_read(cfg, mesh, batch: int, prompt_len: int, new: int) -> float:
@@ -319,6 +342,7 @@ def _profile_batches(a, cfg, params, mesh, dtypes, rs, weight_bytes, rate, weigh
         kernel = decode_kernel_runs(cfg, mesh, b, max_len)
         read = slots_read(cfg, mesh, b, a.prompt_len, a.new)
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1), "decode_kernel_ran": kernel,
+               "fused_blocks_ran": fused_blocks_run(gen, b),
                **({"decode_kernel_parts": tuning.parts_for(b * cfg.num_attention_heads)} if kernel else {}),
                "breakdown_ms": breakdown(weight_bytes, step_bytes(cfg, params, b, read, cache_dtype.itemsize)[1],
                                          rate, wall),

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.parallel.mesh import with_auto_axes
 from jax3d.parallel.plan import without_fp8
-from jax3d.models import build_model, quantized
+from jax3d.models import build_model, decode_rows, quantized
 from jax3d.models.cached_attention import CACHE_AXES, visible
 from jax3d.parallel import ShardingRules, named_shardings, tree_specs
 from jax3d.xla_options import unless_in_xla_flags
@@ -196,10 +196,17 @@ class Generator:
         mask = self._mask(start_b, query_slots_t)
         new_cache = []
         for p, c in zip(params["blocks"], cache):
-            x, c = m.block.apply({"params": p}, x, mask, None, True, {**c, "index": index, "start": start_b},
-                                 positions_bt)
+            c = {**c, "index": index, "start": start_b}
+            if decode_rows.applies(self.cfg, p, x, c, self.rules):  # batch 1 on a GPU: fused kernels
+                x, c = decode_rows.block(self.cfg, p, x, c, positions_bt)
+            else:
+                x, c = m.block.apply({"params": p}, x, mask, None, True, c, positions_bt)
             new_cache.append({"k": c["k"], "v": c["v"]})
-        logits = m.final_logits(params, x[:, -1:])[:, 0]  # the head of the last token only (prefill)
+        table = m.output_table(params)
+        if decode_rows.head_applies(self.cfg, table, x, self.rules):
+            logits = decode_rows.head(self.cfg, params["final_norm"], table, x)[:, 0]
+        else:
+            logits = m.final_logits(params, x[:, -1:])[:, 0]  # the head of the last token only (prefill)
         if self.vocab < logits.shape[-1]:  # padding columns are never picked
             col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
             logits = jnp.where(col < self.vocab, logits, -jnp.inf)

@@ -1,0 +1,94 @@
+"""A pre-LN block's decode step at batch 1 on one GPU, as jax3d.models.row_gemv's kernels and the decode
+attention kernel: what layers.Block computes for one token with a KV cache, in five kernels (six with
+rotary positions, seven where the attention splits the slots into parts) where XLA ran eleven.
+
+Generation stores the weights as rows at batch 1 on a GPU (jax3d.inference.generate.as_rows) or in fp8; either
+way they are Quantized, which `row_gemv` reads. The step is:
+
+    x = row_gemv(ctx(row_gemv(x, qkv, ln_attn, qkv_bias)), out, out_bias, residual x)
+    x = row_gemv(row_gemv(x, up, ln_mlp, up_bias, activation), down, down_bias, residual x)
+
+where ctx is decode_attention over the cache (which also writes the step's key and value into it). A block
+this does not take (`applies`) runs layers.Block as before.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax3d.config import ModelConfig
+from jax3d.models import cached_attention, decode_attention, pallas_gpu, rope, row_gemv
+from jax3d.models.layers import split_qkv
+from jax3d.models.quantized import Quantized
+from jax3d.parallel.rules import ShardingRules
+
+WEIGHTS = (("attn", "qkv_kernel"), ("attn", "out_kernel"), ("mlp", "up_kernel"), ("mlp", "down_kernel"))
+
+
+def activation(cfg: ModelConfig) -> str:
+    return "swiglu" if cfg.swiglu else cfg.activation
+
+
+def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingRules) -> bool:
+    """Whether `block` computes this decode step of layers.Block: one token of one row on one GPU, a pre-LN
+    block without training's FP8, its GEMM weights Quantized, an activation the kernel has, and a cache the
+    decode attention kernel takes (with the rows' first slots); never with the row_gemv kernel off
+    (pallas_gpu.kernel_settings)."""
+    tuning = pallas_gpu.tuning(row_gemv)
+    if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
+            or activation(cfg) not in row_gemv.ACTIVATIONS[1:]
+            or not all(isinstance(params[a][w], Quantized) for a, w in WEIGHTS)):
+        return False
+    if not decode_attention.supported(cache["k"], rules, pallas_gpu.tuning(decode_attention)):
+        return False
+    d, a, m = cfg.hidden_size, params["attn"], params["mlp"]
+    return (row_gemv.supported(d, a["qkv_kernel"], rules, tuning)
+            and row_gemv.supported(cfg.num_attention_heads * cfg.head_dim, a["out_kernel"], rules, tuning)
+            and row_gemv.supported(d, m["up_kernel"], rules, tuning, activation(cfg))
+            and row_gemv.supported(cfg.ffn_hidden_size, m["down_kernel"], rules, tuning))
+
+
+def _norm(cfg: ModelConfig, p: dict) -> row_gemv.Norm:
+    return row_gemv.Norm(p["scale"], None if cfg.normalization == "rmsnorm" else p["bias"], cfg.layernorm_epsilon)
+
+
+def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None, interpret: bool = False):
+    """(x (1, 1, embed), {'k', 'v'}) after the block `params` (one layer's, as layers.Block names them) for
+    one token `x_btd`: layers.Block's decode step (`applies`), the key and value written into `cache` ({'k',
+    'v', 'index', 'start'}, updated in place where donated). `interpret=True` runs the kernels in Pallas'
+    interpreter, on any backend (for tests)."""
+    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.DEFAULT
+    attention_tuning = pallas_gpu.tuning(decode_attention) or decode_attention.DEFAULT
+    a, m = params["attn"], params["mlp"]
+    g = cfg.num_attention_heads // cfg.kv_heads
+    x = x_btd.reshape(-1)
+    kw = dict(tuning=tuning, interpret=interpret)
+    qkv = row_gemv.row_gemv(x, a["qkv_kernel"], _norm(cfg, params["ln_attn"]), bias=a.get("qkv_bias"), **kw)
+    qkv = qkv.reshape(1, 1, g + 2, cfg.kv_heads, cfg.head_dim)
+    if cfg.use_rotary_position_embeddings:
+        q, k, v = split_qkv(qkv)
+        inv_freq = rope.inverse_frequencies(cfg)
+        qkv = cached_attention.join_qkv(rope.apply_rope(q, positions_bt, inv_freq),
+                                        rope.apply_rope(k, positions_bt, inv_freq), v)
+    ctx, k_cache, v_cache = decode_attention.decode_attention(qkv[:, 0], cache["k"], cache["v"], cache["start"],
+                                                              cache["index"], tuning=attention_tuning,
+                                                              interpret=interpret)
+    x = row_gemv.row_gemv(ctx, a["out_kernel"], bias=a.get("out_bias"), residual=x, **kw)
+    h = row_gemv.row_gemv(x, m["up_kernel"], _norm(cfg, params["ln_mlp"]), bias=m.get("up_bias"),
+                          activation=activation(cfg), **kw)
+    x = row_gemv.row_gemv(h, m["down_kernel"], bias=m.get("down_bias"), residual=x, **kw)
+    return x.reshape(x_btd.shape), {"k": k_cache, "v": v_cache}
+
+
+def head_applies(cfg: ModelConfig, table, x_btd, rules: ShardingRules) -> bool:
+    """Whether `head` computes the LM head of this step: one token of one row on one GPU, the output `table`
+    Quantized (the row_gemv kernel on)."""
+    tuning = pallas_gpu.tuning(row_gemv)
+    return x_btd.shape[:2] == (1, 1) and row_gemv.supported(cfg.hidden_size, table, rules, tuning)
+
+
+def head(cfg: ModelConfig, final_norm: dict, table, x_btd, interpret: bool = False):
+    """fp32 logits (1, 1, vocab) of one token `x_btd` after the final norm and the output `table` (the
+    model's final_logits), in one row_gemv kernel (`head_applies`)."""
+    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.DEFAULT
+    logits = row_gemv.row_gemv(x_btd.reshape(-1), table, _norm(cfg, final_norm), tuning=tuning, interpret=interpret)
+    return logits.astype(jnp.float32).reshape(1, 1, -1)

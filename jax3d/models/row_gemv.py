@@ -1,0 +1,224 @@
+"""A product of one row with a weight stored as rows (jax3d.models.quantized.Quantized), with the layer norm
+before it and the bias, activation and residual add after it, as one Pallas (Triton) kernel: generation's
+decode at batch 1 on one GPU (jax3d.models.decode_rows).
+
+At batch 1 a decode step is a chain of small dependent kernels. Compiled for an H100 without one, XLA ran each
+GPT block as 11: the layer norm, the QKV reduction, its bias, the attention, the parts' combination, the
+out-projection's reduction, its bias with the residual add, the second layer norm, the up reduction, its bias
+with GELU, the down reduction and its bias with the residual add. XLA fuses no consumer into a reduction and
+no layer norm into one, so each step waits for the one before, and the weights are read in four of them.
+Here each GEMM is one kernel with what comes before and after it: a GPT block is five (the layer norm and QKV
+with its bias; the attention; its combination; the out-projection with its bias and the residual; the layer
+norm and up with its bias and GELU; down with its bias and the residual).
+
+Each program computes `rows` outputs: it walks the contracted dim in blocks, each a (rows, block) tile of the
+weight (each output's weights are contiguous, so the tile's rows are too) times the same block of the input
+row, normalised as it is read when there is a layer norm (its statistics taken first, in two passes over the
+row, as layers.layer_norm does). The rounding follows the unfused path: the normalised row rounded to the
+input's dtype, the product to it, then the bias add, the activation and the residual add each rounded to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
+from jax3d.models.quantized import Quantized
+from jax3d.parallel.rules import ShardingRules
+
+F32 = jnp.float32
+ACTIVATIONS = (None, "gelu_tanh", "swiglu")  # swiglu: the weight's outputs are (gate, up), each half of them
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Outputs per program (at most), the contracted dim's block, warps per program, and the fewest programs to
+    aim for: a weight with fewer than `rows * programs` outputs gets fewer rows a program (a power of two)."""
+
+    rows: int = 16
+    block: int = 512
+    warps: int = 4
+    programs: int = 256
+
+    def __post_init__(self):
+        check_powers_of_two(self, "rows", "block", "warps", "programs")
+
+    def rows_for(self, n: int) -> int:
+        """The outputs a program computes of `n`: a power of two dividing n, at most `rows`, and small enough
+        that there are `programs` programs where n allows; 0 if no power of two from 2 up divides n."""
+        r = 1
+        while r < self.rows and n % (2 * r) == 0 and n // (2 * r) >= min(self.programs, n // 2):
+            r *= 2
+        return r if r > 1 else 0
+
+    def block_for(self, k: int) -> int:
+        """The contracted dim's block: the largest power of two up to `block` that divides k; 0 below 16."""
+        b = self.block
+        while b >= 16 and k % b:
+            b //= 2
+        return b if b >= 16 else 0
+
+
+DEFAULT = Tuning()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """A layer norm to apply to the row first: its scale, its bias (None: RMSNorm) and epsilon."""
+
+    scale: jax.Array
+    bias: jax.Array | None
+    eps: float = dataclasses.field(metadata=dict(static=True))
+
+
+def supported(size: int, w, rules: ShardingRules, tuning: Tuning | None, activation=None) -> bool:
+    """Whether `row_gemv` takes this product: on one GPU, one row of `size` elements of a Quantized `w` (never with `tuning`
+    None: the kernel is off, pallas_gpu.kernel_settings), a contracted dim and an output count its blocks divide."""
+    if tuning is None or not isinstance(w, Quantized) or activation not in ACTIVATIONS or not on_one_gpu(rules):
+        return False
+    k = math.prod(w.values.shape[w.values.ndim - len(w.contracted):])
+    n = w.values.size // k // (2 if activation == "swiglu" else 1)
+    return size == k and tuning.block_for(k) > 0 and tuning.rows_for(n) > 0
+
+
+def _round(y, dtype):
+    return y.astype(dtype).astype(F32)
+
+
+def _activate(y_c, activation, dtype):
+    """The activation of the (halves, rows) products, rounded as the unfused path rounds it."""
+    if activation == "gelu_tanh":
+        y = y_c[0]
+        return 0.5 * y * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y * y * y)))
+    if activation == "swiglu":
+        gate = y_c[0]
+        return _round(gate * jax.nn.sigmoid(gate), dtype) * y_c[1]
+    return y_c[0]
+
+
+def _kernel(*refs, rows: int, block: int, k: int, halves: int, norm: str, eps: float, scaled: bool,
+            biased: bool, residual: bool, activation, dtype):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    g_ref = refs.pop(0) if norm else None
+    nb_ref = refs.pop(0) if norm == "layer" else None
+    w_ref = refs.pop(0)
+    s_ref = refs.pop(0) if scaled else None
+    b_ref = refs.pop(0) if biased else None
+    r_ref = refs.pop(0) if residual else None
+    (o_ref,) = refs
+    steps = k // block
+    out = pl.ds(pl.multiple_of(pl.program_id(0) * rows, rows), rows)
+
+    def at(j):
+        return pl.ds(pl.multiple_of(j * block, block), block)
+
+    mean, rstd = jnp.float32(0.0), jnp.float32(1.0)
+    if norm == "layer":
+        mean = jax.lax.fori_loop(0, steps, lambda j, s: s + jnp.sum(x_ref[at(j)].astype(F32)), jnp.float32(0.0)) / k
+        var = jax.lax.fori_loop(0, steps, lambda j, s: s + jnp.sum(jnp.square(x_ref[at(j)].astype(F32) - mean)),
+                                jnp.float32(0.0)) / k
+        rstd = jax.lax.rsqrt(var + eps)
+    elif norm == "rms":
+        ms = jax.lax.fori_loop(0, steps, lambda j, s: s + jnp.sum(jnp.square(x_ref[at(j)].astype(F32))),
+                               jnp.float32(0.0)) / k
+        rstd = jax.lax.rsqrt(ms + eps)
+
+    def step(j, acc):
+        x = x_ref[at(j)].astype(F32)
+        if norm:
+            x = (x - mean) * rstd * g_ref[at(j)].astype(F32)
+            if nb_ref is not None:
+                x = x + nb_ref[at(j)].astype(F32)
+            x = _round(x, dtype)
+        return tuple(a + jnp.sum(w_ref[c, out, at(j)].astype(F32) * x[None, :], axis=1) for c, a in enumerate(acc))
+
+    acc = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((rows,), F32) for _ in range(halves)))
+    y_c = []
+    for c, y in enumerate(acc):
+        if scaled:
+            y = y * s_ref[c, out].astype(F32)
+        y = _round(y, dtype)
+        if biased:
+            y = _round(y + b_ref[c, out].astype(F32), dtype)
+        y_c.append(y)
+    y = _round(_activate(y_c, activation, dtype), dtype)
+    if residual:
+        y = r_ref[out].astype(F32) + y
+    o_ref[out] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "tuning", "interpret"))
+def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=None, residual=None,
+             tuning: Tuning = DEFAULT, interpret: bool = False):
+    """activation(layer_norm(x) @ w + bias) + residual, flat (the weight's output columns, or for "swiglu" those of
+    one half), in x's dtype: `x` one row (any shape of the weight's contracted size), `w` Quantized (with or
+    without a scale), `norm` a Norm or None, `bias` the output columns' shape or None, `residual` the output's
+    size or None. `row_gemv_reference` is the same in plain JAX. `interpret=True` runs Pallas' interpreter, on
+    any backend (for tests)."""
+    contracted = len(w.contracted)
+    k = math.prod(w.values.shape[w.values.ndim - contracted:])
+    halves = 2 if activation == "swiglu" else 1
+    n = w.values.size // k // halves
+    rows, block = tuning.rows_for(n), tuning.block_for(k)
+    if not rows or not block:
+        raise ValueError(f"row_gemv: {n} outputs or a contracted dim of {k} does not fit {tuning}")
+    dtype = x.dtype
+    args = [x.reshape(k)]
+    kind = ""
+    if norm is not None:
+        kind = "rms" if norm.bias is None else "layer"
+        args += [norm.scale.reshape(k)] + ([] if norm.bias is None else [norm.bias.reshape(k)])
+    args.append(w.values.reshape(halves, n, k))
+    if w.scale is not None:
+        args.append(w.scale.reshape(halves, n))
+    if bias is not None:
+        args.append(bias.reshape(halves, n))
+    if residual is not None:
+        args.append(residual.reshape(n))
+    kernel = functools.partial(_kernel, rows=rows, block=block, k=k, halves=halves, norm=kind,
+                               eps=float(norm.eps) if norm is not None else 0.0, scaled=w.scale is not None,
+                               biased=bias is not None, residual=residual is not None, activation=activation,
+                               dtype=dtype)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n,), dtype),
+        grid=(n // rows,),
+        compiler_params=compiler_params(tuning.warps, interpret),
+        interpret=interpret,
+        name="row_gemv",
+    )(*args)
+
+
+def row_gemv_reference(x, w: Quantized, norm: Norm | None = None, bias=None, activation=None, residual=None):
+    """`row_gemv` unfused, in plain JAX, rounded step by step as the kernel is: what it is tested against."""
+    dtype = x.dtype
+    contracted = len(w.contracted)
+    k = math.prod(w.values.shape[w.values.ndim - contracted:])
+    halves = 2 if activation == "swiglu" else 1
+    x32 = x.reshape(k).astype(F32)
+    if norm is not None:
+        if norm.bias is None:
+            x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32)) + norm.eps) * norm.scale.reshape(k).astype(F32)
+        else:
+            mean = jnp.mean(x32)
+            x32 = (x32 - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(x32 - mean)) + norm.eps)
+            x32 = x32 * norm.scale.reshape(k).astype(F32) + norm.bias.reshape(k).astype(F32)
+        x32 = _round(x32, dtype)
+    values = w.values.reshape(halves, -1, k).astype(F32)
+    y = jnp.sum(values * x32, axis=-1)
+    if w.scale is not None:
+        y = y * w.scale.reshape(halves, -1).astype(F32)
+    y = _round(y, dtype)
+    if bias is not None:
+        y = _round(y + bias.reshape(halves, -1).astype(F32), dtype)
+    y = _round(_activate(y, activation, dtype), dtype)
+    if residual is not None:
+        y = residual.reshape(-1).astype(F32) + y
+    return y.astype(dtype)
