@@ -22,10 +22,14 @@ VARIANTS = {  # weight shape, contracted dims, activation
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("norm", ["none", "layer", "rms"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["rows", "fp8"])
-@pytest.mark.parametrize("variant", VARIANTS)
+CASES = [("qkv", False, "layer", jnp.bfloat16), ("qkv", True, "rms", jnp.float32),
+         ("out", False, "none", jnp.float32), ("out", True, "none", jnp.bfloat16),
+         ("up-gelu", False, "layer", jnp.bfloat16), ("up-gelu", True, "layer", jnp.float32),
+         ("up-swiglu", False, "rms", jnp.bfloat16), ("up-swiglu", True, "rms", jnp.float32)]
+
+
+@pytest.mark.parametrize("variant, fp8, norm, dtype", CASES,
+                         ids=[f"{v}-{'fp8' if q else 'rows'}-{n}-{jnp.dtype(d).name}" for v, q, n, d in CASES])
 def test_the_kernel_is_its_unfused_reference(variant, fp8, norm, dtype):
     """Pallas' interpreter against row_gemv_reference, whose rounding is the unfused path's: the layer norm or
     RMSNorm before, the bias, GELU or SwiGLU and the residual add after, each rounded to the row's dtype; the
