@@ -1,6 +1,6 @@
 """A pre-LN block's decode step at batch 1 on one GPU, as jax3d.models.row_gemv's kernels and the decode
-attention kernel: what layers.Block computes for one token with a KV cache, in five kernels (six with
-rotary positions, seven where the attention splits the slots into parts) where XLA ran eleven.
+attention kernel: what layers.Block computes for one token with a KV cache, in six kernels where XLA ran eleven
+(a GPT's; rotary positions add XLA's own between the QKV and the attention).
 
 Generation stores the weights as rows at batch 1 on a GPU (jax3d.inference.generate.as_rows) or in fp8; either
 way they are Quantized, which `row_gemv` reads. The step is:
