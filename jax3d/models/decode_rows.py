@@ -13,19 +13,16 @@ this does not take (`applies`) runs layers.Block as before.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jax3d.config import ModelConfig
 from jax3d.models import cached_attention, decode_attention, pallas_gpu, rope, row_gemv
-from jax3d.models.layers import split_qkv
+from jax3d.models.layers import activation_of, split_qkv
 from jax3d.models.quantized import Quantized
 from jax3d.parallel.rules import ShardingRules
 
 WEIGHTS = (("attn", "qkv_kernel"), ("attn", "out_kernel"), ("mlp", "up_kernel"), ("mlp", "down_kernel"))
-
-
-def activation(cfg: ModelConfig) -> str:
-    return "swiglu" if cfg.swiglu else cfg.activation
 
 
 def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingRules) -> bool:
@@ -35,7 +32,7 @@ def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingR
     (pallas_gpu.kernel_settings)."""
     tuning = pallas_gpu.tuning(row_gemv)
     if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
-            or activation(cfg) not in row_gemv.ACTIVATIONS[1:]
+            or activation_of(cfg) not in row_gemv.ACTIVATIONS
             or not all(isinstance(params[a][w], Quantized) for a, w in WEIGHTS)):
         return False
     if not decode_attention.supported(cache["k"], rules, pallas_gpu.tuning(decode_attention)):
@@ -43,7 +40,7 @@ def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingR
     d, a, m = cfg.hidden_size, params["attn"], params["mlp"]
     return (row_gemv.supported(d, a["qkv_kernel"], rules, tuning)
             and row_gemv.supported(cfg.num_attention_heads * cfg.head_dim, a["out_kernel"], rules, tuning)
-            and row_gemv.supported(d, m["up_kernel"], rules, tuning, activation(cfg))
+            and row_gemv.supported(d, m["up_kernel"], rules, tuning, activation_of(cfg))
             and row_gemv.supported(cfg.ffn_hidden_size, m["down_kernel"], rules, tuning))
 
 
@@ -62,20 +59,23 @@ def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None,
     g = cfg.num_attention_heads // cfg.kv_heads
     x = x_btd.reshape(-1)
     kw = dict(tuning=tuning, interpret=interpret)
-    qkv = row_gemv.row_gemv(x, a["qkv_kernel"], _norm(cfg, params["ln_attn"]), bias=a.get("qkv_bias"), **kw)
-    qkv = qkv.reshape(1, 1, g + 2, cfg.kv_heads, cfg.head_dim)
-    if cfg.use_rotary_position_embeddings:
-        q, k, v = split_qkv(qkv)
-        inv_freq = rope.inverse_frequencies(cfg)
-        qkv = cached_attention.join_qkv(rope.apply_rope(q, positions_bt, inv_freq),
-                                        rope.apply_rope(k, positions_bt, inv_freq), v)
-    ctx, k_cache, v_cache = decode_attention.decode_attention(qkv[:, 0], cache["k"], cache["v"], cache["start"],
-                                                              cache["index"], tuning=attention_tuning,
-                                                              interpret=interpret)
-    x = row_gemv.row_gemv(ctx, a["out_kernel"], bias=a.get("out_bias"), residual=x, **kw)
-    h = row_gemv.row_gemv(x, m["up_kernel"], _norm(cfg, params["ln_mlp"]), bias=m.get("up_bias"),
-                          activation=activation(cfg), **kw)
-    x = row_gemv.row_gemv(h, m["down_kernel"], bias=m.get("down_bias"), residual=x, **kw)
+    with jax.named_scope("attention"):
+        qkv = row_gemv.row_gemv(x, a["qkv_kernel"], _norm(cfg, params["ln_attn"]), bias=a.get("qkv_bias"), **kw)
+        qkv = qkv.reshape(1, 1, g + 2, cfg.kv_heads, cfg.head_dim)
+        if cfg.use_rotary_position_embeddings:
+            positions_bt = rope.positions_for(x_btd) if positions_bt is None else positions_bt
+            q, k, v = split_qkv(qkv)
+            inv_freq = rope.inverse_frequencies(cfg)
+            qkv = cached_attention.join_qkv(rope.apply_rope(q, positions_bt, inv_freq),
+                                            rope.apply_rope(k, positions_bt, inv_freq), v)
+        ctx, k_cache, v_cache = decode_attention.decode_attention(
+            qkv[:, 0], cache["k"], cache["v"], cache["start"], cache["index"], tuning=attention_tuning,
+            interpret=interpret)
+        x = row_gemv.row_gemv(ctx, a["out_kernel"], bias=a.get("out_bias"), residual=x, **kw)
+    with jax.named_scope("mlp"):
+        h = row_gemv.row_gemv(x, m["up_kernel"], _norm(cfg, params["ln_mlp"]), bias=m.get("up_bias"),
+                              activation=activation_of(cfg), **kw)
+        x = row_gemv.row_gemv(h, m["down_kernel"], bias=m.get("down_bias"), residual=x, **kw)
     return x.reshape(x_btd.shape), {"k": k_cache, "v": v_cache}
 
 

@@ -99,6 +99,11 @@ _ACTIVATIONS = {
 }
 
 
+def activation_of(cfg: ModelConfig) -> str:
+    """The MLP's activation, a key of _ACTIVATIONS: SwiGLU where `cfg.swiglu`, else `cfg.activation`."""
+    return "swiglu" if cfg.swiglu else cfg.activation
+
+
 def _activate_then_dense(h, b, w_fd, activation: str):
     """act(h + b) @ w; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and the up projection."""
     g_btf = checkpoint_name(_ACTIVATIONS[activation](_plus(h, b)), "gelu_out")
@@ -263,7 +268,7 @@ class MLP(nn.Module):
         b_down = _bias(self, cfg, "down_bias", ("embed",), (d,))
         s_up, s_down = fp8.scales_param(self, cfg.fp8, "up"), fp8.scales_param(self, cfg.fp8, "down")
         h = fp8.einsum("btd,dcf->btcf" if cfg.swiglu else "btd,df->btf", x_btd, w_up, s_up, cfg.fp8, self.rules)
-        activation = "swiglu" if cfg.swiglu else cfg.activation
+        activation = activation_of(cfg)
         tuning = pallas_gpu.tuning(fused_gelu)
         if activation == "gelu_tanh" and b_up is not None and fused_gelu.supported(h, self.rules, tuning):
             # Keeps h (inside the kernel's vjp) and GELU's output (the down-projection's input), as

@@ -5,12 +5,13 @@ decode at batch 1 on one GPU (jax3d.models.decode_rows).
 At batch 1 a decode step is a chain of small dependent kernels. Compiled for an H100 without one, XLA ran each
 GPT block as 11: the layer norm, the QKV reduction, its bias, the attention, the parts' combination, the
 out-projection's reduction, its bias with the residual add, the second layer norm, the up reduction, its bias
-with GELU, the down reduction and its bias with the residual add. XLA fuses no consumer into a reduction and
-no layer norm into one, so each step waits for the one before, and the weights are read in four of them.
+with GELU, the down reduction and its bias with the residual add. In that compile XLA fused no consumer into a
+reduction and no layer norm into one; each kernel waits for the one before, and the weights are read in four.
 Here each GEMM is one kernel with what comes before and after it, and a GPT block is six: the layer norm and
 QKV with its bias; the attention; the combination of its parts; the out-projection with its bias and the
 residual add; the layer norm and up with its bias and GELU; down with its bias and the residual add. Compiled
-for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153.
+for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Not yet timed on a
+GPU (`benchmarks.profile_decode --batch 1 --off row_gemv` against the same without `--off`).
 
 Each program computes `rows` outputs: it walks the contracted dim in blocks, each a (rows, block) tile of the
 weight (each output's weights are contiguous, so the tile's rows are too) times the same block of the input
@@ -33,7 +34,7 @@ from jax3d.models.quantized import Quantized
 from jax3d.parallel.rules import ShardingRules
 
 F32 = jnp.float32
-ACTIVATIONS = (None, "gelu_tanh", "swiglu")  # swiglu: the weight's outputs are (gate, up), each half of them
+ACTIVATIONS = ("gelu_tanh", "swiglu")  # swiglu: the weight's outputs are (gate, up), each half of them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,9 @@ class Tuning:
     """Outputs per program (at most), the contracted dim's block, warps per program, and the fewest programs to
     aim for: a weight with fewer than `rows * programs` outputs gets fewer rows a program (a power of two)."""
 
+    # Untuned: a first guess (16 rows of 512 contracted elements, 16 KB of bf16 a step of a program's walk; 256
+    # programs, about two for each of an H100's 132 multiprocessors). benchmarks.profile_decode --tune
+    # row_gemv:FIELD=V tries others.
     rows: int = 16
     block: int = 512
     warps: int = 4
@@ -48,6 +52,8 @@ class Tuning:
 
     def __post_init__(self):
         check_powers_of_two(self, "rows", "block", "warps", "programs")
+        if self.rows < 2 or self.block < 16:
+            raise ValueError(f"row_gemv.{self}: rows must be at least 2 and block at least 16")
 
     def rows_for(self, n: int) -> int:
         """The outputs a program computes of `n`: a power of two dividing n, at most `rows`, and small enough
@@ -79,9 +85,11 @@ class Norm:
 
 
 def supported(size: int, w, rules: ShardingRules, tuning: Tuning | None, activation=None) -> bool:
-    """Whether `row_gemv` takes this product: on one GPU, one row of `size` elements of a Quantized `w` (never with `tuning`
-    None: the kernel is off, pallas_gpu.kernel_settings), a contracted dim and an output count its blocks divide."""
-    if tuning is None or not isinstance(w, Quantized) or activation not in ACTIVATIONS or not on_one_gpu(rules):
+    """Whether `row_gemv` takes this product: on one GPU, one row of `size` elements of a Quantized `w` (never
+    with `tuning` None: the kernel is off, pallas_gpu.kernel_settings), a contracted dim and an output count its
+    blocks divide."""
+    if (tuning is None or not isinstance(w, Quantized) or activation not in (None, *ACTIVATIONS)
+            or not on_one_gpu(rules)):
         return False
     k = math.prod(w.values.shape[w.values.ndim - len(w.contracted):])
     n = w.values.size // k // (2 if activation == "swiglu" else 1)
@@ -198,28 +206,20 @@ def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=No
 
 
 def row_gemv_reference(x, w: Quantized, norm: Norm | None = None, bias=None, activation=None, residual=None):
-    """`row_gemv` unfused, in plain JAX, rounded step by step as the kernel is: what it is tested against."""
-    dtype = x.dtype
+    """`row_gemv` as the unfused path computes it, from its own functions (layers.layer_norm,
+    quantized.dot, layers' activations): what the kernel is tested against."""
+    from jax3d.models import layers, quantized
+
     contracted = len(w.contracted)
-    k = math.prod(w.values.shape[w.values.ndim - contracted:])
-    halves = 2 if activation == "swiglu" else 1
-    x32 = x.reshape(k).astype(F32)
     if norm is not None:
-        if norm.bias is None:
-            x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32)) + norm.eps) * norm.scale.reshape(k).astype(F32)
-        else:
-            mean = jnp.mean(x32)
-            x32 = (x32 - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(x32 - mean)) + norm.eps)
-            x32 = x32 * norm.scale.reshape(k).astype(F32) + norm.bias.reshape(k).astype(F32)
-        x32 = _round(x32, dtype)
-    values = w.values.reshape(halves, -1, k).astype(F32)
-    y = jnp.sum(values * x32, axis=-1)
-    if w.scale is not None:
-        y = y * w.scale.reshape(halves, -1).astype(F32)
-    y = _round(y, dtype)
+        x = layers.layer_norm(x, norm.scale, norm.bias, norm.eps)
+    x = x.reshape(w.values.shape[w.values.ndim - contracted:])
+    y = quantized.dot(lambda a, b: jnp.tensordot(a, b, (tuple(range(contracted)), w.contracted)), x, w)
     if bias is not None:
-        y = _round(y + bias.reshape(halves, -1).astype(F32), dtype)
-    y = _round(_activate(y, activation, dtype), dtype)
-    if residual is not None:
-        y = residual.reshape(-1).astype(F32) + y
-    return y.astype(dtype)
+        y = y + bias
+    if activation == "swiglu":
+        y = layers._ACTIVATIONS["swiglu"](y.reshape(1, 1, 2, -1))
+    elif activation is not None:
+        y = layers._ACTIVATIONS[activation](y)
+    y = y.reshape(-1)
+    return y if residual is None else residual.reshape(-1) + y
