@@ -89,7 +89,7 @@ def decode(a, topology) -> None:
         gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16,
                         cache_dtype=cache_dtype(a.kv_cache_dtype, jnp.bfloat16),
                         weight_dtype=weight_dtype(a.quantization))
-        with pallas_gpu.kernel_settings(off=a.off):  # generation's own options, and --opt's beside them
+        with pallas_gpu.kernel_settings(*a.tuned, off=a.off):  # generation's own options, and --opt's beside them
             hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
         print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": gen.cache_dtype.name,
                           "quantization": a.quantization,
@@ -128,6 +128,9 @@ def main(argv=None) -> int:
     d.add_argument("--off", action="append", default=[], metavar="KERNEL",
                    help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
                         "jax3d.models.pallas_gpu's KERNELS and DECODE_KERNELS)")
+    d.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
+                   help="a decode kernel's settings, which also turns on one that is off by default "
+                        "(row_gemv:rows=16); repeatable")
     add_decode_dtype_flags(d)
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
     s.add_argument("--shape", default="1.3b-b16")
@@ -152,6 +155,15 @@ def main(argv=None) -> int:
         unknown = unknown_kernels(a.off)
         if unknown:
             p.error(f"--off {unknown[0]} is no kernel of jax3d's; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
+        from benchmarks.harness import kernel_tuning
+
+        a.tuned = []
+        for t in a.tune:
+            module, _, fields = t.partition(":")
+            try:
+                a.tuned.append(kernel_tuning(module, fields, DECODE_KERNELS, "decode kernel"))
+            except ValueError as e:
+                p.error(f"--tune {t}: {e}")
     try:
         topology = _topology(a.target_config)
     except Exception as e:  # noqa: BLE001 (no plugin, or a description it refuses: one sentence either way)

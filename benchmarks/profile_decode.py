@@ -18,7 +18,7 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel off   # XLA's attention
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --tune decode_attention:block=128   # a kernel's settings
-    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 --off row_gemv   # batch 1's blocks as XLA runs them
+    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 --tune row_gemv:rows=16   # fused blocks (off by default)
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN \
         python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --top 12   # the kernels one by one
     python -m benchmarks.profile_decode --shape llama3.2-1b --batch 1 4 8   # grouped-query heads, rotary positions
@@ -227,8 +227,8 @@ def main(argv=None) -> int:
                         "launches a step; decode runs as a CUDA graph, whose kernels a trace does not show one by "
                         "one: add XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN")
     p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
-                   help="a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128); "
-                        "repeatable, all apply")
+                   help="a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128), "
+                        "which also turns on one that is off by default (row_gemv:rows=16); repeatable, all apply")
     add_decode_dtype_flags(p)
     a = p.parse_args(argv)
     if a.top < 0:

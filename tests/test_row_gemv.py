@@ -142,14 +142,13 @@ def test_decode_at_batch_1_in_the_fused_kernels_gives_the_blocks_tokens(model, w
     monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     fused = Generator(cfg, params, mesh, **kw)
-    assert [fused.generate([p], 12)[0] for p in prompts] == want
+    assert [fused.generate([p], 12)[0] for p in prompts] == want and not calls  # off by default, until timed
+    fused = Generator(cfg, params, mesh, **kw)
+    with pallas_gpu.kernel_settings(row_gemv.Tuning()):  # read when decode is traced, in the first generate
+        assert [fused.generate([p], 12)[0] for p in prompts] == want
     # traced once (prefill pads its prompts to a bucket, so never one token): four kernels a layer, then the head
     act = "swiglu" if model == "llama" else "gelu_tanh"
     assert calls[:4 * cfg.num_layers + 1] == [None, None, act, None] * cfg.num_layers + [None]
-    assert decode_rows.applies(cfg, fused.params["blocks"][0], jnp.zeros((1, 1, cfg.hidden_size)),
-                               {"k": jnp.zeros((1, cfg.kv_heads, 64, cfg.head_dim)), "start": 0}, fused.rules)
-    assert not decode_rows.applies(cfg, fused.params["blocks"][0], jnp.zeros((2, 1, cfg.hidden_size)),
-                                   {"k": jnp.zeros((2, cfg.kv_heads, 64, cfg.head_dim)), "start": 0}, fused.rules)
 
 
 def _random_layer(cfg, dtype, weights, key):
@@ -204,26 +203,36 @@ def test_a_blocks_step_and_the_head_are_layers_own_with_every_parameter_drawn(mo
     close(decode_rows.head(cfg, ends["final_norm"], table, x, interpret=True), model_.final_logits(ends, x))
     monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    assert decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))
+    assert not decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))  # off by default
+    with pallas_gpu.kernel_settings(row_gemv.Tuning()):
+        assert decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))
 
 
 def test_what_the_fused_step_does_not_take_runs_the_block(monkeypatch):
     """decode_rows.applies refuses a post-LN block, GELU's erf form, training's FP8, more than one row, weights not
-    stored as rows, and anything off one GPU (tensor parallelism: the kernels are not partitioned)."""
+    stored as rows, anything off one GPU (tensor parallelism: the kernels are not partitioned), and everything
+    unless the row_gemv kernel is turned on (off by default until timed on a GPU)."""
     cfg = dataclasses.replace(_tiny("gpt"), num_layers=1)
     _, params = _random_layer(cfg, jnp.float32, "rows", jax.random.key(5))
     x = jnp.zeros((1, 1, cfg.hidden_size))
     cache = {"k": jnp.zeros((1, cfg.kv_heads, 64, cfg.head_dim)), "start": jnp.zeros((1,), jnp.int32)}
     rules = ShardingRules.create(False)
-    assert not decode_rows.applies(cfg, params, x, cache, rules)  # this CPU is not one GPU
+
+    def on():
+        return pallas_gpu.kernel_settings(row_gemv.Tuning())
+
+    with on():
+        assert not decode_rows.applies(cfg, params, x, cache, rules)  # this CPU is not one GPU
     monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    assert decode_rows.applies(cfg, params, x, cache, rules)
-    for change in (dict(post_layernorm=True), dict(activation="gelu_erf"), dict(fp8="hybrid")):
-        assert not decode_rows.applies(dataclasses.replace(cfg, **change), params, x, cache, rules), change
-    assert not decode_rows.applies(cfg, params, jnp.zeros((2, 1, cfg.hidden_size)), cache, rules)
-    plain = {**params, "mlp": {k: quantized.dequantize(v) if isinstance(v, quantized.Quantized) else v
-                               for k, v in params["mlp"].items()}}
-    assert not decode_rows.applies(cfg, plain, x, cache, rules)
-    with pallas_gpu.kernel_settings(off=["row_gemv"]):
-        assert not decode_rows.applies(cfg, params, x, cache, rules)
+    assert not decode_rows.applies(cfg, params, x, cache, rules)  # the kernel is off by default
+    with on():
+        assert decode_rows.applies(cfg, params, x, cache, rules)
+        for change in (dict(post_layernorm=True), dict(activation="gelu_erf"), dict(fp8="hybrid")):
+            assert not decode_rows.applies(dataclasses.replace(cfg, **change), params, x, cache, rules), change
+        assert not decode_rows.applies(cfg, params, jnp.zeros((2, 1, cfg.hidden_size)), cache, rules)
+        plain = {**params, "mlp": {k: quantized.dequantize(v) if isinstance(v, quantized.Quantized) else v
+                                   for k, v in params["mlp"].items()}}
+        assert not decode_rows.applies(cfg, plain, x, cache, rules)
+        with pallas_gpu.kernel_settings(off=["row_gemv"]):
+            assert not decode_rows.applies(cfg, params, x, cache, rules)

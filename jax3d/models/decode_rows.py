@@ -9,7 +9,8 @@ way they are Quantized, which `row_gemv` reads. The step is:
     x = row_gemv(row_gemv(x, up, ln_mlp, up_bias, activation), down, down_bias, residual x)
 
 where ctx is decode_attention over the cache (which also writes the step's key and value into it). A block
-this does not take (`applies`) runs layers.Block as before.
+this does not take (`applies`) runs layers.Block as before, and so does every block by default: the kernel
+is off until it is timed on a GPU (row_gemv.DEFAULT).
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ WEIGHTS = (("attn", "qkv_kernel"), ("attn", "out_kernel"), ("mlp", "up_kernel"),
 def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingRules) -> bool:
     """Whether `block` computes this decode step of layers.Block: one token of one row on one GPU, a pre-LN
     block without training's FP8, its GEMM weights Quantized, an activation the kernel has, and a cache the
-    decode attention kernel takes (with the rows' first slots); never with the row_gemv kernel off
-    (pallas_gpu.kernel_settings)."""
+    decode attention kernel takes (with the rows' first slots); and only with the row_gemv kernel on, which
+    it is not by default until it is timed on a GPU (row_gemv.DEFAULT; pallas_gpu.kernel_settings with a
+    row_gemv.Tuning turns it on)."""
     tuning = pallas_gpu.tuning(row_gemv)
     if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
             or activation_of(cfg) not in row_gemv.ACTIVATIONS
@@ -53,7 +55,7 @@ def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None,
     one token `x_btd`: layers.Block's decode step (`applies`), the key and value written into `cache` ({'k',
     'v', 'index', 'start'}, updated in place where donated). `interpret=True` runs the kernels in Pallas'
     interpreter, on any backend (for tests)."""
-    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.DEFAULT
+    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.Tuning()
     attention_tuning = pallas_gpu.tuning(decode_attention) or decode_attention.DEFAULT
     a, m = params["attn"], params["mlp"]
     g = cfg.num_attention_heads // cfg.kv_heads
@@ -89,6 +91,6 @@ def head_applies(cfg: ModelConfig, table, x_btd, rules: ShardingRules) -> bool:
 def head(cfg: ModelConfig, final_norm: dict, table, x_btd, interpret: bool = False):
     """fp32 logits (1, 1, vocab) of one token `x_btd` after the final norm and the output `table` (the
     model's final_logits), in one row_gemv kernel (`head_applies`)."""
-    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.DEFAULT
+    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.Tuning()
     logits = row_gemv.row_gemv(x_btd.reshape(-1), table, _norm(cfg, final_norm), tuning=tuning, interpret=interpret)
     return logits.astype(jnp.float32).reshape(1, 1, -1)

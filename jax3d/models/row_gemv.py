@@ -11,7 +11,8 @@ Here each GEMM is one kernel with what comes before and after it, and a GPT bloc
 QKV with its bias; the attention; the combination of its parts; the out-projection with its bias and the
 residual add; the layer norm and up with its bias and GELU; down with its bias and the residual add. Compiled
 for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Not yet timed on a
-GPU (`benchmarks.profile_decode --batch 1 --off row_gemv` against the same without `--off`).
+GPU, so off unless asked for (DEFAULT): `benchmarks.profile_decode --batch 1` against the same with `--tune
+row_gemv:rows=16`.
 
 Each program computes `rows` outputs: it walks the contracted dim in blocks, each a (rows, block) tile of the
 weight (each output's weights are contiguous, so the tile's rows are too) times the same block of the input
@@ -71,7 +72,10 @@ class Tuning:
         return b if b >= 16 else 0
 
 
-DEFAULT = Tuning()
+# Off until timed on a GPU: decode runs XLA's blocks unless a Tuning is given (pallas_gpu.kernel_settings, or
+# `--tune row_gemv:rows=16` in benchmarks.profile_decode and benchmarks.gpu_compile). Compiled for an H100
+# without one it compiles; whether it is faster than XLA's blocks is not yet measured.
+DEFAULT = None
 
 
 @jax.tree_util.register_dataclass
@@ -165,7 +169,7 @@ def _kernel(*refs, rows: int, block: int, k: int, halves: int, norm: str, eps: f
 
 @functools.partial(jax.jit, static_argnames=("activation", "tuning", "interpret"))
 def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=None, residual=None,
-             tuning: Tuning = DEFAULT, interpret: bool = False):
+             tuning: Tuning = Tuning(), interpret: bool = False):
     """activation(layer_norm(x) @ w + bias) + residual, flat (the weight's output columns, or for "swiglu" those of
     one half), in x's dtype: `x` one row (any shape of the weight's contracted size), `w` Quantized (with or
     without a scale), `norm` a Norm or None, `bias` the output columns' shape or None, `residual` the output's
