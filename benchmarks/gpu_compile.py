@@ -155,15 +155,9 @@ def main(argv=None) -> int:
         unknown = unknown_kernels(a.off)
         if unknown:
             p.error(f"--off {unknown[0]} is no kernel of jax3d's; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
-        from benchmarks.harness import kernel_tuning
+        from benchmarks.harness import decode_tunings
 
-        a.tuned = []
-        for t in a.tune:
-            module, _, fields = t.partition(":")
-            try:
-                a.tuned.append(kernel_tuning(module, fields, DECODE_KERNELS, "decode kernel"))
-            except ValueError as e:
-                p.error(f"--tune {t}: {e}")
+        a.tuned = decode_tunings(p, a.tune)
     try:
         topology = _topology(a.target_config)
     except Exception as e:  # noqa: BLE001 (no plugin, or a description it refuses: one sentence either way)

@@ -127,6 +127,21 @@ def kernel_tuning(kernel: str, settings: str, kernels=None, what: str = "kernel"
     return parse_tuning(cls, settings)
 
 
+def decode_tunings(parser, tunes: list[str]) -> list:
+    """The decode kernels' Tunings that `--tune KERNEL:FIELD=V[,FIELD=V]` flags give (one that is off by
+    default, row_gemv, is turned on by its Tuning); parser.error names a bad one."""
+    from jax3d.models.pallas_gpu import DECODE_KERNELS
+
+    tuned = []
+    for t in tunes:
+        module, _, fields = t.partition(":")
+        try:
+            tuned.append(kernel_tuning(module, fields, DECODE_KERNELS, "decode kernel"))
+        except ValueError as e:
+            parser.error(f"--tune {t}: {e}")
+    return tuned
+
+
 def kernel_settings(run: Run):
     """The context in which `run`'s step is traced: its kernels left out and its settings
     (jax3d.models.pallas_gpu.kernel_settings). Outside it the model runs every kernel at its defaults."""

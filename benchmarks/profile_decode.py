@@ -233,18 +233,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.top < 0:
         p.error(f"--top {a.top}: give how many kernels to list, 0 (none) or more")
-    from benchmarks.harness import kernel_tuning
+    from benchmarks.harness import decode_tunings
     from jax3d.models.pallas_gpu import DECODE_KERNELS
 
     if set(a.off) - set(DECODE_KERNELS):
         p.error(f"--off {' '.join(a.off)}: choose decode kernels from {', '.join(DECODE_KERNELS)}")
-    tuned = []
-    for t in a.tune:
-        module, _, fields = t.partition(":")
-        try:
-            tuned.append(kernel_tuning(module, fields, DECODE_KERNELS, "decode kernel"))
-        except ValueError as e:
-            p.error(f"--tune {t}: {e}")
+    tuned = decode_tunings(p, a.tune)
     a.prompt_len = a.prompt_len or (16 if a.shape.endswith("tiny") else 128)
     cfg = decode_config(a.shape)
     if a.prompt_len + a.new > cfg.max_position_embeddings:

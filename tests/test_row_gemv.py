@@ -236,3 +236,21 @@ def test_what_the_fused_step_does_not_take_runs_the_block(monkeypatch):
         assert not decode_rows.applies(cfg, plain, x, cache, rules)
         with pallas_gpu.kernel_settings(off=["row_gemv"]):
             assert not decode_rows.applies(cfg, params, x, cache, rules)
+
+
+def test_the_benchmarks_tune_flag_turns_the_kernel_on_and_names_a_bad_setting(capsys):
+    """`--tune row_gemv:rows=16` (profile_decode, generate_speed, gpu_compile decode) gives a Tuning, under which
+    the kernel is on; a field it has not is one sentence and exit 2."""
+    import argparse
+
+    from benchmarks import profile_decode
+    from benchmarks.harness import decode_tunings
+
+    tuned = decode_tunings(argparse.ArgumentParser(), ["row_gemv:rows=16"])
+    assert tuned == [row_gemv.Tuning(rows=16)] and pallas_gpu.tuning(row_gemv) is None
+    with pallas_gpu.kernel_settings(*tuned):
+        assert pallas_gpu.tuning(row_gemv) == row_gemv.Tuning(rows=16)
+    with pytest.raises(SystemExit) as e:
+        profile_decode.main(["--tune", "row_gemv:lanes=4"])
+    assert e.value.code == 2
+    assert "--tune row_gemv:lanes=4: row_gemv: 'lanes=4' is not FIELD=INTEGER" in capsys.readouterr().err
