@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jax3d.models import quantized
 from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
 from jax3d.models.quantized import Quantized
 from jax3d.parallel.rules import ShardingRules
@@ -95,9 +96,15 @@ def supported(size: int, w, rules: ShardingRules, tuning: Tuning | None, activat
     if (tuning is None or not isinstance(w, Quantized) or activation not in (None, *ACTIVATIONS)
             or not on_one_gpu(rules)):
         return False
-    k = math.prod(w.values.shape[w.values.ndim - len(w.contracted):])
-    n = w.values.size // k // (2 if activation == "swiglu" else 1)
+    k, n, _ = _sizes(w, activation)
     return size == k and tuning.block_for(k) > 0 and tuning.rows_for(n) > 0
+
+
+def _sizes(w: Quantized, activation) -> tuple[int, int, int]:
+    """(contracted size, outputs, halves) of a product with `w`: SwiGLU's outputs are half the weight's columns."""
+    k = math.prod(w.values.shape[w.values.ndim - len(w.contracted):])
+    halves = 2 if activation == "swiglu" else 1
+    return k, w.values.size // k // halves, halves
 
 
 def _round(y, dtype):
@@ -105,7 +112,8 @@ def _round(y, dtype):
 
 
 def _activate(y_c, activation, dtype):
-    """The activation of the (halves, rows) products, rounded as the unfused path rounds it."""
+    """The activation of the (halves, rows) products, in fp32 (SwiGLU's gate rounded before its product, as the
+    unfused path rounds it); the caller rounds the result."""
     if activation == "gelu_tanh":
         y = y_c[0]
         return 0.5 * y * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y * y * y)))
@@ -175,10 +183,7 @@ def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=No
     without a scale), `norm` a Norm or None, `bias` the output columns' shape or None, `residual` the output's
     size or None. `row_gemv_reference` is the same in plain JAX. `interpret=True` runs Pallas' interpreter, on
     any backend (for tests)."""
-    contracted = len(w.contracted)
-    k = math.prod(w.values.shape[w.values.ndim - contracted:])
-    halves = 2 if activation == "swiglu" else 1
-    n = w.values.size // k // halves
+    k, n, halves = _sizes(w, activation)
     rows, block = tuning.rows_for(n), tuning.block_for(k)
     if not rows or not block:
         raise ValueError(f"row_gemv: {n} outputs or a contracted dim of {k} does not fit {tuning}")
@@ -212,7 +217,7 @@ def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=No
 def row_gemv_reference(x, w: Quantized, norm: Norm | None = None, bias=None, activation=None, residual=None):
     """`row_gemv` as the unfused path computes it, from its own functions (layers.layer_norm,
     quantized.dot, layers' activations): what the kernel is tested against."""
-    from jax3d.models import layers, quantized
+    from jax3d.models import layers  # Flax's modules: for the reference only, not the kernel's import
 
     contracted = len(w.contracted)
     if norm is not None:
