@@ -92,6 +92,27 @@ def test_profile_decode_top_kernels_are_the_traced_kernels_by_name(capsys):
     assert len(r3["top_kernels"]) == 3
 
 
+def test_profile_decode_says_so_when_the_steps_take_less_than_the_timers_noise(monkeypatch):
+    """A generate whose time does not grow with the tokens asked for (as a tiny model's can on a CPU, within the
+    timer's noise) gives no tokens/s, negative or infinite: one sentence asks for a larger --new."""
+    import itertools
+
+    from benchmarks import profile_decode
+
+    clock = itertools.count()  # every generate takes one tick, whatever it is asked for
+    monkeypatch.setattr(profile_decode.time, "perf_counter", lambda: next(clock))
+
+    class Flat:
+        calls = 0
+
+        def generate(self, rows, n):
+            Flat.calls += 1
+
+    with pytest.raises(SystemExit, match="no longer than generating 1.*pass a larger --new"):
+        profile_decode.profile(Flat(), [[1, 2]], new=4, repeats=1)
+    assert Flat.calls == 2 + 4 + 8  # timed again with twice the repeats, twice, before giving up
+
+
 def test_profile_decode_refuses_a_negative_top(capsys):
     from benchmarks import profile_decode
 
