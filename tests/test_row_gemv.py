@@ -70,7 +70,7 @@ def test_the_kernel_is_its_unfused_reference(variant, fp8, norm, dtype):
 def test_programs_and_blocks_fit_the_shape():
     t = row_gemv.Tuning()
     assert [t.rows_for(n) for n in (6144, 8192, 2048, 50304, 64, 3)] == [16, 16, 8, 16, 2, 0]
-    assert [t.block_for(k) for k in (2048, 8192, 2560, 96, 8)] == [512, 512, 512, 32, 0]
+    assert [t.block_for(k) for k in (2048, 8192, 2560, 96, 8)] == [2048, 2048, 512, 32, 0]
     with pytest.raises(ValueError, match="power of two"):
         row_gemv.Tuning(rows=12)
     with pytest.raises(ValueError, match="at least"):
@@ -142,7 +142,7 @@ def test_decode_at_batch_1_in_the_fused_kernels_gives_the_blocks_tokens(model, w
     monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
     fused = Generator(cfg, params, mesh, **kw)
-    assert [fused.generate([p], 12)[0] for p in prompts] == want and not calls  # off by default, until timed
+    assert [fused.generate([p], 12)[0] for p in prompts] == want and not calls  # off by default (no faster on an H100)
     fused = Generator(cfg, params, mesh, **kw)
     with pallas_gpu.kernel_settings(row_gemv.Tuning()):  # read when decode is traced, in the first generate
         assert [fused.generate([p], 12)[0] for p in prompts] == want
@@ -211,7 +211,7 @@ def test_a_blocks_step_and_the_head_are_layers_own_with_every_parameter_drawn(mo
 def test_what_the_fused_step_does_not_take_runs_the_block(monkeypatch):
     """decode_rows.applies refuses a post-LN block, GELU's erf form, training's FP8, more than one row, weights not
     stored as rows, anything off one GPU (tensor parallelism: the kernels are not partitioned), and everything
-    unless the row_gemv kernel is turned on (off by default until timed on a GPU)."""
+    unless the row_gemv kernel is turned on (off by default: no faster than XLA's blocks on an H100)."""
     cfg = dataclasses.replace(_tiny("gpt"), num_layers=1)
     _, params = _random_layer(cfg, jnp.float32, "rows", jax.random.key(5))
     x = jnp.zeros((1, 1, cfg.hidden_size))

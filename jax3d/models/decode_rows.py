@@ -10,7 +10,7 @@ way they are Quantized, which `row_gemv` reads. The step is:
 
 where ctx is decode_attention over the cache (which also writes the step's key and value into it). A block
 this does not take (`applies`) runs layers.Block as before, and so does every block by default: the kernel
-is off until it is timed on a GPU (row_gemv.DEFAULT).
+is off, having timed no faster than XLA's blocks on an H100 (row_gemv.DEFAULT).
 """
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingR
     """Whether `block` computes this decode step of layers.Block: one token of one row on one GPU, a pre-LN
     block without training's FP8, its GEMM weights Quantized, an activation the kernel has, and a cache the
     decode attention kernel takes (with the rows' first slots); and only with the row_gemv kernel on, which
-    it is not by default until it is timed on a GPU (row_gemv.DEFAULT; pallas_gpu.kernel_settings with a
-    row_gemv.Tuning turns it on)."""
+    it is not by default (row_gemv.DEFAULT; pallas_gpu.kernel_settings with a row_gemv.Tuning turns it on)."""
     tuning = pallas_gpu.tuning(row_gemv)
     if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
             or activation_of(cfg) not in row_gemv.ACTIVATIONS

@@ -10,9 +10,10 @@ reduction and no layer norm into one; each kernel waits for the one before, and 
 Here each GEMM is one kernel with what comes before and after it, and a GPT block is six: the layer norm and
 QKV with its bias; the attention; the combination of its parts; the out-projection with its bias and the
 residual add; the layer norm and up with its bias and GELU; down with its bias and the residual add. Compiled
-for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Not yet timed on a
-GPU, so off unless asked for (DEFAULT): `benchmarks.profile_decode --batch 1` against the same with `--tune
-row_gemv:rows=16`.
+for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Timed on an H100 it is
+no faster: at its first settings 7-8% slower than XLA's blocks (gpt-1.3b bf16 and fp8, Llama-3.2-1B), at the
+best settings tried (these defaults) within their noise (docs/decode.md), so it is off unless asked for
+(DEFAULT): `benchmarks.profile_decode --batch 1` against the same with `--tune row_gemv:rows=16`.
 
 Each program computes `rows` outputs: it walks the contracted dim in blocks, each a (rows, block) tile of the
 weight (each output's weights are contiguous, so the tile's rows are too) times the same block of the input
@@ -44,12 +45,13 @@ class Tuning:
     """Outputs per program (at most), the contracted dim's block, warps per program, and the fewest programs to
     aim for: a weight with fewer than `rows * programs` outputs gets fewer rows a program (a power of two)."""
 
-    # Untuned: a first guess (16 rows of 512 contracted elements, 16 KB of bf16 a step of a program's walk; 256
-    # programs, about two for each of an H100's 132 multiprocessors). benchmarks.profile_decode --tune
-    # row_gemv:FIELD=V tries others.
+    # The best of seven settings timed at gpt-1.3b batch 1 on an H100 (docs/decode.md): 16 rows of 2048
+    # contracted elements, 64 KB of bf16 a step of a program's walk, on 8 warps; 256 programs, about two for
+    # each of an H100's 132 multiprocessors. The first guess, 512 on 4 warps, was 8% slower; smaller blocks or
+    # more programs slower still. benchmarks.profile_decode --tune row_gemv:FIELD=V tries others.
     rows: int = 16
-    block: int = 512
-    warps: int = 4
+    block: int = 2048
+    warps: int = 8
     programs: int = 256
 
     def __post_init__(self):
@@ -73,9 +75,9 @@ class Tuning:
         return b if b >= 16 else 0
 
 
-# Off until timed on a GPU: decode runs XLA's blocks unless a Tuning is given (pallas_gpu.kernel_settings, or
-# `--tune row_gemv:rows=16` in benchmarks.profile_decode and benchmarks.gpu_compile). Compiled for an H100
-# without one it compiles; whether it is faster than XLA's blocks is not yet measured.
+# Off: on an H100 the kernels were no faster than XLA's blocks (docs/decode.md), so decode runs XLA's blocks
+# unless a Tuning is given (pallas_gpu.kernel_settings, or `--tune row_gemv:rows=16` in benchmarks.profile_decode,
+# benchmarks.generate_speed and benchmarks.gpu_compile).
 DEFAULT = None
 
 
