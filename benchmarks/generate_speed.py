@@ -61,7 +61,9 @@ def hf_model(shape: str, path: str, device: str, dtype):
 
     torch.manual_seed(0)
     with torch.device(device):  # initialising 1.3B parameters is much faster on the GPU
-        model = transformers.AutoModelForCausalLM.from_config(hf_config(shape)).to(dtype).eval()
+        # built in `dtype`, as from_pretrained(dtype=...) builds it: a Llama's rotary frequencies stay fp32 (a
+        # bf16 model's `.to(bf16)` would round them, and its rotary positions drift from the model's with length)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(shape), dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # always the full number of new tokens
     model.save_pretrained(path)
     return model

@@ -62,6 +62,24 @@ def test_transformers_judges_its_own_greedy_tokens_first_and_other_tokens_below(
     assert judged["hf_max_logit_gap_of_jax3d"] == pytest.approx(spread, rel=1e-3)
 
 
+def test_the_bf16_llama_peer_is_what_from_pretrained_gives_for_its_weights(tmp_path):
+    """generate_speed's transformers model in bf16 computes what transformers' from_pretrained(dtype=bf16) makes
+    of the weights it saved, logit for logit (its rotary frequencies fp32, not rounded to bf16 with the weights,
+    which moved its logits more with each position)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from benchmarks.generate_speed import hf_model
+
+    model = hf_model("llama-tiny", str(tmp_path / "hf"), "cpu", torch.bfloat16)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16).eval()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    ids = torch.tensor(np.random.RandomState(0).randint(0, model.config.vocab_size, (1, 64)))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
 def test_profile_decode_tiny_breakdown_adds_up(capsys):
     from benchmarks import profile_decode
 
