@@ -190,3 +190,20 @@ ENTRY %main (x: f32[2]) -> (s32[], f32[2]) {
 }
 """
     assert loop_body_kernels(hlo) == {"fusion": 2, "custom-call": 1}
+
+
+def test_decode_judge_gives_transformers_fp32_tokens_in_fp32_and_refuses_a_bad_count(capsys):
+    """benchmarks.decode_judge at the tiny Llama: jax3d's fp32 decode is transformers' fp32 generate token for
+    token, and transformers' fp32 logits rank each of its tokens first; bf16 sides are judged beside it."""
+    from benchmarks import decode_judge
+
+    assert decode_judge.main(["--shape", "llama-tiny", "--prompt-len", "16", "--new", "8"]) == 0
+    head, *rows = _records(capsys)
+    assert head["layers"] == 4 and head["new"] == 8
+    by_side = {r.pop("side"): r for r in rows}
+    assert sorted(by_side) == ["jax3d_bfloat16", "jax3d_float32", "transformers_bfloat16", "transformers_float32"]
+    exact = {"same_tokens_as_transformers_fp32": 1.0, "fp32_top1_frac": 1.0, "fp32_max_logit_gap": 0.0}
+    assert by_side["jax3d_float32"] == exact and by_side["transformers_float32"] == exact
+    with pytest.raises(SystemExit) as e:
+        decode_judge.main(["--new", "0"])
+    assert e.value.code == 2 and "--new 0: give a positive number" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""How close generation in bf16 comes to the model, at a real shape: jax3d's greedy decode (bf16 and fp32) and
+transformers' greedy generate (bf16 and fp32), each judged teacher-forced by transformers in fp32 on the same
+weights (generate_speed.hf_judges: the share of the tokens it ranks first, and the largest gap to its top
+logit). A model of a generate_speed shape with random weights, rounded to bf16 so that both dtypes hold the same
+values, and `--layers` of its blocks (all by default), so it runs on a CPU too. fp32 decode should give
+transformers' fp32 tokens exactly; a bf16 side that computed the model right stays within bf16's rounding of
+the top pick, as transformers' own bf16 does.
+
+    python -m benchmarks.decode_judge --shape llama3.2-1b --layers 4   # on a CPU: a few minutes
+    python -m benchmarks.decode_judge --shape gpt-1.3b --layers 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import numpy as np
+
+from benchmarks.generate_speed import SHAPES, hf_config, hf_judges
+from benchmarks.profile_decode import PRESET_SHAPES
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=[*SHAPES, *PRESET_SHAPES], default="llama3.2-1b")
+    p.add_argument("--layers", type=int, default=0, help="blocks to keep (default: the shape's all)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--new", type=int, default=24)
+    a = p.parse_args(argv)
+    for flag in ("layers", "batch", "prompt_len", "new"):
+        if getattr(a, flag) < (0 if flag == "layers" else 1):
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: give a positive number")
+    import copy
+
+    import jax
+    import torch
+    import transformers
+
+    from jax3d.hf import load_hf_params
+    from jax3d.inference import Generator
+    from jax3d.parallel.mesh import MeshConfig
+
+    cfg_hf = hf_config(a.shape)
+    layers_field = "n_layer" if hasattr(cfg_hf, "n_layer") else "num_hidden_layers"
+    if a.layers:
+        setattr(cfg_hf, layers_field, a.layers)
+    device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        bf16 = transformers.AutoModelForCausalLM.from_config(cfg_hf, dtype=torch.bfloat16).eval()
+    bf16.generation_config.eos_token_id = None  # always the full number of new tokens
+    fp32 = copy.deepcopy(bf16).float()  # the same values; the judge
+    prompts = np.random.RandomState(0).randint(0, cfg_hf.vocab_size, (a.batch, a.prompt_len)).astype(np.int32)
+    with tempfile.TemporaryDirectory() as d:
+        bf16.save_pretrained(d)
+        cfg, params = load_hf_params(d)
+    mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
+    tokens = {}
+    for dtype in ("bfloat16", "float32"):
+        gen = Generator(cfg, params, mesh, batch=a.batch, max_len=a.prompt_len + a.new, dtype=dtype)
+        tokens[f"jax3d_{dtype}"] = np.asarray(gen.generate([list(map(int, r)) for r in prompts], a.new))
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    with torch.no_grad():
+        for dtype, model in (("bfloat16", bf16), ("float32", fp32)):
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new,
+                                 min_new_tokens=a.new, do_sample=False, pad_token_id=0)
+            tokens[f"transformers_{dtype}"] = out[:, a.prompt_len:].cpu().numpy()
+    print(json.dumps({"shape": a.shape, "layers": getattr(cfg_hf, layers_field), "device": device,
+                      "batch": a.batch, "prompt_len": a.prompt_len, "new": a.new}), flush=True)
+    want = tokens["transformers_float32"]
+    for side, toks in tokens.items():
+        judged = hf_judges(fp32, prompts, toks, device)
+        print(json.dumps({"side": side, "same_tokens_as_transformers_fp32": round(float(np.mean(toks == want)), 3),
+                          "fp32_top1_frac": judged["hf_top1_of_jax3d_frac"],
+                          "fp32_max_logit_gap": judged["hf_max_logit_gap_of_jax3d"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
