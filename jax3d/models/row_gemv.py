@@ -45,7 +45,7 @@ class Tuning:
     """Outputs per program (at most), the contracted dim's block, warps per program, and the fewest programs to
     aim for: a weight with fewer than `rows * programs` outputs gets fewer rows a program (a power of two)."""
 
-    # The best of seven settings timed at gpt-1.3b batch 1 on an H100 (docs/decode.md): 16 rows of 2048
+    # The best of ten settings timed at gpt-1.3b batch 1 on an H100 (docs/decode.md): 16 rows of 2048
     # contracted elements, 64 KB of bf16 a step of a program's walk, on 8 warps; 256 programs, about two for
     # each of an H100's 132 multiprocessors. The first guess, 512 on 4 warps, was 8% slower; smaller blocks or
     # more programs slower still. benchmarks.profile_decode --tune row_gemv:FIELD=V tries others.
