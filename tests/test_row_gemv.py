@@ -104,6 +104,21 @@ def test_the_kernel_lowers_to_one_named_triton_call_for_cuda(what):
     assert re.search(rf"tensor<{n}xbf16>", text)
 
 
+def test_the_tunings_warps_and_stages_reach_triton():
+    """Tuning's warps and stages are the Triton call's (stages 0: Triton's default, which Pallas sets to 3)."""
+    w = jax.eval_shape(lambda: quantized.quantize(jnp.zeros((2048, 4096), jnp.bfloat16), (0,), None))
+    vec = jax.ShapeDtypeStruct((2048,), jnp.bfloat16)
+
+    def settings(tuning):
+        text = row_gemv.row_gemv.trace(vec, w, tuning=tuning).lower(lowering_platforms=("cuda",)).as_text()
+        return re.findall(r"num_warps = (\d+)", text) + re.findall(r"num_stages = (\d+)", text)
+
+    assert settings(row_gemv.Tuning()) == ["8", "3"]
+    assert settings(row_gemv.Tuning(warps=4, stages=2)) == ["4", "2"]
+    with pytest.raises(ValueError, match="stages at least 0"):
+        row_gemv.Tuning(stages=-1)
+
+
 def _tiny(model: str) -> ModelConfig:
     if model == "gpt":
         return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64,

@@ -42,8 +42,9 @@ ACTIVATIONS = ("gelu_tanh", "swiglu")  # swiglu: the weight's outputs are (gate,
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Outputs per program (at most), the contracted dim's block, warps per program, and the fewest programs to
-    aim for: a weight with fewer than `rows * programs` outputs gets fewer rows a program (a power of two)."""
+    """Outputs per program (at most), the contracted dim's block, warps per program, the fewest programs to aim
+    for (a weight with fewer than `rows * programs` outputs gets fewer rows a program, a power of two), and the
+    software-pipeline stages of a program's walk over the contracted dim (0: Triton's default)."""
 
     # The best of ten settings timed at gpt-1.3b batch 1 on an H100 (docs/decode.md): 16 rows of 2048
     # contracted elements, 64 KB of bf16 a step of a program's walk, on 8 warps; 256 programs, about two for
@@ -53,11 +54,12 @@ class Tuning:
     block: int = 2048
     warps: int = 8
     programs: int = 256
+    stages: int = 0  # untimed: Triton's default
 
     def __post_init__(self):
         check_powers_of_two(self, "rows", "block", "warps", "programs")
-        if self.rows < 2 or self.block < 16:
-            raise ValueError(f"row_gemv.{self}: rows must be at least 2 and block at least 16")
+        if self.rows < 2 or self.block < 16 or self.stages < 0:
+            raise ValueError(f"row_gemv.{self}: rows must be at least 2, block at least 16 and stages at least 0")
 
     def rows_for(self, n: int) -> int:
         """The outputs a program computes of `n`: a power of two dividing n, at most `rows`, and small enough
@@ -210,7 +212,7 @@ def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=No
         kernel,
         out_shape=jax.ShapeDtypeStruct((n,), dtype),
         grid=(n // rows,),
-        compiler_params=compiler_params(tuning.warps, interpret),
+        compiler_params=compiler_params(tuning.warps, interpret, tuning.stages),
         interpret=interpret,
         name="row_gemv",
     )(*args)
