@@ -170,10 +170,11 @@ def _trace(fn) -> list:
     return traced_kernels(logdir, {})
 
 
-def profile(gen, rows: list[list[int]], new: int, repeats: int = 3, top: int = 0) -> dict:
-    """Per decode step: wall ms, kernel ms by class, kernels and device busy fraction; with `top`, the `top`
-    kernel names that took the most time, each with its us and launches a step."""
-    def timed(n):
+def step_wall_ms(gen, rows: list[list[int]], new: int, repeats: int = 3) -> float | None:
+    """A decode step's wall ms: (generate(new) - generate(1)) / (new - 1), each the best of `repeats`; timed
+    again with twice the repeats, twice, while it is not positive (a short run on a CPU can take less than the
+    timer's noise), then None."""
+    def timed(n, repeats):
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -181,15 +182,18 @@ def profile(gen, rows: list[list[int]], new: int, repeats: int = 3, top: int = 0
             best = min(best, time.perf_counter() - t0)
         return best
 
-    wall = (timed(new) - timed(1)) / (new - 1) * 1e3
-    for _ in range(2):  # a short run on a CPU can take less than the timer's noise: time it longer
+    for tries in range(3):
+        wall = (timed(new, repeats << tries) - timed(1, repeats << tries)) / (new - 1) * 1e3
         if wall > 0:
-            break
-        repeats *= 2
-        wall = (timed(new) - timed(1)) / (new - 1) * 1e3
-    if wall <= 0:
-        raise SystemExit(f"profile_decode: generating {new} tokens took no longer than generating 1, within the "
-                         f"timer's noise; pass a larger --new")
+            return wall
+    return None
+
+
+def profile(gen, rows: list[list[int]], new: int, repeats: int = 3, top: int = 0) -> dict:
+    """Per decode step: wall ms (step_wall_ms; None where too short to time), kernel ms by class, kernels and
+    device busy fraction; with `top`, the `top` kernel names that took the most time, each with its us and
+    launches a step."""
+    wall = step_wall_ms(gen, rows, new, repeats)
     long, short = _trace(lambda: gen.generate(rows, new)), _trace(lambda: gen.generate(rows, 1))
     by_class, by_name, launches = collections.Counter(), collections.Counter(), collections.Counter()
     for sign, kernels in ((1, long), (-1, short)):
@@ -208,7 +212,7 @@ def profile(gen, rows: list[list[int]], new: int, repeats: int = 3, top: int = 0
     per = 1.0 / (new - 1)
     named = {"top_kernels": [[name, round(us * per, 2), round(launches[name] * per, 2)]
                              for name, us in by_name.most_common(top)]} if top else {}
-    return {"wall_ms_per_step": round(wall, 3),
+    return {"wall_ms_per_step": None if wall is None else round(wall, 3),
             "kernel_ms_per_step": {c: round(by_class[c] / 1e3 * per, 3) for c in CLASSES},
             "kernel_ms_total_per_step": round(sum(by_class.values()) / 1e3 * per, 3),
             "kernels_per_step": round((len(long) - len(short)) * per, 1),
@@ -241,6 +245,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.top < 0:
         p.error(f"--top {a.top}: give how many kernels to list, 0 (none) or more")
+    if a.new < 2:
+        p.error(f"--new {a.new}: give 2 or more (a step's time is generate(new) less generate(1))")
     from benchmarks.harness import decode_tunings
     from jax3d.models.pallas_gpu import DECODE_KERNELS
 
@@ -339,6 +345,9 @@ def _profile_batches(a, cfg, params, mesh, dtypes, rs, weight_bytes, rate, weigh
         gen.generate(rows, a.new)  # compiles prefill and decode
         rec = profile(gen, rows, a.new, top=a.top)
         wall = rec["wall_ms_per_step"]
+        if wall is None:
+            raise SystemExit(f"profile_decode: generating {a.new} tokens took no longer than generating 1, within "
+                             f"the timer's noise; pass a larger --new")
         tuning = pallas_gpu.tuning(decode_attention)
         kernel = decode_kernel_runs(cfg, mesh, b, max_len)
         read = slots_read(cfg, mesh, b, a.prompt_len, a.new)

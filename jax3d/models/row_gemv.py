@@ -12,8 +12,9 @@ QKV with its bias; the attention; the combination of its parts; the out-projecti
 residual add; the layer norm and up with its bias and GELU; down with its bias and the residual add. Compiled
 for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Timed on an H100 it is
 no faster: at its first settings 7-8% slower than XLA's blocks (gpt-1.3b bf16 and fp8, Llama-3.2-1B), at the
-best settings tried (these defaults) within their noise (docs/decode.md), so it is off unless asked for
-(DEFAULT): `benchmarks.profile_decode --batch 1` against the same with `--tune row_gemv:rows=16`.
+best settings tried (these defaults, timed on gpt-1.3b bf16 only) within their noise (docs/decode.md), so it is
+off unless asked for (DEFAULT): `benchmarks.profile_decode --batch 1` against the same with `--tune
+row_gemv:rows=16`.
 
 Each program computes `rows` outputs: it walks the contracted dim in blocks, each a (rows, block) tile of the
 weight (each output's weights are contiguous, so the tile's rows are too) times the same block of the input
