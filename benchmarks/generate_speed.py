@@ -33,7 +33,8 @@ import time
 import numpy as np
 
 from benchmarks.harness import error_line
-from benchmarks.profile_decode import PRESET_SHAPES, breakdown, copy_rate, decode_config, slots_read, step_bytes
+from benchmarks.profile_decode import (PRESET_SHAPES, best_time, breakdown, copy_rate, decode_config, slots_read,
+                                       step_bytes)
 from jax3d.cli.common import add_decode_dtype_flags
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
@@ -89,15 +90,6 @@ def hf_judges(model, prompts: np.ndarray, tokens: np.ndarray, device: str) -> di
     return {"hf_top1_of_jax3d_frac": round(float(np.mean(top1)), 3), "hf_max_logit_gap_of_jax3d": round(gap, 4)}
 
 
-def _best(fn, repeats: int) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
 def time_hf(model, prompts: np.ndarray, new: int, device: str, static: bool, repeats: int) -> dict:
     """transformers' greedy generate: eager with its dynamic cache, or with `cache_implementation="static"`,
     whose decode step transformers compiles (torch.compile, CUDA graphs on a GPU). The first call sizes the
@@ -125,8 +117,8 @@ def time_hf(model, prompts: np.ndarray, new: int, device: str, static: bool, rep
         return out
 
     run(new), run(1)  # warm-up: compiles, and records CUDA graphs, at the lengths timed
-    t_one, _ = _best(lambda: run(1), repeats)  # prefill and the first token
-    t_all, out = _best(lambda: run(new), repeats)
+    t_one, _ = best_time(lambda: run(1), repeats)  # prefill and the first token
+    t_all, out = best_time(lambda: run(new), repeats)
     b = prompts.shape[0]
     rec = {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
            "tokens": out[:, prompts.shape[1]:].cpu().numpy()}
@@ -149,14 +141,14 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, 
     t0 = time.perf_counter()
     gen.generate(rows, new)  # warm-up: prefill and decode compile here, for these shapes
     warmup_s = time.perf_counter() - t0
-    t_one, _ = _best(lambda: gen.generate(rows, 1), repeats)
-    t_all, toks = _best(lambda: gen.generate(rows, new), repeats)
+    t_one, _ = best_time(lambda: gen.generate(rows, 1), repeats)
+    t_all, toks = best_time(lambda: gen.generate(rows, new), repeats)
     rec = {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
            "compiles": gen.compile_counts(), "warmup_s": warmup_s, "tokens": np.asarray(toks),
            "slots_read": slots_read(cfg, gen.mesh, b, prompts.shape[1], new)}
     if trace:  # profile_decode's kernel classes, from the same compiled programs
         from benchmarks.profile_decode import profile
-        rec["trace"] = {k: v for k, v in profile(gen, rows, new, repeats).items() if k != "wall_ms_per_step"}
+        rec["trace"] = profile(gen, rows, new)
     return rec
 
 

@@ -170,30 +170,31 @@ def _trace(fn) -> list:
     return traced_kernels(logdir, {})
 
 
+def best_time(fn, repeats: int) -> tuple[float, object]:
+    """(the fewest seconds of `repeats` calls of `fn`, the last call's result)."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
 def step_wall_ms(gen, rows: list[list[int]], new: int, repeats: int = 3) -> float | None:
     """A decode step's wall ms: (generate(new) - generate(1)) / (new - 1), each the best of `repeats`; timed
     again with twice the repeats, twice, while it is not positive (a short run on a CPU can take less than the
     timer's noise), then None."""
-    def timed(n, repeats):
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            gen.generate(rows, n)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
     for tries in range(3):
-        wall = (timed(new, repeats << tries) - timed(1, repeats << tries)) / (new - 1) * 1e3
-        if wall > 0:
-            return wall
+        t_new, t_one = (best_time(lambda n=n: gen.generate(rows, n), repeats << tries)[0] for n in (new, 1))
+        if t_new > t_one:
+            return (t_new - t_one) / (new - 1) * 1e3
     return None
 
 
-def profile(gen, rows: list[list[int]], new: int, repeats: int = 3, top: int = 0) -> dict:
-    """Per decode step: wall ms (step_wall_ms; None where too short to time), kernel ms by class, kernels and
+def profile(gen, rows: list[list[int]], new: int, top: int = 0) -> dict:
+    """Per decode step, from device traces of generate(new) and generate(1): kernel ms by class, kernels and
     device busy fraction; with `top`, the `top` kernel names that took the most time, each with its us and
     launches a step."""
-    wall = step_wall_ms(gen, rows, new, repeats)
     long, short = _trace(lambda: gen.generate(rows, new)), _trace(lambda: gen.generate(rows, 1))
     by_class, by_name, launches = collections.Counter(), collections.Counter(), collections.Counter()
     for sign, kernels in ((1, long), (-1, short)):
@@ -212,8 +213,7 @@ def profile(gen, rows: list[list[int]], new: int, repeats: int = 3, top: int = 0
     per = 1.0 / (new - 1)
     named = {"top_kernels": [[name, round(us * per, 2), round(launches[name] * per, 2)]
                              for name, us in by_name.most_common(top)]} if top else {}
-    return {"wall_ms_per_step": None if wall is None else round(wall, 3),
-            "kernel_ms_per_step": {c: round(by_class[c] / 1e3 * per, 3) for c in CLASSES},
+    return {"kernel_ms_per_step": {c: round(by_class[c] / 1e3 * per, 3) for c in CLASSES},
             "kernel_ms_total_per_step": round(sum(by_class.values()) / 1e3 * per, 3),
             "kernels_per_step": round((len(long) - len(short)) * per, 1),
             "device_busy": round(busy / max(end - first, 1e-9), 3), **named}
@@ -343,11 +343,12 @@ def _profile_batches(a, cfg, params, mesh, dtypes, rs, weight_bytes, rate, weigh
                         weight_dtype=weights)
         rows = [list(map(int, r)) for r in rs.randint(0, cfg.vocab_size, (b, a.prompt_len))]
         gen.generate(rows, a.new)  # compiles prefill and decode
-        rec = profile(gen, rows, a.new, top=a.top)
-        wall = rec["wall_ms_per_step"]
+        wall = step_wall_ms(gen, rows, a.new)
         if wall is None:
             raise SystemExit(f"profile_decode: generating {a.new} tokens took no longer than generating 1, within "
                              f"the timer's noise; pass a larger --new")
+        wall = round(wall, 3)
+        rec = {"wall_ms_per_step": wall, **profile(gen, rows, a.new, top=a.top)}
         tuning = pallas_gpu.tuning(decode_attention)
         kernel = decode_kernel_runs(cfg, mesh, b, max_len)
         read = slots_read(cfg, mesh, b, a.prompt_len, a.new)
