@@ -164,10 +164,10 @@ def kernel_lines(hlo: str, loop_body_only: bool):
 def _trace(fn) -> list:
     import jax
 
-    logdir = tempfile.mkdtemp(prefix="jax3d-decode-prof-")
-    with jax.profiler.trace(logdir, create_perfetto_trace=True):
-        fn()
-    return traced_kernels(logdir, {})
+    with tempfile.TemporaryDirectory(prefix="jax3d-decode-prof-") as logdir:
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            fn()
+        return traced_kernels(logdir, {})
 
 
 def best_time(fn, repeats: int) -> tuple[float, object]:

@@ -139,8 +139,7 @@ def profile_jax3d(run: Run, steps: int, hlo_out: str = "") -> dict:
         with open(hlo_out, "w") as f:
             f.write(hlo)
     scopes = _scopes_from_hlo(hlo)
-    logdir = tempfile.mkdtemp(prefix="jax3d-prof-")
-    with jax.set_mesh(st.mesh):
+    with jax.set_mesh(st.mesh), tempfile.TemporaryDirectory(prefix="jax3d-prof-") as logdir:
         for _ in range(3):
             state, _m = compiled(state, batch)
         jax.block_until_ready(state)
@@ -150,7 +149,7 @@ def profile_jax3d(run: Run, steps: int, hlo_out: str = "") -> dict:
                 state, _m = compiled(state, batch)
             jax.block_until_ready(state)
             t1 = time.perf_counter()
-    kernels = traced_kernels(logdir, scopes)
+        kernels = traced_kernels(logdir, scopes)
     return {"who": "jax3d", "run": run.label(), **_summarise(kernels, steps), "kernels_seen": len(kernels),
             **gpu.summary(t0, t1)}
 
@@ -211,9 +210,11 @@ def profile_peer(shape: str, batch: int, steps: int, script: str) -> dict:
             step()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-    path = os.path.join(tempfile.mkdtemp(prefix="peer-prof-"), "trace.json")
-    prof.export_chrome_trace(path)
-    events = json.load(open(path))["traceEvents"]
+    with tempfile.TemporaryDirectory(prefix="peer-prof-") as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
     kernels = [(e["name"], "", "", float(e.get("dur", 0)), float(e["ts"])) for e in events
                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     return {"who": "peer", "run": f"{shape} b{batch}", **_summarise(kernels, steps), "kernels_seen": len(kernels),
