@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from benchmarks.harness import error_line
+from benchmarks.harness import add_decode_kernel_flags, decode_kernel_flags, error_line
 from benchmarks.profile_decode import (PRESET_SHAPES, best_time, breakdown, copy_rate, decode_config, slots_read,
                                        step_bytes)
 from jax3d.cli.common import add_decode_dtype_flags
@@ -172,14 +172,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
     p.add_argument("--trace", action="store_true", help="also trace jax3d's decode as profile_decode does (kernel "
                    "time by class, kernels per step, device busy), without compiling it again")
-    p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
-                   help="a decode kernel's settings for jax3d's side (profile_decode's --tune), which also turns on "
-                        "one that is off by default (row_gemv:rows=16); repeatable")
+    add_decode_kernel_flags(p)
     add_decode_dtype_flags(p)
     a = p.parse_args(argv)
-    from benchmarks.harness import decode_tunings
-
-    tuned = decode_tunings(p, a.tune)
+    tuned, off = decode_kernel_flags(p, a)
     if a.small:
         a.shape, a.prompt_len, a.new, a.eager_new = "small", 16, 16, 16
     import jax
@@ -210,11 +206,12 @@ def main(argv=None) -> int:
                       "prompt_len": a.prompt_len, "new_tokens": a.new, "save_and_import_s": round(convert_s, 1),
                       "kv_cache_dtype": cache_dtype.name, "quantization": a.quantization,
                       "weight_gb": round(weight_bytes / 1e9, 3),
-                      "copy_tb_s": round(rate / 1e12, 3), **({"tune": a.tune} if a.tune else {})}), flush=True)
+                      "copy_tb_s": round(rate / 1e12, 3), **({"tune": a.tune} if a.tune else {}),
+                      **({"off": a.off} if a.off else {})}), flush=True)
     rs = np.random.RandomState(0)
     for b in a.batch:
         prompts = rs.randint(0, model.config.vocab_size, (b, a.prompt_len)).astype(np.int32)
-        with kernel_settings(*tuned):  # read when jax3d's decode is traced
+        with kernel_settings(*tuned, off=off):  # read when jax3d's decode is traced
             ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace, cache_dtype, weights)
         filled = step_bytes(cfg, params, b, a.prompt_len + a.new // 2, item, cache_item)[1]  # the cache's filled part, on average
         limit = b * rate / weight_bytes

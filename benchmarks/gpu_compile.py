@@ -34,6 +34,7 @@ import os
 import re
 import sys
 
+from benchmarks.harness import TUNE_HELP
 from benchmarks.profile_decode import PRESET_SHAPES, SHAPES
 from jax3d.cli.common import add_decode_dtype_flags
 
@@ -129,8 +130,7 @@ def main(argv=None) -> int:
                    help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
                         "jax3d.models.pallas_gpu's KERNELS and DECODE_KERNELS)")
     d.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
-                   help="a decode kernel's settings, which also turns on one that is off by default "
-                        "(row_gemv:rows=16); repeatable")
+                   help=TUNE_HELP)
     add_decode_dtype_flags(d)
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
     s.add_argument("--shape", default="1.3b-b16")

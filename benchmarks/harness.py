@@ -127,9 +127,31 @@ def kernel_tuning(kernel: str, settings: str, kernels=None, what: str = "kernel"
     return parse_tuning(cls, settings)
 
 
+TUNE_HELP = ("a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128 or "
+             "row_gemv:rows=16); repeatable, all apply")
+
+
+def add_decode_kernel_flags(p):
+    """`--off KERNEL` and `--tune KERNEL:FIELD=V[,FIELD=V]` for a decode benchmark (decode_kernel_flags reads them)."""
+    p.add_argument("--off", action="append", default=[], metavar="KERNEL",
+                   help="a decode kernel left out (jax3d.models.pallas_gpu.DECODE_KERNELS: decode_attention, "
+                        "row_gemv), its plain JAX function run instead (row_gemv off: XLA's blocks at batch 1); "
+                        "repeatable")
+    p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]", help=TUNE_HELP)
+
+
+def decode_kernel_flags(parser, a) -> tuple[list, tuple]:
+    """(the Tunings, the kernels left out) that add_decode_kernel_flags' flags give; parser.error names a bad one."""
+    from jax3d.models.pallas_gpu import DECODE_KERNELS
+
+    if set(a.off) - set(DECODE_KERNELS):
+        parser.error(f"--off {' '.join(a.off)}: choose decode kernels from {', '.join(DECODE_KERNELS)}")
+    return decode_tunings(parser, a.tune), tuple(a.off)
+
+
 def decode_tunings(parser, tunes: list[str]) -> list:
-    """The decode kernels' Tunings that `--tune KERNEL:FIELD=V[,FIELD=V]` flags give (one that is off by
-    default, row_gemv, is turned on by its Tuning); parser.error names a bad one."""
+    """The decode kernels' Tunings that `--tune KERNEL:FIELD=V[,FIELD=V]` flags give; parser.error names a bad
+    one."""
     from jax3d.models.pallas_gpu import DECODE_KERNELS
 
     tuned = []

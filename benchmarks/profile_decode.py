@@ -18,7 +18,7 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel off   # XLA's attention
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --tune decode_attention:block=128   # a kernel's settings
-    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 --tune row_gemv:rows=16   # fused blocks (off by default)
+    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 --off row_gemv   # XLA's blocks, not the fused ones
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN \
         python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --top 12   # the kernels one by one
     python -m benchmarks.profile_decode --shape llama3.2-1b --batch 1 4 8   # grouped-query heads, rotary positions
@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from benchmarks.harness import add_decode_kernel_flags, decode_kernel_flags
 from benchmarks.profile_step import CLASSES, classify, traced_kernels
 from jax3d.cli.common import add_decode_dtype_flags
 
@@ -231,28 +232,18 @@ def main(argv=None) -> int:
                         "filled slots, where it runs (auto: on one GPU; --tune decode_attention:parts=N sets its "
                         "parts a row), or never: XLA's attention, and at batch 1 XLA's blocks (off: every decode "
                         "kernel, as --off for each)")
-    p.add_argument("--off", action="append", default=[], metavar="KERNEL",
-                   help="a decode kernel left out (jax3d.models.pallas_gpu.DECODE_KERNELS: decode_attention, "
-                        "row_gemv), its plain JAX function run instead; repeatable")
     p.add_argument("--top", type=int, default=0, metavar="N",
                    help="also list the N kernels (by name) that took the most time a step, with their us and "
                         "launches a step; decode runs as a CUDA graph, whose kernels a trace does not show one by "
                         "one: add XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN")
-    p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
-                   help="a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128), "
-                        "which also turns on one that is off by default (row_gemv:rows=16); repeatable, all apply")
+    add_decode_kernel_flags(p)
     add_decode_dtype_flags(p)
     a = p.parse_args(argv)
     if a.top < 0:
         p.error(f"--top {a.top}: give how many kernels to list, 0 (none) or more")
     if a.new < 2:
         p.error(f"--new {a.new}: give 2 or more (a step's time is generate(new) less generate(1))")
-    from benchmarks.harness import decode_tunings
-    from jax3d.models.pallas_gpu import DECODE_KERNELS
-
-    if set(a.off) - set(DECODE_KERNELS):
-        p.error(f"--off {' '.join(a.off)}: choose decode kernels from {', '.join(DECODE_KERNELS)}")
-    tuned = decode_tunings(p, a.tune)
+    tuned, off = decode_kernel_flags(p, a)
     a.prompt_len = a.prompt_len or (16 if a.shape.endswith("tiny") else 128)
     cfg = decode_config(a.shape)
     if a.prompt_len + a.new > cfg.max_position_embeddings:
@@ -282,7 +273,7 @@ def main(argv=None) -> int:
                       **({"tune": a.tune} if a.tune else {}), **({"off": a.off} if a.off else {})}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
-    off = pallas_gpu.DECODE_KERNELS if a.decode_kernel == "off" else tuple(a.off)
+    off = pallas_gpu.DECODE_KERNELS if a.decode_kernel == "off" else off
     with pallas_gpu.kernel_settings(*tuned, off=off):  # read when decode is traced, in the first generate below
         _profile_batches(a, cfg, params, mesh, (dtype, cache_dtype, weights), rs, weight_bytes, rate, weights_ms)
     return 0

@@ -68,8 +68,10 @@ def test_the_kernel_is_its_unfused_reference(variant, fp8, norm, dtype):
 
 
 def test_programs_and_blocks_fit_the_shape():
-    t = row_gemv.Tuning()
-    assert [t.rows_for(n) for n in (6144, 8192, 2048, 50304, 64, 3)] == [16, 16, 8, 16, 2, 0]
+    t = row_gemv.Tuning()  # 8 rows a program, 512 programs or more where the outputs allow
+    assert [t.rows_for(n) for n in (6144, 8192, 2048, 50304, 64, 3)] == [8, 8, 4, 8, 2, 0]
+    wide = row_gemv.Tuning(rows=16, programs=256)
+    assert [wide.rows_for(n) for n in (6144, 8192, 2048, 50304, 64, 3)] == [16, 16, 8, 16, 2, 0]
     assert [t.block_for(k) for k in (2048, 8192, 2560, 96, 8)] == [2048, 2048, 512, 32, 0]
     with pytest.raises(ValueError, match="power of two"):
         row_gemv.Tuning(rows=12)
@@ -156,11 +158,11 @@ def test_decode_at_batch_1_in_the_fused_kernels_gives_the_blocks_tokens(model, w
                         lambda *a, **kw: attention(*a, **{**kw, "interpret": True}))
     monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    fused = Generator(cfg, params, mesh, **kw)
-    assert [fused.generate([p], 12)[0] for p in prompts] == want and not calls  # off by default (no faster on an H100)
-    fused = Generator(cfg, params, mesh, **kw)
-    with pallas_gpu.kernel_settings(row_gemv.Tuning()):  # read when decode is traced, in the first generate
-        assert [fused.generate([p], 12)[0] for p in prompts] == want
+    plain = Generator(cfg, params, mesh, **kw)
+    with pallas_gpu.kernel_settings(off=["row_gemv"]):  # read when decode is traced, in the first generate
+        assert [plain.generate([p], 12)[0] for p in prompts] == want and not calls
+    fused = Generator(cfg, params, mesh, **kw)  # on by default
+    assert [fused.generate([p], 12)[0] for p in prompts] == want
     # traced once (prefill pads its prompts to a bucket, so never one token): four kernels a layer, then the head
     act = "swiglu" if model == "llama" else "gelu_tanh"
     assert calls[:4 * cfg.num_layers + 1] == [None, None, act, None] * cfg.num_layers + [None]
@@ -218,53 +220,58 @@ def test_a_blocks_step_and_the_head_are_layers_own_with_every_parameter_drawn(mo
     close(decode_rows.head(cfg, ends["final_norm"], table, x, interpret=True), model_.final_logits(ends, x))
     monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    assert not decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))  # off by default
-    with pallas_gpu.kernel_settings(row_gemv.Tuning()):
-        assert decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))
+    assert decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))  # on by default
+    with pallas_gpu.kernel_settings(off=["row_gemv"]):
+        assert not decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))
 
 
 def test_what_the_fused_step_does_not_take_runs_the_block(monkeypatch):
     """decode_rows.applies refuses a post-LN block, GELU's erf form, training's FP8, more than one row, weights not
     stored as rows, anything off one GPU (tensor parallelism: the kernels are not partitioned), and everything
-    unless the row_gemv kernel is turned on (off by default: no faster than XLA's blocks on an H100)."""
+    with the row_gemv kernel turned off (it is on by default)."""
     cfg = dataclasses.replace(_tiny("gpt"), num_layers=1)
     _, params = _random_layer(cfg, jnp.float32, "rows", jax.random.key(5))
     x = jnp.zeros((1, 1, cfg.hidden_size))
     cache = {"k": jnp.zeros((1, cfg.kv_heads, 64, cfg.head_dim)), "start": jnp.zeros((1,), jnp.int32)}
     rules = ShardingRules.create(False)
 
-    def on():
-        return pallas_gpu.kernel_settings(row_gemv.Tuning())
-
-    with on():
-        assert not decode_rows.applies(cfg, params, x, cache, rules)  # this CPU is not one GPU
+    assert not decode_rows.applies(cfg, params, x, cache, rules)  # this CPU is not one GPU
     monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    assert not decode_rows.applies(cfg, params, x, cache, rules)  # the kernel is off by default
-    with on():
-        assert decode_rows.applies(cfg, params, x, cache, rules)
-        for change in (dict(post_layernorm=True), dict(activation="gelu_erf"), dict(fp8="hybrid")):
-            assert not decode_rows.applies(dataclasses.replace(cfg, **change), params, x, cache, rules), change
-        assert not decode_rows.applies(cfg, params, jnp.zeros((2, 1, cfg.hidden_size)), cache, rules)
-        plain = {**params, "mlp": {k: quantized.dequantize(v) if isinstance(v, quantized.Quantized) else v
-                                   for k, v in params["mlp"].items()}}
-        assert not decode_rows.applies(cfg, plain, x, cache, rules)
-        with pallas_gpu.kernel_settings(off=["row_gemv"]):
-            assert not decode_rows.applies(cfg, params, x, cache, rules)
+    assert decode_rows.applies(cfg, params, x, cache, rules)  # on by default
+    with pallas_gpu.kernel_settings(off=["row_gemv"]):
+        assert not decode_rows.applies(cfg, params, x, cache, rules)
+    for change in (dict(post_layernorm=True), dict(activation="gelu_erf"), dict(fp8="hybrid")):
+        assert not decode_rows.applies(dataclasses.replace(cfg, **change), params, x, cache, rules), change
+    assert not decode_rows.applies(cfg, params, jnp.zeros((2, 1, cfg.hidden_size)), cache, rules)
+    plain = {**params, "mlp": {k: quantized.dequantize(v) if isinstance(v, quantized.Quantized) else v
+                               for k, v in params["mlp"].items()}}
+    assert not decode_rows.applies(cfg, plain, x, cache, rules)
 
 
-def test_the_benchmarks_tune_flag_turns_the_kernel_on_and_names_a_bad_setting(capsys):
-    """`--tune row_gemv:rows=16` (profile_decode, generate_speed, gpu_compile decode) gives a Tuning, under which
-    the kernel is on; a field it has not is one sentence and exit 2."""
+def test_the_benchmarks_tune_and_off_flags_set_the_kernel_and_name_a_bad_setting(capsys):
+    """`--tune row_gemv:rows=16` (profile_decode, generate_speed, gpu_compile decode) gives a Tuning that replaces
+    the default, `--off row_gemv` turns the kernel off; a field it has not, or a kernel that is none, is one
+    sentence and exit 2."""
     import argparse
 
-    from benchmarks import profile_decode
-    from benchmarks.harness import decode_tunings
+    from benchmarks import generate_speed, profile_decode
+    from benchmarks.harness import add_decode_kernel_flags, decode_kernel_flags
 
-    tuned = decode_tunings(argparse.ArgumentParser(), ["row_gemv:rows=16"])
-    assert tuned == [row_gemv.Tuning(rows=16)] and pallas_gpu.tuning(row_gemv) is None
+    p = argparse.ArgumentParser()
+    add_decode_kernel_flags(p)
+    tuned, off = decode_kernel_flags(p, p.parse_args(["--tune", "row_gemv:rows=16"]))
+    assert tuned == [row_gemv.Tuning(rows=16)] and not off
+    assert pallas_gpu.tuning(row_gemv) == row_gemv.DEFAULT != tuned[0]
     with pallas_gpu.kernel_settings(*tuned):
         assert pallas_gpu.tuning(row_gemv) == row_gemv.Tuning(rows=16)
+    tuned, off = decode_kernel_flags(p, p.parse_args(["--off", "row_gemv"]))
+    with pallas_gpu.kernel_settings(*tuned, off=off):
+        assert pallas_gpu.tuning(row_gemv) is None
+    with pytest.raises(SystemExit) as e:
+        generate_speed.main(["--off", "row_gemm"])
+    assert e.value.code == 2
+    assert "--off row_gemm: choose decode kernels from decode_attention, row_gemv" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         profile_decode.main(["--tune", "row_gemv:lanes=4"])
     assert e.value.code == 2

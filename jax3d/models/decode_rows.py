@@ -9,8 +9,8 @@ way they are Quantized, which `row_gemv` reads. The step is:
     x = row_gemv(row_gemv(x, up, ln_mlp, up_bias, activation), down, down_bias, residual x)
 
 where ctx is decode_attention over the cache (which also writes the step's key and value into it). A block
-this does not take (`applies`) runs layers.Block as before, and so does every block by default: the kernel
-is off, having timed no faster than XLA's blocks on an H100 (row_gemv.DEFAULT).
+this does not take (`applies`) runs layers.Block as before, and so does every block with the row_gemv kernel
+turned off (pallas_gpu.kernel_settings(off=["row_gemv"])).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ WEIGHTS = (("attn", "qkv_kernel"), ("attn", "out_kernel"), ("mlp", "up_kernel"),
 def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingRules) -> bool:
     """Whether `block` computes this decode step of layers.Block: one token of one row on one GPU, a pre-LN
     block without training's FP8, its GEMM weights Quantized, an activation the kernel has, and a cache the
-    decode attention kernel takes (with the rows' first slots); and only with the row_gemv kernel on, which
-    it is not by default (row_gemv.DEFAULT; pallas_gpu.kernel_settings with a row_gemv.Tuning turns it on)."""
+    decode attention kernel takes (with the rows' first slots); and only with the row_gemv kernel on, as it is
+    by default (row_gemv.DEFAULT; pallas_gpu.kernel_settings(off=["row_gemv"]) turns it off)."""
     tuning = pallas_gpu.tuning(row_gemv)
     if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
             or activation_of(cfg) not in row_gemv.ACTIVATIONS

@@ -10,11 +10,10 @@ reduction and no layer norm into one; each kernel waits for the one before, and 
 Here each GEMM is one kernel with what comes before and after it, and a GPT block is six: the layer norm and
 QKV with its bias; the attention; the combination of its parts; the out-projection with its bias and the
 residual add; the layer norm and up with its bias and GELU; down with its bias and the residual add. Compiled
-for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Timed on an H100 it is
-no faster: at its first settings 7-8% slower than XLA's blocks (gpt-1.3b bf16 and fp8, Llama-3.2-1B), at the
-best settings tried (these defaults, timed on gpt-1.3b bf16 only) within their noise (docs/decode.md), so it is
-off unless asked for (DEFAULT): `benchmarks.profile_decode --batch 1` against the same with `--tune
-row_gemv:rows=16`.
+for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Timed on an H100 at
+these defaults, in one call alternating with XLA's blocks, it decoded 1.06x their tokens/s at gpt-1.3b batch 1
+(bf16, also with an fp8 cache), 1.08x with fp8 weights and 1.04x at Llama-3.2-1B (docs/decode.md), so it is on
+by default (DEFAULT); `benchmarks.profile_decode --batch 1 --off row_gemv` runs XLA's blocks to compare.
 
 Each program computes `rows` outputs: it walks the contracted dim in blocks, each a (rows, block) tile of the
 weight (each output's weights are contiguous, so the tile's rows are too) times the same block of the input
@@ -47,15 +46,16 @@ class Tuning:
     for (a weight with fewer than `rows * programs` outputs gets fewer rows a program, a power of two), and the
     software-pipeline stages of a program's walk over the contracted dim (0: Triton's default)."""
 
-    # The best of ten settings timed at gpt-1.3b batch 1 on an H100 (docs/decode.md): 16 rows of 2048
-    # contracted elements, 64 KB of bf16 a step of a program's walk, on 8 warps; 256 programs, about two for
-    # each of an H100's 132 multiprocessors. The first guess, 512 on 4 warps, was 8% slower; smaller blocks or
-    # more programs slower still. benchmarks.profile_decode --tune row_gemv:FIELD=V tries others.
-    rows: int = 16
+    # Timed at gpt-1.3b batch 1 on an H100 (docs/decode.md): 8 rows of 2048 contracted elements, 32 KB of bf16 a
+    # step of a program's walk, on 8 warps; 512 programs, about four for each of an H100's 132 multiprocessors.
+    # 16 rows on 256 programs ran 3-4% slower, 32 rows slower still, as did 512 on 4 warps (the first guess);
+    # the software-pipeline stages (1, 2, 4, at 16 rows) changed nothing. benchmarks.profile_decode --tune
+    # row_gemv:FIELD=V tries others.
+    rows: int = 8
     block: int = 2048
     warps: int = 8
-    programs: int = 256
-    stages: int = 0  # untimed: Triton's default
+    programs: int = 512
+    stages: int = 0  # Triton's default; 1, 2 and 4 timed the same (at 16 rows)
 
     def __post_init__(self):
         check_powers_of_two(self, "rows", "block", "warps", "programs")
@@ -78,10 +78,9 @@ class Tuning:
         return b if b >= 16 else 0
 
 
-# Off: on an H100 the kernels were no faster than XLA's blocks (docs/decode.md), so decode runs XLA's blocks
-# unless a Tuning is given (pallas_gpu.kernel_settings, or `--tune row_gemv:rows=16` in benchmarks.profile_decode,
-# benchmarks.generate_speed and benchmarks.gpu_compile).
-DEFAULT = None
+# On (module docstring); `--off row_gemv` in benchmarks.profile_decode, benchmarks.generate_speed and
+# benchmarks.gpu_compile, or pallas_gpu.kernel_settings(off=["row_gemv"]), runs XLA's blocks instead.
+DEFAULT = Tuning()
 
 
 @jax.tree_util.register_dataclass
