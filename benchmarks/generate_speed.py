@@ -16,6 +16,7 @@ first and the largest gap to its top logit, which stay within bf16's rounding wh
 
     python -m benchmarks.generate_speed                      # gpt-1.3b, bf16, GPU: batch 1 and 32
     python -m benchmarks.generate_speed --trace              # and profile_decode's trace of jax3d's decode
+    python -m benchmarks.generate_speed --batch 1 --off row_gemv  # XLA's blocks at batch 1, not the fused ones
     python -m benchmarks.generate_speed --small --batch 1 4  # a tiny model on CPU
     python -m benchmarks.generate_speed --batch 32 --kv-cache-dtype fp8  # jax3d's cache in fp8, the peers' bf16
     python -m benchmarks.generate_speed --batch 1 32 --quantization fp8  # jax3d's GEMM weights in fp8, the peers' bf16

@@ -34,7 +34,7 @@ import os
 import re
 import sys
 
-from benchmarks.harness import TUNE_HELP
+from benchmarks.harness import add_tune_flag, decode_tunings
 from benchmarks.profile_decode import PRESET_SHAPES, SHAPES
 from jax3d.cli.common import add_decode_dtype_flags
 
@@ -129,8 +129,7 @@ def main(argv=None) -> int:
     d.add_argument("--off", action="append", default=[], metavar="KERNEL",
                    help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
                         "jax3d.models.pallas_gpu's KERNELS and DECODE_KERNELS)")
-    d.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
-                   help=TUNE_HELP)
+    add_tune_flag(d)
     add_decode_dtype_flags(d)
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
     s.add_argument("--shape", default="1.3b-b16")
@@ -155,8 +154,6 @@ def main(argv=None) -> int:
         unknown = unknown_kernels(a.off)
         if unknown:
             p.error(f"--off {unknown[0]} is no kernel of jax3d's; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
-        from benchmarks.harness import decode_tunings
-
         a.tuned = decode_tunings(p, a.tune)
     try:
         topology = _topology(a.target_config)

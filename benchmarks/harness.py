@@ -127,8 +127,12 @@ def kernel_tuning(kernel: str, settings: str, kernels=None, what: str = "kernel"
     return parse_tuning(cls, settings)
 
 
-TUNE_HELP = ("a decode kernel's settings (fields of its module's Tuning, e.g. decode_attention:block=128 or "
-             "row_gemv:rows=16); repeatable, all apply")
+def add_tune_flag(p):
+    """`--tune KERNEL:FIELD=V[,FIELD=V]`, a decode kernel's settings (decode_tunings reads them)."""
+    p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]",
+                   help="a decode kernel's settings, fields of its module's Tuning (e.g. decode_attention:block=128 "
+                        "or row_gemv:rows=16,programs=256), the others at their defaults; repeatable for different "
+                        "kernels (a later flag for the same kernel replaces the earlier)")
 
 
 def add_decode_kernel_flags(p):
@@ -137,15 +141,16 @@ def add_decode_kernel_flags(p):
                    help="a decode kernel left out (jax3d.models.pallas_gpu.DECODE_KERNELS: decode_attention, "
                         "row_gemv), its plain JAX function run instead (row_gemv off: XLA's blocks at batch 1); "
                         "repeatable")
-    p.add_argument("--tune", action="append", default=[], metavar="KERNEL:FIELD=V[,FIELD=V]", help=TUNE_HELP)
+    add_tune_flag(p)
 
 
 def decode_kernel_flags(parser, a) -> tuple[list, tuple]:
     """(the Tunings, the kernels left out) that add_decode_kernel_flags' flags give; parser.error names a bad one."""
     from jax3d.models.pallas_gpu import DECODE_KERNELS
 
-    if set(a.off) - set(DECODE_KERNELS):
-        parser.error(f"--off {' '.join(a.off)}: choose decode kernels from {', '.join(DECODE_KERNELS)}")
+    unknown = [k for k in a.off if k not in DECODE_KERNELS]
+    if unknown:
+        parser.error(f"--off {unknown[0]}: choose decode kernels from {', '.join(DECODE_KERNELS)}")
     return decode_tunings(parser, a.tune), tuple(a.off)
 
 

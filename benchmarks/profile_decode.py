@@ -16,7 +16,7 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
   GEMMs, copies, collectives), read from the compiled program (on a CPU too; it compiles decode once more).
 
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32
-    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel off   # XLA's attention
+    python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 32 --decode-kernel off   # XLA's attention, and XLA's blocks at batch 1
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 32 --tune decode_attention:block=128   # a kernel's settings
     python -m benchmarks.profile_decode --shape gpt-1.3b --batch 1 --off row_gemv   # XLA's blocks, not the fused ones
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN \

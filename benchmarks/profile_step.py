@@ -158,7 +158,8 @@ def traced_kernels(logdir: str, scopes: dict) -> list:
     """(name, hlo_op, scope, microseconds, start) of every device kernel in the jax.profiler trace under
     `logdir` (XLA's CPU thunks where there is no GPU); `scopes` maps HLO instruction names to name scopes."""
     path = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
-    trace = json.load(gzip.open(path))
+    with gzip.open(path) as f:
+        trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events

@@ -2,6 +2,7 @@
 jax3d tokens against both transformers peers' (the compiled static cache and eager), its compile counts and
 limits; profile_decode's breakdown against its own wall time; the loop-body kernel count against a hand-written HLO."""
 import json
+import tempfile
 
 import pytest
 
@@ -94,9 +95,11 @@ def test_profile_decode_tiny_breakdown_adds_up(capsys):
         assert r["kernels_per_step"] > 0
 
 
-def test_profile_decode_top_kernels_are_the_traced_kernels_by_name(capsys):
+def test_profile_decode_top_kernels_are_the_traced_kernels_by_name(capsys, monkeypatch, tmp_path):
+    """--top lists the traced kernels by name; the traces' folders are removed afterwards."""
     from benchmarks import profile_decode
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert profile_decode.main(["--shape", "tiny", "--batch", "2", "--new", "6", "--top", "1000"]) == 0
     _, r = _records(capsys)
     top = r["top_kernels"]
@@ -108,6 +111,7 @@ def test_profile_decode_top_kernels_are_the_traced_kernels_by_name(capsys):
     assert profile_decode.main(["--shape", "tiny", "--batch", "2", "--new", "6", "--top", "3"]) == 0
     _, r3 = _records(capsys)
     assert len(r3["top_kernels"]) == 3
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_step_too_short_to_time_is_timed_again_then_given_up(monkeypatch):

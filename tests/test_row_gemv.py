@@ -24,18 +24,21 @@ VARIANTS = {  # weight shape, contracted dims, activation
 }
 
 
-CASES = [("qkv", False, "layer", jnp.bfloat16), ("qkv", True, "rms", jnp.float32),
-         ("out", False, "none", jnp.float32), ("out", True, "none", jnp.bfloat16),
-         ("up-gelu", False, "layer", jnp.bfloat16), ("up-gelu", True, "layer", jnp.float32),
-         ("up-swiglu", False, "rms", jnp.bfloat16), ("up-swiglu", True, "rms", jnp.float32)]
+# each with the outputs a program computes: 8 (the default's), 4 (the default's for fewer than 4,096 outputs)
+# and 16 (`--tune row_gemv:rows=16`)
+CASES = [("qkv", False, "layer", jnp.bfloat16, 8), ("qkv", True, "rms", jnp.float32, 16),
+         ("out", False, "none", jnp.float32, 4), ("out", True, "none", jnp.bfloat16, 8),
+         ("up-gelu", False, "layer", jnp.bfloat16, 16), ("up-gelu", True, "layer", jnp.float32, 4),
+         ("up-swiglu", False, "rms", jnp.bfloat16, 4), ("up-swiglu", True, "rms", jnp.float32, 16)]
 
 
-@pytest.mark.parametrize("variant, fp8, norm, dtype", CASES,
-                         ids=[f"{v}-{'fp8' if q else 'rows'}-{n}-{jnp.dtype(d).name}" for v, q, n, d in CASES])
-def test_the_kernel_is_its_unfused_reference(variant, fp8, norm, dtype):
+@pytest.mark.parametrize("variant, fp8, norm, dtype, rows", CASES,
+                         ids=[f"{v}-{'fp8' if q else 'rows'}-{n}-{jnp.dtype(d).name}-{r}" for v, q, n, d, r in CASES])
+def test_the_kernel_is_its_unfused_reference(variant, fp8, norm, dtype, rows):
     """Pallas' interpreter against row_gemv_reference, whose rounding is the unfused path's: the layer norm or
     RMSNorm before, the bias, GELU or SwiGLU and the residual add after, each rounded to the row's dtype; the
-    weight as rows (no scale) or in fp8 with a scale per output. The contracted dim is walked in 4 blocks."""
+    weight as rows (no scale) or in fp8 with a scale per output; 4, 8 or 16 outputs a program. The contracted dim
+    is walked in 4 blocks."""
     shape, contracted, activation = VARIANTS[variant]
     ks = jax.random.split(jax.random.key(0), 6)
     w = quantized.quantize((jax.random.normal(ks[0], shape) * 0.1).astype(dtype), contracted,
@@ -51,8 +54,8 @@ def test_the_kernel_is_its_unfused_reference(variant, fp8, norm, dtype):
     n = int(np.prod(outputs)) // (2 if activation == "swiglu" else 1)
     residual = jax.random.normal(ks[5], (n,)).astype(dtype)
     args = (x, w, norms[norm], bias, activation, residual)
-    tuning = row_gemv.Tuning(block=k // 4, programs=4)  # 8 or 16 outputs a program, as at the real shapes
-    assert tuning.rows_for(n) >= 8
+    tuning = row_gemv.Tuning(rows=rows, block=k // 4, programs=4)
+    assert tuning.rows_for(n) == rows
     got = row_gemv.row_gemv(*args, tuning=tuning, interpret=True)
     want = row_gemv.row_gemv_reference(*args)
     assert got.shape == want.shape == (n,) and got.dtype == dtype
