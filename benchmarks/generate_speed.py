@@ -9,7 +9,9 @@ tokens/s counts the new tokens after the first: (generate(new) - generate(1)) ov
 row, for every side. `limit_tok_s` is the weights-only limit (one read of every
 weight per step); `limit_with_cache_tok_s` adds the cache a step must read (its filled part, averaged over
 the run); `jax3d_step_ms` splits jax3d's step as profile_decode does (weights, the cache it reads, the rest),
-without a trace. jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count).
+without a trace. jax3d also reports how often prefill and decode were compiled (decode stays at 1 for any count)
+and which of its decode kernels ran (`jax3d_decode_kernel_ran`: the attention; `jax3d_fused_blocks_ran`: row_gemv's
+blocks at batch 1).
 Beside the peers, transformers' own logits judge jax3d's tokens teacher-forced (`hf_judges`): the share it ranks
 first and the largest gap to its top logit, which stay within bf16's rounding where the free-running
 `same_tokens_frac_*` part at the first near-tie.
@@ -34,8 +36,8 @@ import time
 import numpy as np
 
 from benchmarks.harness import add_decode_kernel_flags, decode_kernel_flags, error_line
-from benchmarks.profile_decode import (PRESET_SHAPES, best_time, breakdown, copy_rate, decode_config, slots_read,
-                                       step_bytes)
+from benchmarks.profile_decode import (PRESET_SHAPES, best_time, breakdown, copy_rate, decode_config,
+                                       decode_kernel_runs, fused_blocks_run, slots_read, step_bytes)
 from jax3d.cli.common import add_decode_dtype_flags
 
 SHAPES = {"gpt-1.3b": dict(n_layer=24, n_embd=2048, n_head=16), "small": dict(n_layer=2, n_embd=64, n_head=4)}
@@ -146,7 +148,10 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, 
     t_all, toks = best_time(lambda: gen.generate(rows, new), repeats)
     rec = {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
            "compiles": gen.compile_counts(), "warmup_s": warmup_s, "tokens": np.asarray(toks),
-           "slots_read": slots_read(cfg, gen.mesh, b, prompts.shape[1], new)}
+           "slots_read": slots_read(cfg, gen.mesh, b, prompts.shape[1], new),
+           # which of jax3d's decode kernels this decode ran (profile_decode's fields of the same names)
+           "decode_kernel_ran": decode_kernel_runs(cfg, gen.mesh, b, gen.max_len),
+           "fused_blocks_ran": fused_blocks_run(gen, b)}
     if trace:  # profile_decode's kernel classes, from the same compiled programs
         from benchmarks.profile_decode import profile
         rec["trace"] = profile(gen, rows, new)
@@ -224,6 +229,7 @@ def main(argv=None) -> int:
                                           step_bytes(cfg, params, b, ours["slots_read"], item, cache_item)[1],
                                           rate, b * 1e3 / ours["decode_tok_s"]),
                **({"jax3d_trace": ours["trace"]} if a.trace else {}),
+               "jax3d_decode_kernel_ran": ours["decode_kernel_ran"], "jax3d_fused_blocks_ran": ours["fused_blocks_ran"],
                "jax3d_total_s": round(ours["total_s"], 3), "jax3d_compiles": ours["compiles"],
                "jax3d_warmup_s": round(ours["warmup_s"], 1)}
         for peer in a.peers:

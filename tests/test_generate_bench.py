@@ -29,6 +29,8 @@ def test_generate_speed_small_agrees_with_both_peers(capsys, shape, args):
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
         assert r["jax3d_compiles"] == {"prefill": 1, "decode": 1}
+        # the kernels it reports as run: none on a CPU (XLA's attention and blocks), as profile_decode says
+        assert r["jax3d_decode_kernel_ran"] is False and r["jax3d_fused_blocks_ran"] is False
         assert r["hf_static_compiled"] is True  # transformers' compiled path, not a silent eager fallback
         assert r["same_tokens_frac_static"] == 1.0 and r["same_tokens_frac_eager"] == 1.0  # fp32: token for token
         assert r["hf_top1_of_jax3d_frac"] == 1.0 and r["hf_max_logit_gap_of_jax3d"] == 0.0  # and transformers' picks
