@@ -18,7 +18,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.generate_speed import SHAPES, hf_config, hf_judges
+from benchmarks.generate_speed import SHAPES, hf_config, hf_judges, hf_model
 from benchmarks.profile_decode import PRESET_SHAPES
 
 
@@ -49,13 +49,9 @@ def main(argv=None) -> int:
     from jax3d.parallel.mesh import MeshConfig
 
     device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    with torch.device(device):
-        bf16 = transformers.AutoModelForCausalLM.from_config(cfg_hf, dtype=torch.bfloat16).eval()
-    bf16.generation_config.eos_token_id = None  # always the full number of new tokens
     prompts = np.random.RandomState(0).randint(0, cfg_hf.vocab_size, (a.batch, a.prompt_len)).astype(np.int32)
     with tempfile.TemporaryDirectory() as d:
-        bf16.save_pretrained(d)
+        bf16 = hf_model(a.shape, d, device, torch.bfloat16, config=cfg_hf)
         cfg, params = load_hf_params(d)
         fp32 = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(device).eval()  # the judge
     fp32.generation_config.eos_token_id = None

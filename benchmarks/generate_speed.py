@@ -58,8 +58,9 @@ def hf_config(shape: str):
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def hf_model(shape: str, path: str, device: str, dtype):
-    """A random model of `shape` (hf_config), saved to `path` in `dtype` (the weights both sides then use)."""
+def hf_model(shape: str, path: str, device: str, dtype, config=None):
+    """A random model of `shape` (hf_config, or `config`, that config changed), saved to `path` in `dtype` (the
+    weights both sides then use)."""
     import torch
     import transformers
 
@@ -67,7 +68,7 @@ def hf_model(shape: str, path: str, device: str, dtype):
     with torch.device(device):  # initialising 1.3B parameters is much faster on the GPU
         # built in `dtype`, as from_pretrained(dtype=...) builds it: a Llama's rotary frequencies stay fp32 (a
         # bf16 model's `.to(bf16)` would round them, and its rotary positions drift from the model's with length)
-        model = transformers.AutoModelForCausalLM.from_config(hf_config(shape), dtype=dtype).eval()
+        model = transformers.AutoModelForCausalLM.from_config(config or hf_config(shape), dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # always the full number of new tokens
     model.save_pretrained(path)
     return model

@@ -54,7 +54,7 @@ def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None,
     one token `x_btd`: layers.Block's decode step (`applies`), the key and value written into `cache` ({'k',
     'v', 'index', 'start'}, updated in place where donated). `interpret=True` runs the kernels in Pallas'
     interpreter, on any backend (for tests)."""
-    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.Tuning()
+    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.DEFAULT
     attention_tuning = pallas_gpu.tuning(decode_attention) or decode_attention.DEFAULT
     a, m = params["attn"], params["mlp"]
     g = cfg.num_attention_heads // cfg.kv_heads
@@ -90,6 +90,6 @@ def head_applies(cfg: ModelConfig, table, x_btd, rules: ShardingRules) -> bool:
 def head(cfg: ModelConfig, final_norm: dict, table, x_btd, interpret: bool = False):
     """fp32 logits (1, 1, vocab) of one token `x_btd` after the final norm and the output `table` (the
     model's final_logits), in one row_gemv kernel (`head_applies`)."""
-    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.Tuning()
+    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.DEFAULT
     logits = row_gemv.row_gemv(x_btd.reshape(-1), table, _norm(cfg, final_norm), tuning=tuning, interpret=interpret)
     return logits.astype(jnp.float32).reshape(1, 1, -1)
