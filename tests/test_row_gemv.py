@@ -24,8 +24,8 @@ VARIANTS = {  # weight shape, contracted dims, activation
 }
 
 
-# each with the outputs a program computes: 8 (the default's), 4 (the default's for fewer than 4,096 outputs)
-# and 16 (`--tune row_gemv:rows=16`)
+# each with the outputs a program computes: 4 (bf16's default), 8 (fp8's default, and bf16's at
+# `--tune row_gemv:rows=8`) and 16 (`--tune row_gemv:rows=16`, fp8's at rows=8)
 CASES = [("qkv", False, "layer", jnp.bfloat16, 8), ("qkv", True, "rms", jnp.float32, 16),
          ("out", False, "none", jnp.float32, 4), ("out", True, "none", jnp.bfloat16, 8),
          ("up-gelu", False, "layer", jnp.bfloat16, 16), ("up-gelu", True, "layer", jnp.float32, 4),
@@ -54,8 +54,8 @@ def test_the_kernel_is_its_unfused_reference(variant, fp8, norm, dtype, rows):
     n = int(np.prod(outputs)) // (2 if activation == "swiglu" else 1)
     residual = jax.random.normal(ks[5], (n,)).astype(dtype)
     args = (x, w, norms[norm], bias, activation, residual)
-    tuning = row_gemv.Tuning(rows=rows, block=k // 4, programs=4)
-    assert tuning.rows_for(n) == rows
+    tuning = row_gemv.Tuning(rows=rows // 2 if fp8 else rows, block=k // 4, programs=4)
+    assert tuning.rows_for(n, w.values.dtype.itemsize) == rows
     got = row_gemv.row_gemv(*args, tuning=tuning, interpret=True)
     want = row_gemv.row_gemv_reference(*args)
     assert got.shape == want.shape == (n,) and got.dtype == dtype
@@ -71,8 +71,10 @@ def test_the_kernel_is_its_unfused_reference(variant, fp8, norm, dtype, rows):
 
 
 def test_programs_and_blocks_fit_the_shape():
-    t = row_gemv.Tuning()  # 8 rows a program, 512 programs or more where the outputs allow
-    assert [t.rows_for(n) for n in (6144, 8192, 2048, 50304, 64, 3)] == [8, 8, 4, 8, 2, 0]
+    t = row_gemv.Tuning()  # 4 rows a program, 1,024 programs or more where the outputs allow
+    assert [t.rows_for(n) for n in (6144, 8192, 2048, 50304, 64, 3)] == [4, 4, 2, 4, 2, 0]
+    # 1-byte weights: twice the rows on half the programs, the same bytes a program (8 rows on 512)
+    assert [t.rows_for(n, 1) for n in (6144, 8192, 2048, 50304, 64, 3)] == [8, 8, 4, 8, 2, 0]
     wide = row_gemv.Tuning(rows=16, programs=256)
     assert [wide.rows_for(n) for n in (6144, 8192, 2048, 50304, 64, 3)] == [16, 16, 8, 16, 2, 0]
     assert [t.block_for(k) for k in (2048, 8192, 2560, 96, 8)] == [2048, 2048, 512, 32, 0]

@@ -10,10 +10,11 @@ reduction and no layer norm into one; each kernel waits for the one before, and 
 Here each GEMM is one kernel with what comes before and after it, and a GPT block is six: the layer norm and
 QKV with its bias; the attention; the combination of its parts; the out-projection with its bias and the
 residual add; the layer norm and up with its bias and GELU; down with its bias and the residual add. Compiled
-for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Timed on an H100 at
-these defaults, in one call alternating with XLA's blocks, it decoded 1.06x their tokens/s at gpt-1.3b batch 1
-(bf16, also with an fp8 cache), 1.08x with fp8 weights and 1.04x at Llama-3.2-1B (docs/decode.md), so it is on
-by default (DEFAULT); `benchmarks.profile_decode --batch 1 --off row_gemv` runs XLA's blocks to compare.
+for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Timed on an H100 at 8
+rows a program on 512 programs, in one call alternating with XLA's blocks, it decoded 1.06x their tokens/s at
+gpt-1.3b batch 1 (bf16, also with an fp8 cache), 1.08x with fp8 weights and 1.04x at Llama-3.2-1B, so it is on
+by default (DEFAULT); bf16 weights now take 4 rows on 1,024 programs, 1.06x again at gpt-1.3b (docs/decode.md).
+`benchmarks.profile_decode --batch 1 --off row_gemv` runs XLA's blocks to compare.
 
 Each program computes `rows` outputs: it walks the contracted dim in blocks, each a (rows, block) tile of the
 weight (each output's weights are contiguous, so the tile's rows are too) times the same block of the input
@@ -44,17 +45,21 @@ ACTIVATIONS = ("gelu_tanh", "swiglu")  # swiglu: the weight's outputs are (gate,
 class Tuning:
     """Outputs per program (at most), the contracted dim's block, warps per program, the fewest programs to aim
     for (a weight with fewer than `rows * programs` outputs gets fewer rows a program, a power of two), and the
-    software-pipeline stages of a program's walk over the contracted dim (0: Triton's default)."""
+    software-pipeline stages of a program's walk over the contracted dim (0: Triton's default). `rows` and
+    `programs` are for 2-byte weights (bf16); 1-byte ones (fp8) get twice the rows on half the programs, the
+    same bytes a program."""
 
-    # Timed at gpt-1.3b batch 1 on an H100 (docs/decode.md): 8 rows of 2048 contracted elements, 32 KB of bf16 a
-    # step of a program's walk, on 8 warps; 512 programs, about four for each of an H100's 132 multiprocessors.
-    # 16 rows on 256 programs ran 3-4% slower, 32 rows slower still, as did 512 on 4 warps (the first guess);
-    # the software-pipeline stages (1, 2, 4, at 16 rows) changed nothing. benchmarks.profile_decode --tune
-    # row_gemv:FIELD=V tries others.
-    rows: int = 8
+    # Timed at gpt-1.3b batch 1 on an H100 (docs/decode.md), each against the one before in one call: 4 rows of
+    # 2048 contracted elements on 8 warps, 1,024 programs (2 rows for the 2,048-output weights), decoded 1.06x
+    # the tokens/s of 8 rows on 512 programs in bf16 (1.03x at Llama-3.2-1B); fp8 weights ran 0.91x at 4 rows
+    # and keep 8 rows on 512 programs, 16 KB a program either way. 8 rows on 1,024 programs gave 1.03x, 2 rows on
+    # 4,096 1.00x, 4 rows on 2,048 1.04x. Before: 16 rows on 256 programs ran 3-4% slower than 8 on 512, 32
+    # rows slower still, 4 warps too; the software-pipeline stages (1, 2, 4, at 16 rows) changed nothing.
+    # benchmarks.profile_decode --tune row_gemv:FIELD=V tries others.
+    rows: int = 4
     block: int = 2048
     warps: int = 8
-    programs: int = 512
+    programs: int = 1024
     stages: int = 0  # Triton's default; 1, 2 and 4 timed the same (at 16 rows)
 
     def __post_init__(self):
@@ -62,11 +67,14 @@ class Tuning:
         if self.rows < 2 or self.block < 16 or self.stages < 0:
             raise ValueError(f"row_gemv.{self}: rows must be at least 2, block at least 16 and stages at least 0")
 
-    def rows_for(self, n: int) -> int:
-        """The outputs a program computes of `n`: a power of two dividing n, at most `rows`, and small enough
-        that there are `programs` programs where n allows; 0 if no power of two from 2 up divides n."""
+    def rows_for(self, n: int, itemsize: int = 2) -> int:
+        """The outputs a program computes of `n`, for weights of `itemsize` bytes: a power of two dividing n, at
+        most `rows` (twice that for 1-byte weights), and small enough that there are `programs` programs (half
+        that for 1-byte weights) where n allows; 0 if no power of two from 2 up divides n."""
+        per = 2 if itemsize == 1 else 1
+        most, programs = self.rows * per, max(1, self.programs // per)
         r = 1
-        while r < self.rows and n % (2 * r) == 0 and n // (2 * r) >= min(self.programs, n // 2):
+        while r < most and n % (2 * r) == 0 and n // (2 * r) >= min(programs, n // 2):
             r *= 2
         return r if r > 1 else 0
 
@@ -101,7 +109,7 @@ def supported(size: int, w, rules: ShardingRules, tuning: Tuning | None, activat
             or not on_one_gpu(rules)):
         return False
     k, n, _ = _sizes(w, activation)
-    return size == k and tuning.block_for(k) > 0 and tuning.rows_for(n) > 0
+    return size == k and tuning.block_for(k) > 0 and tuning.rows_for(n, w.values.dtype.itemsize) > 0
 
 
 def _sizes(w: Quantized, activation) -> tuple[int, int, int]:
@@ -188,7 +196,7 @@ def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=No
     size or None. `row_gemv_reference` is the same in plain JAX. `interpret=True` runs Pallas' interpreter, on
     any backend (for tests)."""
     k, n, halves = _sizes(w, activation)
-    rows, block = tuning.rows_for(n), tuning.block_for(k)
+    rows, block = tuning.rows_for(n, w.values.dtype.itemsize), tuning.block_for(k)
     if not rows or not block:
         raise ValueError(f"row_gemv: {n} outputs or a contracted dim of {k} does not fit {tuning}")
     dtype = x.dtype
