@@ -47,9 +47,9 @@ class Tuning:
     for (a weight with fewer than `rows * programs` outputs gets fewer rows a program, a power of two), and the
     software-pipeline stages of a program's walk over the contracted dim (0: Triton's default). `rows` and
     `programs` are for 2-byte weights (bf16); 1-byte ones (fp8) get twice the rows on half the programs, the
-    same bytes a program."""
+    same bytes a program (4-byte ones, never timed on a GPU, get the 2-byte settings)."""
 
-    # Timed at gpt-1.3b batch 1 on an H100 (docs/decode.md), each against the one before in one call: 4 rows of
+    # Timed at gpt-1.3b batch 1 on an H100 (docs/decode.md), in calls on one machine: 4 rows of
     # 2048 contracted elements on 8 warps, 1,024 programs (2 rows for the 2,048-output weights), decoded 1.06x
     # the tokens/s of 8 rows on 512 programs in bf16 (1.03x at Llama-3.2-1B); fp8 weights ran 0.91x at 4 rows
     # and keep 8 rows on 512 programs, 16 KB a program either way. 8 rows on 1,024 programs gave 1.03x, 2 rows on
