@@ -148,3 +148,86 @@ def test_the_guard_also_checks_the_checkpoint_copy_of_a_pipeline_ordered_state(m
     from jax3d.train.dry_run import dry_run  # --dry-run reports both figures the guard checks
     report = dry_run(cfg, mesh_cfg, mesh)
     assert (report["peak"], report["checkpoint_copy_peak"]) == (step_peak, copy_peak)
+
+
+class _Gpu:
+    """Stands in for one GPU: its kind and its allocator's statistics."""
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def __init__(self, **stats_gib):
+        self.stats = {k: int(v * GIB) for k, v in stats_gib.items()}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def _on(monkeypatch, device, preallocate="true"):
+    monkeypatch.setattr(memory.jax, "local_devices", lambda: [device])
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", preallocate)
+
+
+def test_the_gpu_guard_holds_the_peak_against_what_the_allocator_can_give(monkeypatch):
+    """The pool XLA claimed at start can be smaller than bytes_limit (the claim backs off when something else
+    holds the card): a step of 67.5 GiB passes a 71.3 GiB limit but not a 60 GiB pool."""
+    _on(monkeypatch, _Gpu(bytes_limit=71.26, pool_bytes=71.26, largest_free_block_bytes=71.26, bytes_in_use=0))
+    memory.check_fits(_compiled(14.7, 52.8))
+    _on(monkeypatch, _Gpu(bytes_limit=71.26, pool_bytes=60, largest_free_block_bytes=60, bytes_in_use=0))
+    tried = []
+
+    def smaller(have):
+        return memory.largest_fitting([8, 12, 4], lambda b: tried.append(b) or int((14.7 + 3.3 * b) * GIB), have)
+    with pytest.raises(memory.DeviceOutOfMemory) as e:
+        memory.check_fits(_compiled(14.7, 52.8), smaller=smaller)
+    msg = str(e.value)
+    assert "needs 67.5 GiB per device" in msg and "can give it 60.0 GiB" in msg and "largest free block" in msg
+    assert "--micro-batch-size 12 fits (54.3 GiB per device" in msg and "\n" not in msg
+    assert tried == [12]  # the largest candidate fits: nothing smaller is compiled
+    # A growing pool (XLA_PYTHON_CLIENT_PREALLOCATE=false) has its limit less what is in use.
+    _on(monkeypatch, _Gpu(bytes_limit=71.26, pool_bytes=2, largest_free_block_bytes=2, bytes_in_use=10),
+        preallocate="false")
+    with pytest.raises(memory.DeviceOutOfMemory, match="can give it 61.3 GiB"):
+        memory.check_fits(_compiled(14.7, 52.8))
+
+
+def test_once_the_state_is_placed_the_temporaries_must_fit_in_one_free_block(monkeypatch):
+    _on(monkeypatch, _Gpu(bytes_limit=71.26, pool_bytes=71.26, largest_free_block_bytes=56.56, bytes_in_use=14.7))
+    memory.check_placed(_compiled(14.7, 52.8))
+    _on(monkeypatch, _Gpu(bytes_limit=71.26, pool_bytes=71.26, largest_free_block_bytes=50, bytes_in_use=14.7))
+    with pytest.raises(memory.DeviceOutOfMemory, match="52.8 GiB of temporaries in one block.*50.0 GiB left"):
+        memory.check_placed(_compiled(14.7, 52.8))
+
+
+def test_largest_fitting_compiles_from_the_largest_candidate_down():
+    tried = []
+    peak = lambda b: tried.append(b) or 10 * b  # noqa: E731
+    assert memory.largest_fitting([1, 2, 4, 8], peak, 35) == (2, 20) and tried == [8, 4, 2]
+    assert memory.largest_fitting([1, 2], peak, 5) is None
+
+
+def test_micro_batches_below_keep_the_global_batch():
+    from jax3d.train.loop import _micro_batches_below
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(data=2, micro=12, global_batch=48)[0]
+    assert _micro_batches_below(cfg, 2) == [1, 2, 3, 4, 6, 8]
+
+
+def test_a_step_that_runs_out_of_device_memory_ends_in_one_sentence(tmp_path, monkeypatch, capsys):
+    """An allocation failure past the guard (here raised by the first batch, as XLA raises it at the first step) is
+    reported with the step's compiled peak and the largest micro-batch whose step compiles to less, exit 2."""
+    from jax3d.cli.train import main
+    from jax3d.train import loop
+
+    def out_of_memory(self):
+        raise memory.jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 52.83GiB.")
+    monkeypatch.setattr(loop._TrainBatches, "next", out_of_memory)
+    argv = ["--cpu-devices", "8", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "32", "--train-iters", "2",
+            "--no-progress", "--log-dir", str(tmp_path), "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "the train step ran out of device memory" in lines[0] and "compiled peak is" in lines[0]
+    assert "--micro-batch-size 2 fits" in lines[0] and "--recompute full" in lines[0]

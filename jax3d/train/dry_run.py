@@ -16,7 +16,7 @@ from jax3d.config import Config
 from jax3d.parallel.mesh import MeshConfig
 from jax3d.parallel import named_shardings
 from jax3d.train.metrics import model_flops_per_token
-from jax3d.train.memory import step_peak_bytes
+from jax3d.train.memory import allocator_offer, step_peak_bytes
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
 
@@ -66,6 +66,9 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
         * cfg.model.seq_length / mesh_cfg.size,
         "compile_s": round(compile_s, 2),
     }
+    offer = allocator_offer(jax.local_devices()[0]) if jax.local_devices()[0].platform != "cpu" else None
+    if offer is not None:  # what the guard holds the peak against, on this process's first device
+        report["device_offer"], report["fits"] = offer[0], peak <= offer[0]
     if not steps.order.logical:
         # Saves and restores hold the state and its logical-order copy at once; the guard checks this too.
         report["checkpoint_copy_peak"] = step_peak_bytes(steps.compiled_logical_copy())

@@ -12,7 +12,8 @@ from jax3d.config import Config, ConfigError
 from jax3d.parallel.mesh import MeshConfig
 from jax3d.train.counts import BatchCounts, last_step, settle
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, optimizer_state_norms, peak_tflops
-from jax3d.train.memory import STATE_FIXES, check_fits
+from jax3d.train.memory import (STATE_FIXES, check_fits, check_placed, device_offer, is_out_of_memory, largest_fitting,
+                                ran_out, step_peak_bytes)
 from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps
 
 
@@ -131,11 +132,46 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     """Runs `cfg.train.train_iters` steps (or until `--train-tokens`, `--exit-interval` or
     `--exit-duration-in-mins`); returns the last logged record.
 
-    With `memory_check`, a step whose compiled peak exceeds the local devices' memory raises ConfigError
-    before the state is allocated.
+    With `memory_check`, a step whose compiled peak exceeds the local devices' memory raises DeviceOutOfMemory (a
+    ConfigError) before the state is allocated, naming a micro-batch that fits. A step that runs out of device
+    memory all the same raises it too, once the run's buffers are freed, with the same advice.
     """
-    started = time.time()
     cfg = settle(cfg, mesh_cfg.data)  # the run's counts in samples and tokens (jax3d.train.counts)
+    compiled = {}
+    try:
+        return _train(cfg, mesh_cfg, mesh, inputs, progress, checkpointer, memory_check, compiled)
+    except jax.errors.JaxRuntimeError as e:
+        if not is_out_of_memory(e) or "step" not in compiled:
+            raise
+    # Out of the handler, so that the failed run's frames, and the device buffers they held, are gone.
+    peak = step_peak_bytes(compiled["step"])
+    have = min(device_offer() or peak, peak - 1)  # what ran out: a step that fits needs less than its peak
+    raise ran_out("the train step", peak, _smaller_micro_batch(cfg, mesh_cfg, mesh, have))
+
+
+def _micro_batches_below(cfg: Config, data: int) -> list[int]:
+    """The micro-batch sizes below the run's that keep its global batch: they divide it over the data-parallel
+    devices."""
+    per_replica = cfg.train.global_batch_size // data
+    return [b for b in range(1, cfg.train.micro_batch_size) if per_replica % b == 0]
+
+
+def _smaller_micro_batch(cfg: Config, mesh_cfg: MeshConfig, mesh, have: int):
+    """`largest_fitting`'s (micro-batch, peak) for this run's step at a smaller micro-batch, compiled from abstract
+    shapes; None when none fits or the batch ramps up (the ramp's sizes would need their own)."""
+    if cfg.train.rampup_batch_size:
+        return None
+
+    def peak_at(micro: int) -> int:
+        steps = build_steps(cfg.replace(train={"micro_batch_size": micro}), mesh_cfg, mesh)
+        return step_peak_bytes(steps.train_step.lower(
+            abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile())
+    return largest_fitting(_micro_batches_below(cfg, mesh_cfg.data), peak_at, have)
+
+
+def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, checkpointer, memory_check: bool,
+           compiled: dict) -> dict:
+    started = time.time()
     tr = cfg.train
     chief = jax.process_index() == 0
     final = last_step(cfg)
@@ -156,8 +192,9 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     train_step = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
     if chief and progress:
         print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    compiled["step"] = train_step
     if memory_check:
-        check_fits(train_step)
+        check_fits(train_step, smaller=lambda have: _smaller_micro_batch(cfg, mesh_cfg, mesh, have))
         if checkpointer is not None and not steps.order.logical:
             # A save or restore holds the state and its logical-order copy at once (layer_order.py); with
             # small activations that is more than the step itself needs.
@@ -184,6 +221,8 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         writer = MetricsWriter(tr.log_dir, enabled=chief, fresh=start == 0, tensorboard_dir=tr.tensorboard_dir,
                                tensorboard_log=tr.tensorboard_log)
         first_batch = loader.next()
+        if memory_check:  # the state and the first batch are in place: the step's temporaries must fit beside them
+            check_placed(train_step)
         bar = _progress(end, start, progress and chief)
         deadline = _Deadline(tr.exit_duration_in_mins, started)
         last, pending = {}, []

@@ -117,22 +117,131 @@ def host_available_bytes(*, root: str = "/") -> int | None:
     return min(limits) if limits else None
 
 
-def check_fits(compiled, what: str = "the train step", fixes: str = _FIXES) -> None:
-    """Raises ConfigError when `compiled` needs more memory than the local devices have."""
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _preallocated(stats: dict, env=os.environ) -> bool:
+    """Whether XLA claimed its whole pool when it started (JAX's default on GPUs), so that `largest_free_block_bytes`
+    describes the memory the run will ever have."""
+    if env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").strip().lower() in ("false", "0"):
+        return False
+    return bool(stats.get("pool_bytes")) and "largest_free_block_bytes" in stats
+
+
+def allocator_offer(device, env=os.environ) -> tuple[int, str] | None:
+    """(bytes one more buffer can have on `device`, how that was read), or None where the allocator keeps no
+    statistics (XLA_PYTHON_CLIENT_ALLOCATOR=platform, or a CPU).
+
+    With the pool claimed at start, a buffer must fit in one free block of it: the step's temporaries are a single
+    buffer (52.8 GiB of the 1.3B shape at micro-batch 16), and the pool may be smaller than `bytes_limit` says
+    when the claim had to back off on a card whose memory something else holds. Growing pools get up to
+    `bytes_limit` less what is in use.
+    """
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    if _preallocated(stats, env):
+        return int(stats["largest_free_block_bytes"]), "its allocator's largest free block"
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), "its allocator's limit less what is in use"
+
+
+def device_offer() -> int | None:
+    """Bytes one local device can still take: `allocator_offer` on an accelerator; on emulated CPU devices, which
+    share this process's host memory, their share of what the host has free. None where nothing says."""
+    devices = jax.local_devices()
+    if devices[0].platform == "cpu":
+        have = host_available_bytes()
+        return None if have is None else have // len(devices)
+    offer = allocator_offer(devices[0])
+    return None if offer is None else offer[0]
+
+
+def temporaries_bytes(compiled) -> int:
+    """What a compiled program allocates when it runs, beyond its (donated) arguments: temporaries and outputs
+    that do not reuse an argument's buffer."""
+    mem = compiled.memory_analysis()
+    return int(mem.temp_size_in_bytes) + int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes)
+
+
+def largest_fitting(candidates, peak_at, have: int) -> tuple[int, int] | None:
+    """(the largest of `candidates` whose `peak_at(c)` is at most `have`, that peak), or None.
+
+    `peak_at` compiles, so it is called as little as possible: a peak falls with the micro-batch, so the candidates
+    are tried from the largest down and the first that fits ends the search.
+    """
+    for c in sorted(candidates, reverse=True):
+        peak = peak_at(c)
+        if peak <= have:
+            return c, peak
+    return None
+
+
+def fit_hint(fitting) -> str:
+    """The start of a guard's fixes when a smaller micro-batch fits: `(micro-batch, peak)` from `largest_fitting`."""
+    if fitting is None:
+        return ""
+    micro, peak = fitting
+    return f"--micro-batch-size {micro} fits ({_gib(peak)} per device, the same global batch in more micro-batches), or "
+
+
+class DeviceOutOfMemory(ConfigError):
+    """A step that cannot fit the device memory (before it runs, or when it ran out): one sentence, exit 2."""
+
+
+def check_fits(compiled, what: str = "the train step", fixes: str = _FIXES, smaller=None) -> None:
+    """Raises DeviceOutOfMemory when `compiled` needs more memory than the local devices have.
+
+    Runs before anything is allocated. On a GPU the whole peak must fit in what the allocator can give one buffer.
+    `smaller(have)`, when given, returns `largest_fitting`'s answer for the run at smaller micro-batches, to name
+    the one that fits.
+    """
     peak = step_peak_bytes(compiled)
     devices = jax.local_devices()
-    gib = 2**30
+    hint = lambda have: fit_hint(smaller(have)) if smaller is not None else ""  # noqa: E731
     if devices[0].platform == "cpu":
         # Emulated CPU devices all live in this process's host memory.
         have, need = host_available_bytes(), peak * len(devices)
         if have is not None and need > have:
-            raise ConfigError(
-                f"{what} needs {peak / gib:.1f} GiB per device x {len(devices)} emulated devices = "
-                f"{need / gib:.1f} GiB, but this host has {have / gib:.1f} GiB free; use {fixes}, "
+            raise DeviceOutOfMemory(
+                f"{what} needs {_gib(peak)} per device x {len(devices)} emulated devices = "
+                f"{_gib(need)}, but this host has {_gib(have)} free; use {hint(have // len(devices))}{fixes}, "
                 f"or pass --no-memory-check")
         return
-    limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-    if limit and peak > limit:
-        raise ConfigError(f"{what} needs {peak / gib:.1f} GiB per device, but each {devices[0].device_kind} "
-                          f"offers {limit / gib:.1f} GiB; use {fixes}, or pass --no-memory-check")
+    offer = allocator_offer(devices[0])
+    if offer is not None and peak > offer[0]:
+        have, how = offer
+        raise DeviceOutOfMemory(
+            f"{what} needs {_gib(peak)} per device, but each {devices[0].device_kind} can give it {_gib(have)} "
+            f"({how}, {_fraction_note()}); use {hint(have)}{fixes}, or pass --no-memory-check")
 
+
+def check_placed(compiled, what: str = "the train step") -> None:
+    """Once the state is on the devices, and before the first step: raises DeviceOutOfMemory when the step's
+    temporaries no longer fit in one free block (a restored state can land in another order than a fresh one)."""
+    device = jax.local_devices()[0]
+    offer = allocator_offer(device) if device.platform != "cpu" else None
+    need = temporaries_bytes(compiled)
+    if offer is not None and need > offer[0]:
+        raise DeviceOutOfMemory(
+            f"{what} needs {_gib(need)} of temporaries in one block beside its state, but each {device.device_kind} "
+            f"has {_gib(offer[0])} left ({offer[1]}, {_fraction_note()}); use {_FIXES}, or pass --no-memory-check")
+
+
+def _fraction_note(env=os.environ) -> str:
+    fraction = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    return (f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} of the card" if fraction else "JAX's default share of the card")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is XLA failing to allocate device memory."""
+    return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
+
+
+def ran_out(what: str, peak: int, fitting) -> DeviceOutOfMemory:
+    """The sentence for a step that ran out of device memory although the guard let it through (or was told not
+    to check): its compiled peak and what would fit."""
+    device = jax.local_devices()[0]
+    return DeviceOutOfMemory(
+        f"{what} ran out of device memory on the {device.device_kind} (its compiled peak is {_gib(peak)} per device, "
+        f"{_fraction_note()}); checkpoints written before are kept; use {fit_hint(fitting)}{_FIXES}")
