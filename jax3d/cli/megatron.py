@@ -227,10 +227,11 @@ FLAGS: tuple[Flag, ...] = (
          "(of the unscaled gradients; Megatron counts after clipping, which scales every entry by one positive "
          "factor; computed in the train step only when asked)", _LOG, **_ON),
     *(_act(f"--{which}-data-path", f"the {what} dataset, read whole: a prefix, or weights and prefixes 0.3 A 0.7 B, "
-           f"instead of --data-path and --split (default: none)", f"{what} samples come from it; checkpoints "
-           "record it by fingerprint as they do --data-path", _DATA, nargs="+", default=None, metavar="PATH")
-      for which, what in (("train", "training"), ("valid", "validation"),
-                          ("test", "test (launch/evaluate.py --split-name test reads it)"))),
+           f"instead of --data-path and --split (default: none)", f"{use}; checkpoints record it by fingerprint as "
+           "they do --data-path", _DATA, nargs="+", default=None, metavar="PATH")
+      for which, what, use in (("train", "training", "the run trains on it"),
+                               ("valid", "validation", "validation reads it"),
+                               ("test", "test", "launch/evaluate.py --split-name test reads it"))),
 )
 
 
