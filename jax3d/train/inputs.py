@@ -94,13 +94,13 @@ def check_tokenized_by(data_paths, tok, whose: str = "this run's",
 
 
 def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, tok=None, paths=None) -> Inputs:
-    """Tokenizer plus train / valid datasets (`tok` and `paths` as `tokenizer_and_paths` gives them)."""
-    from jax3d import data
+    """Tokenizer plus train / valid datasets (`tok` and `paths` as `tokenizer_and_paths` gives them): from
+    `--data-path` and `--split`, or each from its split's own `--*-data-path`."""
+    from jax3d.data.sampling import why_split_is_empty
 
     if tok is None:
         tok, paths = tokenizer_and_paths(cfg)
     d = cfg.data
-    from jax3d.data.sampling import why_split_is_empty
     if d.split_paths:
         train = split_dataset(cfg, tok, "train", num_train_samples)
         valid = split_dataset(cfg, tok, "valid", num_valid_samples) if num_valid_samples else None
@@ -127,9 +127,10 @@ def split_dataset(cfg: Config, tok, which: str, num_samples: int):
     paths = cfg.data.split_paths.get(which)
     if not paths:
         return None
+    i = ("train", "valid", "test").index(which)
     num = [0, 0, 0]
-    num[("train", "valid", "test").index(which)] = num_samples
-    out = _datasets(cfg, tok, list(paths), WHOLE_SPLIT[which], num)[("train", "valid", "test").index(which)]
+    num[i] = num_samples
+    out = _datasets(cfg, tok, list(paths), WHOLE_SPLIT[which], num)[i]
     if out is None and num_samples:
         raise ConfigError(f"--{which}-data-path {' '.join(paths)} holds no document; pass a non-empty dataset")
     return out
