@@ -243,9 +243,9 @@ def test_a_run_on_separate_train_and_valid_data_reads_them_and_resumes_on_them(c
     assert main([*BASE, "--load", ck, "--train-iters", "4", "--eval-interval", "0", *paths]) == 0
 
 
-def test_the_uninterrupted_run_and_the_resumed_one_use_the_same_weight_decay(corpora, tmp_path):
+def test_a_longer_resumed_run_keeps_the_checkpoints_weight_decay_schedule():
     """A resumed run, longer than the first, keeps the checkpoint's weight-decay schedule and its length, as Megatron
-    keeps a checkpoint's; the reference is an uninterrupted run given that length."""
+    keeps a checkpoint's."""
     from jax3d.cli.resume import adopt_saved_run
     from jax3d.cli.train_flags import given_flags
 
@@ -258,3 +258,24 @@ def test_the_uninterrupted_run_and_the_resumed_one_use_the_same_weight_decay(cor
     schedule = weight_decay_schedule(resumed.optim, 8)
     assert [float(schedule(k)) for k in range(6)] == pytest.approx([megatron_wd(k, 4, 0.0, 0.2, "cosine")
                                                                      for k in range(6)], abs=1e-7)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_weight_decay_schedule_exactly(tmp_path):
+    """Stopped at step 2 of 4 and resumed: the same losses and weight norms as the uninterrupted run, which differ
+    from a constant decay's (the schedule acts)."""
+    base = ["--preset", "gpt-tiny", "--seq-length", "32", "--global-batch-size", "16", "--micro-batch-size", "2",
+            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--lr", "1e-2",
+            "--train-iters", "4", "--log-params-norm"]
+    wd = ["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.0", "--end-weight-decay", "0.5"]
+    runs = {}
+    for name, argv in (("whole", wd), ("constant", [])):
+        assert main([*base, *argv, "--log-dir", str(tmp_path / name)]) == 0
+        runs[name] = [(r["loss"], r["params_norm"]) for r in _records(tmp_path / name) if "loss" in r]
+    ck, cut = str(tmp_path / "ck"), str(tmp_path / "cut")
+    assert main([*base, *wd, "--exit-interval", "2", "--save", ck, "--log-dir", cut]) == 0
+    assert main([*base, "--load", ck, "--log-dir", cut]) == 0  # the schedule from the checkpoint, no flag repeated
+    got = [(r["loss"], r["params_norm"]) for r in _records(cut) if "loss" in r]
+    np.testing.assert_allclose(got, runs["whole"], rtol=1e-6)
+    assert runs["whole"][3][1] != pytest.approx(runs["constant"][3][1], rel=1e-4)
