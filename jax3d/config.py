@@ -145,7 +145,16 @@ class OptimConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int = 0  # 0: train_iters
     lr_decay_style: str = "cosine"  # cosine | linear | constant
+    lr_warmup_fraction: float = 0.0  # where set, the warm-up is this share of the decay (Megatron's, 0: unused)
     weight_decay: float = 0.1
+    # Megatron's weight-decay schedule: constant keeps `weight_decay`; linear and cosine go from the start to the
+    # end value over the run's steps (`weight_decay_incr_iters`, 0: train_iters), or its samples where the run is
+    # counted in them (`weight_decay_incr_samples`, 0: those steps' batches).
+    weight_decay_incr_style: str = "constant"  # constant | linear | cosine
+    start_weight_decay: float = 0.0
+    end_weight_decay: float = 0.0
+    weight_decay_incr_iters: int = 0
+    weight_decay_incr_samples: int = 0
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -212,6 +221,22 @@ class DataConfig:
     tokenizer_file: str = ""
     tokenizer_model: str = ""  # a SentencePiece model (GPTSentencePieceTokenizer)
     cache_dir: str = ""
+    # Megatron's separate datasets, each read whole (a path or a blend `w1 p1 w2 p2`), instead of `data_path` and
+    # `split`: train, and where given valid (validation) and test (launch/evaluate.py --split-name test).
+    train_data_path: tuple[str, ...] = ()
+    valid_data_path: tuple[str, ...] = ()
+    test_data_path: tuple[str, ...] = ()
+
+    @property
+    def split_paths(self) -> dict[str, tuple[str, ...]]:
+        """{"train" | "valid" | "test": that split's own --*-data-path}, the ones given (empty with `data_path`)."""
+        return {k: v for k, v in (("train", self.train_data_path), ("valid", self.valid_data_path),
+                                  ("test", self.test_data_path)) if v}
+
+    @property
+    def all_paths(self) -> list[tuple[str, ...]]:
+        """Every --data-path / --*-data-path given: the data the tokenizer must fit."""
+        return [p for p in (self.data_path, *self.split_paths.values()) if p]
 
 
 @dataclass(frozen=True)
@@ -250,6 +275,9 @@ class TrainConfig:
     # (timers, batch_size, validation_ppl, optimizer_states, memory).
     tensorboard_dir: str = ""
     tensorboard_log: tuple[str, ...] = ()
+    # Megatron's --log-params-norm and --log-num-zeros-in-grad: the train step computes them only when asked.
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
 
 
 @dataclass(frozen=True)

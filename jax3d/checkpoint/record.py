@@ -33,12 +33,21 @@ def idx_fingerprint(prefix: str) -> str | None:
 
 def data_record(d: DataConfig) -> dict:
     """The checkpoint's record of a run's data: `--data-path` as given and absolute, each prefix's .idx
-    fingerprint, the split and the sample-index cache."""
+    fingerprint, the split and the sample-index cache; with separate datasets per split, each
+    `--{train,valid,test}-data-path` the same way under "split_paths"."""
+    out = {**paths_record(d.data_path), "split": d.split,
+           "cache_dir": os.path.abspath(d.cache_dir) if d.cache_dir else ""}
+    if d.split_paths:
+        out["split_paths"] = {which: paths_record(p) for which, p in d.split_paths.items()}
+    return out
+
+
+def paths_record(data_path) -> dict:
+    """One `--data-path` (or `--*-data-path`) as given, its prefixes absolute and their .idx fingerprints."""
     from jax3d.data.sampling import parse_data_paths
 
-    prefixes = parse_data_paths(list(d.data_path))[1] if d.data_path else []
-    return {"data_path": list(d.data_path), "split": d.split, "cache_dir": os.path.abspath(d.cache_dir) if d.cache_dir else "",
-            "prefixes": [os.path.abspath(p) for p in prefixes],
+    prefixes = parse_data_paths(list(data_path))[1] if data_path else []
+    return {"data_path": list(data_path), "prefixes": [os.path.abspath(p) for p in prefixes],
             "idx_fingerprints": [idx_fingerprint(p) for p in prefixes]}
 
 

@@ -50,7 +50,9 @@ def _main(argv) -> int:
     setup_devices(a)
     if not a.data_path and not a.text_file:  # the checkpoint's own data, where it is now
         from jax3d.cli.resume import checkpoint_data_path
-        a.data_path = checkpoint_data_path(a.load, a.ckpt_step)
+        a.data_path, whole = checkpoint_data_path(a.load, a.ckpt_step, a.split_name)
+        if whole and a.split is None:  # a split trained on data of its own: all of it
+            a.split = whole
     out = evaluate_checkpoint(a.load, step=a.ckpt_step, data_paths=a.data_path, text_file=a.text_file,
                               split=a.split, which=a.split_name, num_samples=a.num_samples,
                               micro_batch_size=a.micro_batch_size, tp=a.tensor_model_parallel_size,

@@ -207,6 +207,31 @@ FLAGS: tuple[Flag, ...] = (
                                                                  "default": "standard"}),
         ("--topk", "experts per token", {"type": int, "default": 1}),
         ("--expert-interval", "layers between MoE layers", {"type": int, "default": 2}))),
+    # ---- Optimizer schedules, logged norms and per-split data (issue 54; jax3d.train.optimizer, jax3d.train.step,
+    # jax3d.train.inputs): the rows below are one block, and `_schedules_and_splits` maps them.
+    _act("--start-weight-decay", "weight decay at the start of a linear or cosine --weight-decay-incr-style "
+         "(default: none)", "the schedule's start value", _RUN, type=float, default=None, metavar="WD"),
+    _act("--end-weight-decay", "weight decay at the end of the run under a linear or cosine "
+         "--weight-decay-incr-style (default: none)", "the schedule's end value", _RUN, type=float, default=None,
+         metavar="WD"),
+    _act("--weight-decay-incr-style", "constant: --weight-decay throughout; linear or cosine: from "
+         "--start-weight-decay to --end-weight-decay over the run's iterations (or samples) (default: constant)",
+         "AdamW's decoupled decay follows Megatron's schedule over --train-iters (--train-samples); a resumed run "
+         "keeps its checkpoint's length", _RUN, choices=["constant", "linear", "cosine"], default="constant"),
+    _act("--lr-warmup-fraction", "warm up over this share of the decay (--lr-decay-iters or -samples), instead of "
+         "--lr-warmup-iters / --lr-warmup-samples (default: none)", "warm-up = fraction x the decay's iterations "
+         "or samples, which may end between two steps as in Megatron", _RUN, type=float, default=None, metavar="F"),
+    _act("--log-params-norm", "log the L2 norm of all parameters after each update", "adds params_norm (fp32 "
+         "master weights, computed in the train step only when asked)", _LOG, **_ON),
+    _act("--log-num-zeros-in-grad", "log how many gradient entries are exactly zero", "adds num_zeros_in_grad "
+         "(of the unscaled gradients; Megatron counts after clipping, which scales every entry by one positive "
+         "factor; computed in the train step only when asked)", _LOG, **_ON),
+    *(_act(f"--{which}-data-path", f"the {what} dataset, read whole: a prefix, or weights and prefixes 0.3 A 0.7 B, "
+           f"instead of --data-path and --split (default: none)", f"{use}; checkpoints record it by fingerprint as "
+           "they do --data-path", _DATA, nargs="+", default=None, metavar="PATH")
+      for which, what, use in (("train", "training", "the run trains on it"),
+                               ("valid", "validation", "validation reads it"),
+                               ("test", "test", "launch/evaluate.py --split-name test reads it"))),
 )
 
 
@@ -286,7 +311,7 @@ def _translate(a, cfg: Config) -> tuple[Config, list[str]]:
                               "add it or drop --deepspeed")
         cfg, ds_notes = apply_deepspeed_json(read_deepspeed_json(a.deepspeed_config), a, cfg)
         notes += ds_notes
-    cfg = _counted(a, cfg)
+    cfg = _schedules_and_splits(a, _counted(a, cfg))
     par = {}
     if a.no_pipeline_parallel:
         par["pipeline_parallel"] = 1
@@ -338,6 +363,47 @@ def _refuse_combinations(a) -> None:
             raise ConfigError(f"{flag} {v} must not be negative")
 
 
+def _schedules_and_splits(a, cfg: Config) -> Config:
+    """The weight-decay schedule, the fractional warm-up, the logged norms and the per-split datasets, after
+    Megatron's checks on them (each one sentence)."""
+    if a.weight_decay_incr_style == "constant":
+        given = [f for f, v in (("--start-weight-decay", a.start_weight_decay),
+                                ("--end-weight-decay", a.end_weight_decay)) if v is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} a weight-decay schedule, and --weight-decay-incr-style is "
+                              "constant (--weight-decay throughout); add --weight-decay-incr-style linear or cosine, "
+                              "or drop them (Megatron refuses them too)")
+        wd = {}
+    else:
+        if a.start_weight_decay is None or a.end_weight_decay is None:
+            raise ConfigError(f"--weight-decay-incr-style {a.weight_decay_incr_style} needs both "
+                              "--start-weight-decay and --end-weight-decay; add them (Megatron asks for both)")
+        wd = {"weight_decay_incr_style": a.weight_decay_incr_style, "start_weight_decay": a.start_weight_decay,
+              "end_weight_decay": a.end_weight_decay, "weight_decay_incr_samples": a.train_samples or 0}
+    if a.lr_warmup_fraction is not None:
+        for flag, v in (("--lr-warmup-iters", a.lr_warmup_iters), ("--lr-warmup-samples", a.lr_warmup_samples)):
+            if v:
+                raise ConfigError(f"--lr-warmup-fraction {a.lr_warmup_fraction} and {flag} {v} both set the warm-up; "
+                                  "pass one (Megatron refuses both too)")
+        if not 0 <= a.lr_warmup_fraction < 1:
+            raise ConfigError(f"--lr-warmup-fraction {a.lr_warmup_fraction} must be at least 0 and below 1 (a share "
+                              "of the decay)")
+        wd["lr_warmup_fraction"] = a.lr_warmup_fraction
+    split = {f"{k}_data_path": tuple(getattr(a, f"{k}_data_path") or ()) for k in ("train", "valid", "test")}
+    given = [f"--{k.replace('_', '-')}" for k, v in split.items() if v]
+    if given and a.data_path:
+        raise ConfigError(f"--data-path and {' / '.join(given)} both name the data; pass --data-path (with --split) "
+                          "or a dataset per split (Megatron keeps them exclusive too)")
+    if given and not split["train_data_path"]:
+        raise ConfigError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --train-data-path to train "
+                          "on; add it, or pass --data-path with --split")
+    cfg = cfg.replace(optim=wd, data=split, train={"log_params_norm": a.log_params_norm,
+                                                   "log_num_zeros_in_grad": a.log_num_zeros_in_grad})
+    from jax3d.train.optimizer import weight_decay_schedule
+    weight_decay_schedule(cfg.optim, cfg.train.train_iters)  # its values' checks, said before anything compiles
+    return cfg
+
+
 def _counted(a, cfg: Config) -> Config:
     """The run counted in samples and tokens (jax3d.train.counts): Megatron decays a sample-counted run over its
     --train-samples unless --lr-decay-samples says otherwise."""
@@ -362,7 +428,9 @@ def after_plan(a, cfg: Config, data_parallel: int) -> Config:
 
 
 _SCHEDULE_DESTS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_samples",
-                   "lr_decay_samples", "lr_warmup_tokens", "lr_decay_tokens")
+                   "lr_decay_samples", "lr_warmup_tokens", "lr_decay_tokens", "lr_warmup_fraction", "weight_decay",
+                   "weight_decay_incr_style", "start_weight_decay", "end_weight_decay", "weight_decay_incr_iters",
+                   "weight_decay_incr_samples")
 
 
 def implied_given(ns: argparse.Namespace) -> set[str]:

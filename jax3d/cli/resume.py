@@ -17,8 +17,10 @@ from jax3d.checkpoint.record import file_fingerprint, idx_fingerprint
 from jax3d.config import (TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, ModelConfig, OptimConfig, as_tuple,
                           config_from_dict)
 
-# The data flags a resumed run adopts or checks (argparse dests, which are DataConfig's field names).
-DATA_FIELDS = ("data_path", "split", "tokenizer_type", *TOKENIZER_FILE_KEYS)
+# The data flags a resumed run adopts or checks (argparse dests, which are DataConfig's field names). The path
+# flags go together: one given names the run's data, and none of the others is taken from the checkpoint.
+PATH_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+DATA_FIELDS = (*PATH_FIELDS, "split", "tokenizer_type", *TOKENIZER_FILE_KEYS)
 
 
 # Command-line flags (argparse dests) -> the model fields each one sets explicitly.
@@ -86,7 +88,7 @@ def adopt_saved_run(cfg: Config, load_dir: str, meta: dict, given: set[str]) -> 
     taken = [f"--{f.replace('_', '-')} {getattr(getattr(new, group), f)}"
              for group, fields in (("train", _TRAIN_FIELDS), ("precision", _PRECISION_FIELDS),
                                    ("optim", {f.name: () for f in dataclasses.fields(OptimConfig)}))
-             for f in fields if f != "lr_decay_iters"
+             for f in fields if f not in ("lr_decay_iters", "weight_decay_incr_iters", "weight_decay_incr_samples")
              and getattr(getattr(new, group), f) != getattr(getattr(cfg, group), f)]
     if taken:
         notes.insert(0, f"the run's own settings where no flag gave them: {', '.join(taken)}")
@@ -111,6 +113,11 @@ def _adopt_optim(cfg: Config, saved: Config, meta: dict, given: set[str], notes:
     kw = {f.name: getattr(saved.optim, f.name) for f in dataclasses.fields(OptimConfig) if f.name not in given}
     if "lr" in given and "min_lr" not in given:
         kw.pop("min_lr", None)  # the command line derived it from this run's --lr
+    if given & {"lr_warmup_iters", "lr_warmup_samples"} and "lr_warmup_fraction" not in given:
+        kw.pop("lr_warmup_fraction", None)  # the warm-up the command line gives replaces the checkpoint's fraction
+    if "weight_decay_incr_iters" not in given and saved.optim.weight_decay_incr_style != "constant":
+        # Megatron keeps a checkpoint's weight-decay schedule, its length included
+        kw["weight_decay_incr_iters"] = saved.optim.weight_decay_incr_iters or saved.train.train_iters
     if "lr_decay_iters" not in given:
         kw["lr_decay_iters"] = saved.optim.lr_decay_iters or saved.train.train_iters
         if not saved.optim.lr_decay_iters and saved.train.train_iters != cfg.train.train_iters \
@@ -124,26 +131,37 @@ def _adopt_data(d: DataConfig, saved: DataConfig, meta: dict, load_dir: str, giv
                 notes: list[str]) -> DataConfig:
     record = meta.get("data")
     tok_record = meta.get("tokenizer") or {}
-    kw = {f: getattr(saved, f) for f in DATA_FIELDS if f not in given}
+    paths_given = bool(given & set(PATH_FIELDS))
+    kw = {f: getattr(saved, f) for f in DATA_FIELDS if f not in given and not (paths_given and f in PATH_FIELDS)}
     if "data_cache_path" not in given and saved.cache_dir:
         kw["cache_dir"] = saved.cache_dir if record is None else record["cache_dir"]
     out = dataclasses.replace(d, **{k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()})
     if record is None:  # written before checkpoints kept fingerprints: what the config says, unchecked
         return out
-    out = _check_data_paths(out, record, load_dir, "data_path" in given)
+    out = _check_data_paths(out, record, load_dir, paths_given)
     out = _check_tokenizer(out, saved, tok_record, load_dir, given)
-    if out.split != record["split"]:
+    if out.split != record["split"] and not out.split_paths:  # separate datasets are read whole, whatever --split
         _refuse(load_dir, f"--split {out.split}", f"--split {record['split']}")
     adopted = [f for f in ("data_path", "tokenizer_type") if f not in given and getattr(saved, f)]
+    if not paths_given and out.split_paths:
+        adopted.append("split_paths")
     if adopted:
         files = [os.path.relpath(getattr(out, k)) for k in TOKENIZER_FILE_KEYS if getattr(out, k)]
-        notes.append(f"continuing on its data ({' '.join(_shown(out.data_path))}, split {out.split}) and tokenizer "
-                     f"({out.tokenizer_type}: {', '.join(files)}); --override-data or --finetune trains on other data")
+        where = f"{' '.join(_shown(out.data_path))}, split {out.split}" if not out.split_paths else _paths_shown(
+            {f: getattr(out, f) for f in PATH_FIELDS})
+        notes.append(f"continuing on its data ({where}) and tokenizer ({out.tokenizer_type}: {', '.join(files)}); "
+                     "--override-data or --finetune trains on other data")
     return out
 
 
 def _shown(data_path) -> list[str]:
     return [p if _is_number(p) else os.path.relpath(p) for p in data_path]
+
+
+def _paths_shown(paths: dict) -> str:
+    """{path field: paths} as flags (`--train-data-path a --valid-data-path b`), or the bundled corpus."""
+    return " ".join(f"--{f.replace('_', '-')} {' '.join(_shown(p))}" for f, p in paths.items() if p) or \
+        "the bundled corpus"
 
 
 def _is_number(s: str) -> bool:
@@ -160,32 +178,58 @@ def _refuse(load_dir: str, this: str, recorded: str) -> None:
                       "from its weights")
 
 
+def _records(record: dict) -> dict:
+    """{path field: its record (data_path, prefixes, idx_fingerprints)} of a checkpoint's data record; a split
+    it gave no data of its own has an empty one."""
+    empty = {"data_path": [], "prefixes": [], "idx_fingerprints": []}
+    split = record.get("split_paths") or {}
+    return {"data_path": record, **{f"{k}_data_path": split.get(k, empty) for k in ("train", "valid", "test")}}
+
+
 def _check_data_paths(d: DataConfig, record: dict, load_dir: str, given: bool) -> DataConfig:
-    """`d` with each prefix the checkpoint's data (by .idx fingerprint) found where it is now; a given
-    --data-path that is other data is refused, a recorded one that moved is looked for where it was given."""
+    """`d` with each prefix of the checkpoint's data (by .idx fingerprint) found where it is now; given
+    --data-path / --*-data-path flags that name other data are refused, a recorded prefix that moved is
+    looked for where it was given."""
+    records = _records(record)
+    if not given:
+        return dataclasses.replace(d, **{f: _found(getattr(d, f), r, load_dir, f) for f, r in records.items()})
+    if any(not _same_data(getattr(d, f), r) for f, r in records.items()):
+        if not d.split_paths and not record.get("split_paths"):  # the message --data-path alone has always had
+            shown = " ".join(d.data_path) if d.data_path else "no --data-path (the bundled corpus)"
+            _refuse(load_dir, f"--data-path {shown}",
+                    f"--data-path {' '.join(_shown(record['data_path'])) or 'the bundled corpus'}")
+        _refuse(load_dir, _paths_shown({f: getattr(d, f) for f in records}),
+                _paths_shown({f: r["data_path"] for f, r in records.items()}))
+    return d
+
+
+def _found(data_path, r: dict, load_dir: str, field: str) -> tuple:
+    """`data_path` (the checkpoint's, as its config has it) with each recorded prefix found by fingerprint, at
+    its absolute path or where it was given."""
     from jax3d.data.sampling import parse_data_paths
 
-    recorded = record["prefixes"]
-    if not given:
-        found = []
-        for absolute, as_given, fp in zip(recorded, parse_data_paths(record["data_path"])[1] if recorded else [],
-                                          record["idx_fingerprints"]):
-            here = next((p for p in (absolute, as_given) if idx_fingerprint(p) == fp), None)
-            if here is None:
-                raise ConfigError(f"--load {load_dir} was trained on --data-path {as_given}, and {absolute}.idx is "
-                                  "gone or holds another corpus; pass --data-path where that corpus is now")
-            found.append(here)
-        weights = list(d.data_path[0::2]) if len(d.data_path) > 1 else []
-        paths = [x for pair in zip(weights, found) for x in pair] if weights else found
-        return dataclasses.replace(d, data_path=tuple(paths))
-    shown = " ".join(d.data_path) if d.data_path else "no --data-path (the bundled corpus)"
-    was = " ".join(_shown(record["data_path"])) or "the bundled corpus"
-    weights, prefixes = parse_data_paths(list(d.data_path)) if d.data_path else ([], [])
-    rec_weights = parse_data_paths(record["data_path"])[0] if record["data_path"] else []
-    if len(prefixes) != len(recorded) or any(abs(a - b) > 1e-9 for a, b in zip(weights, rec_weights)) or \
-            any(idx_fingerprint(p) != fp for p, fp in zip(prefixes, record["idx_fingerprints"])):
-        _refuse(load_dir, f"--data-path {shown}", f"--data-path {was}")
-    return d
+    recorded = r["prefixes"]
+    found = []
+    for absolute, as_given, fp in zip(recorded, parse_data_paths(r["data_path"])[1] if recorded else [],
+                                      r["idx_fingerprints"]):
+        here = next((p for p in (absolute, as_given) if idx_fingerprint(p) == fp), None)
+        if here is None:
+            flag = "--" + field.replace("_", "-")
+            raise ConfigError(f"--load {load_dir} was trained on {flag} {as_given}, and {absolute}.idx is "
+                              f"gone or holds another corpus; pass {flag} where that corpus is now")
+        found.append(here)
+    weights = list(data_path[0::2]) if len(data_path) > 1 else []
+    return tuple(x for pair in zip(weights, found) for x in pair) if weights else tuple(found)
+
+
+def _same_data(data_path, r: dict) -> bool:
+    """Whether `data_path` names the data of record `r`: the same weights and .idx fingerprints."""
+    from jax3d.data.sampling import parse_data_paths
+
+    weights, prefixes = parse_data_paths(list(data_path)) if data_path else ([], [])
+    rec_weights = parse_data_paths(r["data_path"])[0] if r["data_path"] else []
+    return len(prefixes) == len(r["prefixes"]) and all(abs(a - b) <= 1e-9 for a, b in zip(weights, rec_weights)) \
+        and all(idx_fingerprint(p) == fp for p, fp in zip(prefixes, r["idx_fingerprints"]))
 
 
 def _check_tokenizer(d: DataConfig, saved: DataConfig, tok_record: dict, load_dir: str,
@@ -215,20 +259,29 @@ def _check_tokenizer(d: DataConfig, saved: DataConfig, tok_record: dict, load_di
     return dataclasses.replace(d, **kw)
 
 
-def checkpoint_data_path(load_dir: str, step: int = -1) -> list[str]:
-    """The `--data-path` checkpoint `load_dir` (step `step`, -1 the latest) was trained on, each corpus found by
-    its fingerprint where it is now, or the bundled corpus's prefix; ConfigError when it recorded no data (an
-    import) or a corpus is gone."""
+def checkpoint_data_path(load_dir: str, step: int = -1, which: str = "valid") -> tuple[list[str], str | None]:
+    """(the `--data-path` checkpoint `load_dir` (step `step`, -1 the latest) was trained on, each corpus found by
+    its fingerprint where it is now, or the bundled corpus's prefix; None), or where it was trained on
+    separate datasets, (split `which`'s, the --split that reads it whole). ConfigError when it recorded no data
+    (an import), no data for `which`, or a corpus is gone."""
     from jax3d.checkpoint.read import saved_step_meta
     from jax3d.config import DataConfig
+    from jax3d.train.inputs import WHOLE_SPLIT
 
     step, meta = saved_step_meta(load_dir, step)
     saved = config_from_dict(meta["config"])
     record = meta.get("data")
     if record is None or int(meta.get("step", 0)) == 0:
         raise ConfigError(f"--load {load_dir} records no data it was trained on; pass --data-path or --text-file")
+    if record.get("split_paths"):
+        field = f"{which}_data_path"
+        if which not in record["split_paths"]:
+            raise ConfigError(f"--load {load_dir} was trained without --{which}-data-path, so it has no {which} "
+                              "data of its own; pass --data-path or --text-file")
+        return list(_found(getattr(saved.data, field), record["split_paths"][which], load_dir, field)), \
+            WHOLE_SPLIT[which]
     if not record["prefixes"]:
         from jax3d.data import default_corpus
-        return [default_corpus(cache_dir=saved.data.cache_dir or None, kind=saved.model.model_type)[0]]
+        return [default_corpus(cache_dir=saved.data.cache_dir or None, kind=saved.model.model_type)[0]], None
     found = _check_data_paths(DataConfig(data_path=tuple(saved.data.data_path)), record, load_dir, given=False)
-    return list(found.data_path)
+    return list(found.data_path), None

@@ -284,7 +284,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                           f"--load {a.load}; pass another --save")
     if a.ckpt_step != -1 and not a.load:
         raise ConfigError(f"--ckpt-step {a.ckpt_step} picks a step of --load, which is not given; add --load or drop it")
-    if tok_flags and not a.data_path:
+    if tok_flags and not (a.data_path or a.train_data_path or a.valid_data_path or a.test_data_path):
         raise ConfigError(f"--data-path is not given, so {', '.join(tok_flags)} would go unused (the bundled "
                           "corpus has its own tokenizer); add --data-path or drop them")
     return megatron_config(a, Config(model=model, parallel=parallel, optim=optim, precision=precision, data=data,

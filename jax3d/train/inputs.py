@@ -17,17 +17,20 @@ class Inputs:
 
 
 def tokenizer_and_paths(cfg: Config):
-    """The run's tokenizer and its data-path prefixes: `--data-path`, or the bundled default corpus when empty."""
+    """The run's tokenizer and its data-path prefixes: `--data-path`, or the bundled default corpus when empty
+    and no split has its own data (`--train-data-path` etc., which the paths then leave to `build_inputs`)."""
     from jax3d import data
 
     d = cfg.data
-    if d.data_path:
+    if d.all_paths:
         if not d.tokenizer_type:
-            raise ConfigError("--data-path needs --tokenizer-type (and its --vocab-file / --merge-file / "
+            flag = "--data-path" if d.data_path else f"--{next(iter(d.split_paths))}-data-path"
+            raise ConfigError(f"{flag} needs --tokenizer-type (and its --vocab-file / --merge-file / "
                               "--tokenizer-file / --tokenizer-model) to know the vocabulary")
         tok = data.build_tokenizer(d.tokenizer_type, **{k: getattr(d, k) or None for k in TOKENIZER_FILE_KEYS})
-        check_token_ids(d.data_path, tok.vocab_size)
-        check_tokenized_by(d.data_path, tok)
+        for paths in d.all_paths:
+            check_token_ids(paths, tok.vocab_size)
+            check_tokenized_by(paths, tok)
         return tok, list(d.data_path)
     prefix, tok = data.default_corpus(cache_dir=d.cache_dir or None, kind=cfg.model.model_type)
     return tok, [prefix]
@@ -91,22 +94,53 @@ def check_tokenized_by(data_paths, tok, whose: str = "this run's",
 
 
 def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, tok=None, paths=None) -> Inputs:
-    """Tokenizer plus train / valid datasets (`tok` and `paths` as `tokenizer_and_paths` gives them)."""
-    from jax3d import data
+    """Tokenizer plus train / valid datasets (`tok` and `paths` as `tokenizer_and_paths` gives them): from
+    `--data-path` and `--split`, or each from its split's own `--*-data-path`."""
+    from jax3d.data.sampling import why_split_is_empty
 
     if tok is None:
         tok, paths = tokenizer_and_paths(cfg)
-    d, model = cfg.data, cfg.model
+    d = cfg.data
+    if d.split_paths:
+        train = split_dataset(cfg, tok, "train", num_train_samples)
+        valid = split_dataset(cfg, tok, "valid", num_valid_samples) if num_valid_samples else None
+        if num_valid_samples and not d.valid_data_path:
+            print("jax3d: this run does not validate: --train-data-path is given without --valid-data-path",
+                  file=sys.stderr)
+        return Inputs(tok, train, valid)
     num = (num_train_samples, num_valid_samples, 0)
-    if model.model_type == "bert":
-        train, valid, _ = data.build_bert_datasets(paths, d.split, model.seq_length, num, cfg.train.seed,
-                                                   tok, cache_dir=d.cache_dir or None)
-    else:
-        train, valid, _ = data.build_gpt_datasets(paths, d.split, model.seq_length, num, cfg.train.seed,
-                                                  cache_dir=d.cache_dir or None)
-    from jax3d.data.sampling import why_split_is_empty
+    train, valid, _ = _datasets(cfg, tok, paths, d.split, num)
     if train is None:
         raise ConfigError(why_split_is_empty(paths, d.split, "train"))
     if num_valid_samples and valid is None:
         print(f"jax3d: this run does not validate: {why_split_is_empty(paths, d.split, 'valid')}", file=sys.stderr)
     return Inputs(tok, train, valid)
+
+
+# The --split that reads a whole source as one split, as Megatron reads a --train/valid/test-data-path.
+WHOLE_SPLIT = {"train": "1,0,0", "valid": "0,1,0", "test": "0,0,1"}
+
+
+def split_dataset(cfg: Config, tok, which: str, num_samples: int):
+    """`num_samples` of split `which` from its own --{which}-data-path, every document of it (None when that is
+    not given); ConfigError when it holds no document."""
+    paths = cfg.data.split_paths.get(which)
+    if not paths:
+        return None
+    i = ("train", "valid", "test").index(which)
+    num = [0, 0, 0]
+    num[i] = num_samples
+    out = _datasets(cfg, tok, list(paths), WHOLE_SPLIT[which], num)[i]
+    if out is None and num_samples:
+        raise ConfigError(f"--{which}-data-path {' '.join(paths)} holds no document; pass a non-empty dataset")
+    return out
+
+
+def _datasets(cfg: Config, tok, paths, split: str, num):
+    from jax3d import data
+
+    d, model = cfg.data, cfg.model
+    if model.model_type == "bert":
+        return data.build_bert_datasets(paths, split, model.seq_length, num, cfg.train.seed, tok,
+                                        cache_dir=d.cache_dir or None)
+    return data.build_gpt_datasets(paths, split, model.seq_length, num, cfg.train.seed, cache_dir=d.cache_dir or None)

@@ -86,7 +86,8 @@ def set_aside_earlier_run(log_dir: str) -> str | None:
 
 # Megatron's TensorBoard scalars besides the losses: what it always writes, and what each of its
 # --log-*-to-tensorboard flags adds (jax3d.cli.megatron); a key ending in "/" names a prefix.
-TENSORBOARD_ALWAYS = ("lr", "loss_scale", "grad_norm", "skipped", "consumed_samples")
+TENSORBOARD_ALWAYS = ("lr", "loss_scale", "grad_norm", "skipped", "consumed_samples",
+                      "params_norm", "num_zeros_in_grad")  # the last two with --log-params-norm / -num-zeros-in-grad
 TENSORBOARD_GROUPS = {"timers": ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu"),
                       "batch_size": ("batch_size",), "validation_ppl": ("val_ppl",), "memory": ("mem_gb",),
                       "optimizer_states": ("optimizer/",)}

@@ -7,6 +7,7 @@ the pipeline when the mesh has more than one stage.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -202,6 +203,9 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                           rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision),
                           fp8=None if recipe is None else recipe.init(fp8_abstract))
 
+    # Entries of the stack's padding rows (layer_order.py), whose gradients are zeros that no layer owns.
+    padding = 0 if order.logical else sum(
+        (a.shape[0] - cfg.model.num_layers) * math.prod(a.shape[1:]) for a in jax.tree.leaves(abstract_params["blocks"]))
     grads_fn = _make_grads_fn(plan, mesh, model, specs, dtype)
     step_grads_fn = grads_fn if recipe is None else _make_grads_fn(plan, mesh, step_model, step_specs, dtype)
 
@@ -250,6 +254,10 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
         metrics = {**loss_metrics(obj, aux, norms), "grad_norm": grad_norm,
                    "lr": schedule(state.step - state.loss_scale.skipped),  # optax counts applied updates only
                    "loss_scale": scale, "skipped": new_state.loss_scale.skipped}
+        if cfg.train.log_params_norm:  # Megatron's, of the weights after the update
+            metrics["params_norm"] = optax.tree.norm(new_params)
+        if cfg.train.log_num_zeros_in_grad:
+            metrics["num_zeros_in_grad"] = count_zeros(grads) - padding
         return new_state, metrics
 
     # An uneven split's logical stack keeps `stage` on another dim, so eval holds a share of it, not all.
@@ -297,6 +305,12 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
                  logical_shardings=logical_shardings, abstract_logical_state=abstract_logical,
                  _to_logical=to_logical, _params_to_logical=params_to_logical, _from_logical=from_logical,
                  _params_from_logical=params_from_logical, plan=plan)
+
+
+def count_zeros(tree) -> jax.Array:
+    """How many entries of `tree` are exactly zero, as Megatron's --log-num-zeros-in-grad counts them (a float,
+    as Megatron sums it; each leaf's count is exact)."""
+    return sum(jnp.sum(x == 0, dtype=jnp.int32).astype(jnp.float32) for x in jax.tree.leaves(tree))
 
 
 def _make_grads_fn(plan, mesh, model, specs, dtype):
