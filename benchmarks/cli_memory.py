@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.harness import LLAMA_SHAPES, ROOT, SHAPES, VOCAB, Run, child_env, is_bert, run_isolated
+from benchmarks.harness import emitter, LLAMA_SHAPES, ROOT, SHAPES, VOCAB, Run, child_env, is_bert, run_isolated
 
 
 def cli_flags(shape: str, micro: int) -> list[str]:
@@ -88,12 +88,7 @@ def main(argv=None) -> int:
     if not a.match and not a.sweep:
         p.error("nothing to run: give --match N, --sweep B ..., or both")
 
-    def emit(rec):
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(line + "\n")
+    emit = emitter(a.out)
 
     ok = True
     batch = SHAPES[a.shape][4]

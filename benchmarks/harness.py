@@ -47,6 +47,17 @@ BERT_VOCAB = 30592  # BERT's 30522 WordPiece ids, padded to a multiple of 128
 _BINARY_KEYS = ("types", "loss_mask", "padding_mask", "is_random")
 
 
+def emitter(out: str = ""):
+    """A function that prints a record as one JSON line, and appends it to `out` when given."""
+    def emit(rec: dict) -> None:
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(line + "\n")
+    return emit
+
+
 def error_line(e: BaseException) -> str:
     """An exception as one line of a benchmark's record: its type and the first line of its message."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

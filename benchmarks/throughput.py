@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from benchmarks.harness import DEFAULT_PEER, SHAPES, Run, is_bert, kernel_tuning, run_isolated, run_peer
+from benchmarks.harness import emitter, DEFAULT_PEER, SHAPES, Run, is_bert, kernel_tuning, run_isolated, run_peer
 from jax3d.models.pallas_gpu import KERNELS
 
 
@@ -80,12 +80,7 @@ def main(argv=None) -> int:
     if "together" in a.ablate:
         ablations.append(KERNELS)
 
-    def emit(rec):
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(line + "\n")
+    emit = emitter(a.out)
 
     rows = []
     for shape in a.shape:
