@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax3d.config import ConfigError
-from jax3d.hf.mapping import to_hf
+from jax3d.hf.mapping import hf_config_from_model, to_hf
 from jax3d.models import GPT, MLP, LayerNorm
 from jax3d.models import documents
 from jax3d.models.transformer import unbox
@@ -61,7 +61,8 @@ def test_two_documents_in_one_sample_lose_what_each_loses_alone():
     (ending in EOD) then document B loses the sum of what A and B lose run alone: nothing crosses the EOD, the
     positions of B start at 0, and the prediction of B's first token from A's EOD is not counted."""
     cfg = tiny_model(num_layers=1, **DOCS)
-    params = with_random(with_random(jax.jit(GPT(cfg).init)(jax.random.key(0)), "bias"), "qkv_kernel")  # sharp attention
+    params = jax.jit(GPT(cfg).init)(jax.random.key(0))
+    params = with_random(with_random(params, "bias"), "qkv_kernel")  # sharp attention, which the mask changes
     rs = np.random.RandomState(3)
     a = [*rs.randint(2, cfg.vocab_size, 6), EOD]
     b = [*rs.randint(2, cfg.vocab_size, 10)]
@@ -117,6 +118,8 @@ def test_squared_relu_mlp_is_relu_squared():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="--squared-relu and --swiglu"):
         tiny_model(activation="squared_relu", swiglu=True)
+    with pytest.raises(ConfigError, match="HF BERT cannot express activation squared_relu"):
+        hf_config_from_model(tiny_model(activation="squared_relu", model_type="bert"))
 
 
 def test_kv_channels_sets_each_heads_width():
@@ -125,12 +128,15 @@ def test_kv_channels_sets_each_heads_width():
     assert attn["qkv_kernel"].shape == (2, 64, 3, 8, 12) and attn["qkv_bias"].shape == (2, 3, 8, 12)
     assert attn["out_kernel"].shape == (2, 8, 12, 64)
     assert GPT(cfg).num_params() - GPT(tiny_model()).num_params() == 2 * (4 * 64 * 32 + 3 * 32)
+    with pytest.raises(ConfigError, match="HF GPT-2 cannot express --kv-channels 12"):
+        hf_config_from_model(cfg)
 
 
 def _train(data, stage, model, model_kw, steps_=4):
     """Losses of `steps_` steps of the tiny GPT on the (data, stage, model) layout, on samples with EODs."""
+    sp = model_kw.pop("sequence_parallel", False)
     cfg, mesh_cfg, mesh = tiny_config(data=data, stage=stage, model=model, micro=2, global_batch=16,
-                                      model_kw=model_kw)
+                                      model_kw=model_kw, sequence_parallel=sp)
     cfg = cfg.replace(optim={"lr": 3e-3, "min_lr": 3e-4})
     steps = build_steps(cfg, mesh_cfg, mesh)
     state = steps.init_state(cfg.train.seed)
@@ -146,13 +152,22 @@ def _train(data, stage, model, model_kw, steps_=4):
     return np.array(losses)
 
 
-def test_the_flags_train_the_same_on_a_3d_layout_as_on_one_device():
+MATH = dict(kv_channels=12, activation="squared_relu", apply_layernorm_1p=True, **DOCS)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    losses = _train(1, 1, 1, MATH)
+    assert losses[-1] < losses[0]
+    return losses
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2, {}), (1, 2, 4, {"sequence_parallel": True})])
+def test_the_flags_train_the_same_on_3d_layouts_as_on_one_device(one_device, layout):
     """--kv-channels, --squared-relu, --apply-layernorm-1p and the three EOD switches, pipelined (the document
-    mask reaches every stage), tensor- and data-parallel at (2, 2, 2): the loss curve of one device."""
-    kw = dict(kv_channels=12, activation="squared_relu", apply_layernorm_1p=True, **DOCS)
-    one = _train(1, 1, 1, kw)
-    assert one[-1] < one[0]
-    np.testing.assert_allclose(_train(2, 2, 2, kw), one, rtol=0, atol=1e-5)
+    mask reaches every stage), tensor- and data-parallel, sequence-parallel: the loss curve of one device."""
+    data, stage, model, kw = layout
+    np.testing.assert_allclose(_train(data, stage, model, {**MATH, **kw}), one_device, rtol=0, atol=1e-5)
 
 
 def _config(argv):

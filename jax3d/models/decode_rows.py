@@ -29,9 +29,9 @@ WEIGHTS = (("attn", "qkv_kernel"), ("attn", "out_kernel"), ("mlp", "up_kernel"),
 def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingRules) -> bool:
     """Whether `block` computes this decode step of layers.Block: one token of one row on one GPU, a pre-LN
     block without training's FP8, its GEMM weights Quantized, an activation the kernel has, and a cache the
-    decode attention kernel takes (with the rows' first slots), norms that store their scales (not --apply-layernorm-1p's
-    offsets from 1); and only with the row_gemv kernel on, as it is by default (row_gemv.DEFAULT;
-    pallas_gpu.kernel_settings(off=["row_gemv"]) turns it off)."""
+    decode attention kernel takes (with the rows' first slots), norms that store their scales (not
+    --apply-layernorm-1p's offsets from 1); and only with the row_gemv kernel on, as it is by default
+    (row_gemv.DEFAULT; pallas_gpu.kernel_settings(off=["row_gemv"]) turns it off)."""
     tuning = pallas_gpu.tuning(row_gemv)
     if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
             or one_plus_norms(cfg)
