@@ -78,6 +78,10 @@ class ModelConfig:
         if self.untie_embeddings_and_output_weights and self.model_type == "bert":
             raise ConfigError("--untie-embeddings-and-output-weights is for GPT models; BERT's masked-LM head "
                               "decodes with the word embedding, so drop it or pass --model gpt")
+        if self.model_type == "bert" and self.uses_eod:
+            raise ConfigError("--eod-mask-loss, --reset-position-ids and --reset-attention-mask act on GPT samples, "
+                              "which hold several documents; BERT's samples do not (Megatron's BERT ignores them), "
+                              "so drop them or pass --model gpt")
         if not self.ffn_hidden_size:
             object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden_size(self.hidden_size, self.swiglu))
         if self.use_rotary_position_embeddings:  # Megatron-DeepSpeed's rule: rotary replaces learned positions
@@ -86,10 +90,6 @@ class ModelConfig:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
         # Here, not only in the command line's checks: a library caller's num_layers=0 reached a division by
         # zero, and a checkpoint's hand-edited "num_layers": "two" a TypeError.
-        if self.model_type == "bert" and self.uses_eod:
-            raise ConfigError("--eod-mask-loss, --reset-position-ids and --reset-attention-mask act on GPT samples, "
-                              "which hold several documents; BERT's samples do not (Megatron's BERT ignores them), "
-                              "so drop them or pass --model gpt")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                      "max_position_embeddings"):
             v = getattr(self, name)
