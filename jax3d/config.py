@@ -121,6 +121,12 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def one_plus_norms(self) -> bool:
+        """Whether the blocks' and the final layer norm store their scales as offsets from 1 (--apply-layernorm-1p;
+        RMSNorm keeps a plain scale, as Megatron-DeepSpeed's does)."""
+        return self.apply_layernorm_1p and self.normalization == "layernorm"
+
+    @property
     def uses_eod(self) -> bool:
         """Whether the model reads the end-of-document token out of its input (`eod_token_id`)."""
         return self.eod_mask_loss or self.reset_position_ids or self.reset_attention_mask

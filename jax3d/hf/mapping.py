@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from jax3d.config import ConfigError, ModelConfig
-from jax3d.models.layers import one_plus_norms
 
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 POST_LN_BERT_ARCHS = ("BertForPreTraining", "BertForMaskedLM")
@@ -374,7 +373,7 @@ def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     out = {}
     for t in table(cfg):
         arr = np.asarray(_get(params, t.ours), np.float32)
-        if t.ours in ONE_PLUS_SCALES and one_plus_norms(cfg):  # --apply-layernorm-1p stores scale - 1
+        if t.ours in ONE_PLUS_SCALES and cfg.one_plus_norms:  # --apply-layernorm-1p stores scale - 1
             arr = arr + np.float32(1.0)
         if t.ours.startswith("blocks."):
             for i in range(cfg.num_layers):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax3d.config import ModelConfig
 from jax3d.models import cached_attention, decode_attention, pallas_gpu, rope, row_gemv
-from jax3d.models.layers import activation_of, one_plus_norms, split_qkv
+from jax3d.models.layers import activation_of, split_qkv
 from jax3d.models.quantized import Quantized
 from jax3d.parallel.rules import ShardingRules
 
@@ -34,7 +34,7 @@ def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingR
     (row_gemv.DEFAULT; pallas_gpu.kernel_settings(off=["row_gemv"]) turns it off)."""
     tuning = pallas_gpu.tuning(row_gemv)
     if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
-            or one_plus_norms(cfg)
+            or cfg.one_plus_norms
             or activation_of(cfg) not in row_gemv.ACTIVATIONS
             or not all(isinstance(params[a][w], Quantized) for a, w in WEIGHTS)):
         return False
@@ -86,7 +86,7 @@ def head_applies(cfg: ModelConfig, table, x_btd, rules: ShardingRules) -> bool:
     """Whether `head` computes the LM head of this step: one token of one row on one GPU, the output `table`
     Quantized (the row_gemv kernel on), a final norm that stores its scale (not --apply-layernorm-1p's offset)."""
     tuning = pallas_gpu.tuning(row_gemv)
-    return (x_btd.shape[:2] == (1, 1) and not one_plus_norms(cfg)
+    return (x_btd.shape[:2] == (1, 1) and not cfg.one_plus_norms
             and row_gemv.supported(cfg.hidden_size, table, rules, tuning))
 
 

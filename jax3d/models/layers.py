@@ -151,13 +151,8 @@ def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str, one_plus: bool =
     """The model's layer norm (or RMSNorm), with its epsilon. `cfg.apply_layernorm_1p` applies to the layer norms
     of the blocks and the final one, as in Megatron-DeepSpeed (whose RMSNorm and BERT head norm ignore it); other
     callers pass `one_plus=False`."""
-    return LayerNorm(cfg.layernorm_epsilon, rules, cfg.normalization == "rmsnorm",
-                     one_plus and one_plus_norms(cfg), name=name)
-
-
-def one_plus_norms(cfg: ModelConfig) -> bool:
-    """Whether the blocks' and the final layer norm store their scales as offsets from 1 (--apply-layernorm-1p)."""
-    return cfg.apply_layernorm_1p and cfg.normalization == "layernorm"
+    return LayerNorm(cfg.layernorm_epsilon, rules, cfg.normalization == "rmsnorm", one_plus and cfg.one_plus_norms,
+                     name=name)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
