@@ -35,7 +35,7 @@ class ModelConfig:
     scan_layers: bool | None = None  # None: from jax3d.parallel.plan.SCAN_LAYERS_FROM layers up on CPUs (plan.resolve)
     attention_impl: str = "auto"  # auto | xla | cudnn
     # Architecture variants that reproduce imported models exactly (jax3d.hf); defaults are GPT-2 / Megatron.
-    activation: str = "gelu_tanh"  # gelu_tanh | gelu_erf
+    activation: str = "gelu_tanh"  # gelu_tanh | gelu_erf | squared_relu (relu(x)^2, Megatron's --squared-relu)
     post_layernorm: bool = False  # layer norm after each residual add and no final norm (original BERT)
     embedding_layernorm: bool = False  # layer norm on the embedding sum (original BERT)
     unpadded_vocab_size: int = 0  # the tokenizer's vocabulary; rows past it are padding (0: vocab_size)
@@ -54,13 +54,23 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
     untie_embeddings_and_output_weights: bool = False
+    # Megatron-DeepSpeed's --kv-channels, --apply-layernorm-1p and the three end-of-document switches of
+    # get_ltor_masks_and_position_ids (GPT only); eod_token_id is the tokenizer's (-1: unknown), set with them.
+    kv_channels: int = 0  # each head's q/k/v width; 0: hidden_size / num_attention_heads
+    apply_layernorm_1p: bool = False  # layer-norm scales stored as an offset from 1 (init 0); not RMSNorm's
+    eod_mask_loss: bool = False  # no loss where the input token is the end-of-document token
+    reset_position_ids: bool = False  # learned positions restart after each end-of-document token
+    reset_attention_mask: bool = False  # no attention across an end-of-document token (a document mask)
+    eod_token_id: int = -1
     # FP8 GEMMs in the blocks ("" | hybrid | e4m3, jax3d.models.fp8). Only the train step's own copy of the model
     # sets it, from PrecisionConfig.fp8: the parameters are the same, and evaluation and export run without.
     fp8: str = ""
 
     def __post_init__(self):
-        if self.activation not in ("gelu_tanh", "gelu_erf"):
-            raise ConfigError(f"activation {self.activation!r} must be gelu_tanh or gelu_erf")
+        if self.activation not in ("gelu_tanh", "gelu_erf", "squared_relu"):
+            raise ConfigError(f"activation {self.activation!r} must be gelu_tanh, gelu_erf or squared_relu")
+        if self.activation == "squared_relu" and self.swiglu:
+            raise ConfigError("--squared-relu and --swiglu each replace the MLP's activation; pass one of them")
         if self.normalization not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"--normalization {self.normalization!r} must be layernorm or rmsnorm")
         if self.rope_scaling not in ("", "linear", "llama3"):
@@ -68,6 +78,10 @@ class ModelConfig:
         if self.untie_embeddings_and_output_weights and self.model_type == "bert":
             raise ConfigError("--untie-embeddings-and-output-weights is for GPT models; BERT's masked-LM head "
                               "decodes with the word embedding, so drop it or pass --model gpt")
+        if self.model_type == "bert" and self.uses_eod:
+            raise ConfigError("--eod-mask-loss, --reset-position-ids and --reset-attention-mask act on GPT samples, "
+                              "which hold several documents; BERT's samples do not (Megatron's BERT ignores them), "
+                              "so drop them or pass --model gpt")
         if not self.ffn_hidden_size:
             object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden_size(self.hidden_size, self.swiglu))
         if self.use_rotary_position_embeddings:  # Megatron-DeepSpeed's rule: rotary replaces learned positions
@@ -83,6 +97,9 @@ class ModelConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a whole number")
             if v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {v} must be at least 1")
+        kvc = self.kv_channels
+        if isinstance(kvc, bool) or not isinstance(kvc, numbers.Integral) or kvc < 0:
+            raise ConfigError(f"--kv-channels {kvc!r} must be a whole number of at least 1 (or 0: hidden / heads)")
         kv = self.num_key_value_heads
         if isinstance(kv, bool) or not isinstance(kv, numbers.Integral) or kv < 0:
             raise ConfigError(f"--num-key-value-heads {kv!r} must be a whole number of at least 1")
@@ -91,7 +108,7 @@ class ModelConfig:
                               f"--num-key-value-heads {self.kv_heads}")
         if self.use_rotary_position_embeddings and (not 0 < self.rotary_percent <= 1 or self.rotary_dim < 2):
             raise ConfigError(f"--rotary-percent {self.rotary_percent} must be in (0, 1] and rotate at least two of "
-                              f"the {self.hidden_size // self.num_attention_heads} dims of each head")
+                              f"the {self.head_dim} dims of each head")
 
     @property
     def deterministic(self) -> bool:
@@ -100,7 +117,19 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Each head's width: `kv_channels`, or hidden_size / num_attention_heads when that is 0 (Megatron's)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def one_plus_norms(self) -> bool:
+        """Whether the blocks' and the final layer norm store their scales as offsets from 1 (--apply-layernorm-1p;
+        RMSNorm keeps a plain scale, as Megatron-DeepSpeed's does)."""
+        return self.apply_layernorm_1p and self.normalization == "layernorm"
+
+    @property
+    def uses_eod(self) -> bool:
+        """Whether the model reads the end-of-document token out of its input (`eod_token_id`)."""
+        return self.eod_mask_loss or self.reset_position_ids or self.reset_attention_mask
 
     @property
     def kv_heads(self) -> int:

@@ -38,7 +38,9 @@ FORMAT_VERSION = 1
 FREE_MODEL_FIELDS = frozenset({"hidden_dropout", "attention_dropout", "recompute", "scan_layers",
                                "attention_impl", "init_method_std", "seq_length",
                                # the padded vocab_size it produced is what the checkpoint's shapes hold
-                               "make_vocab_size_divisible_by"})
+                               "make_vocab_size_divisible_by",
+                               # which tokens the loss and attention skip, decided by each run and its tokenizer
+                               "eod_mask_loss", "reset_position_ids", "reset_attention_mask", "eod_token_id"})
 
 
 class TrainingInterrupted(Exception):

@@ -59,6 +59,7 @@ _RUN, _LOG, _DS, _DATA, _TORCH, _MOE_G = (
     "run length and schedule", "logging", "DeepSpeed", "data", "PyTorch and CUDA switches", "mixture of experts")
 _MOE, _MOE_FIX = "a mixture of experts", "pass --num-experts 1 (a dense model) or leave it out"
 _FP8 = "FP8 (Transformer Engine's recipe)"
+_MATH = "model math"
 
 
 def _more_than_one_expert(_, a) -> bool:
@@ -232,6 +233,25 @@ FLAGS: tuple[Flag, ...] = (
       for which, what, use in (("train", "training", "the run trains on it"),
                                ("valid", "validation", "validation reads it"),
                                ("test", "test", "launch/evaluate.py --split-name test reads it"))),
+    # Model math: flags that change what a GPT, BERT or Llama computes, each onto a ModelConfig field (_model_math).
+    _act("--kv-channels", "each attention head's query/key/value width (default: --hidden-size / "
+         "--num-attention-heads)", "q, k and v project to heads x kv-channels, the output projection from it "
+         "(ModelConfig.kv_channels)", _MATH, type=int, default=None, metavar="N"),
+    _act("--openai-gelu", "the tanh approximation of GELU (OpenAI's) in the MLP and BERT's head", "activation "
+         "gelu_tanh, which is also jax3d's default for GPT and BERT presets (Megatron's default is the erf GELU)",
+         _MATH, **_ON),
+    _act("--squared-relu", "relu(x)^2 as the MLP's activation instead of GELU", "activation squared_relu; with "
+         "--swiglu or --openai-gelu, which set the activation too, the run stops", _MATH, **_ON),
+    _act("--apply-layernorm-1p", "store the layer norms' scales as offsets from 1, initialised to 0 (weight decay "
+         "pulls them towards 1)", "the blocks' and the final layer norm compute with 1 + w; RMSNorm, and BERT's head "
+         "norm, keep a plain scale as in Megatron-DeepSpeed; HF export writes 1 + w", _MATH, **_ON),
+    _act("--eod-mask-loss", "no loss on predictions made from an end-of-document token (GPT)", "loss weight 0 where "
+         "the input token is the tokenizer's end-of-document token", _MATH, **_ON),
+    _act("--reset-position-ids", "learned positions restart at 0 after each end-of-document token (GPT)",
+         "learned positions counted within each document; rotary positions are not reset, as in Megatron-DeepSpeed",
+         _MATH, **_ON),
+    _act("--reset-attention-mask", "no attention across an end-of-document token inside a sample (GPT)",
+         "a document mask: each token attends only to earlier tokens of its own document", _MATH, **_ON),
 )
 
 
@@ -323,6 +343,8 @@ def _translate(a, cfg: Config) -> tuple[Config, list[str]]:
                                  "fp8_margin": a.fp8_margin, "fp8_interval": a.fp8_interval,
                                  "fp8_amax_history_len": a.fp8_amax_history_len,
                                  "fp8_amax_compute_algo": a.fp8_amax_compute_algo})
+    cfg, math_notes = _model_math(a, cfg)
+    notes += math_notes
     cfg = cfg.replace(parallel=par, data={"tokenizer_model": a.tokenizer_model},
                       train={"exit_duration_in_mins": a.exit_duration_in_mins or 0.0,
                              "tensorboard_dir": a.tensorboard_dir or "", "tensorboard_log": logs})
@@ -402,6 +424,29 @@ def _schedules_and_splits(a, cfg: Config) -> Config:
     from jax3d.train.optimizer import weight_decay_schedule
     weight_decay_schedule(cfg.optim, cfg.train.train_iters)  # its values' checks, said before anything compiles
     return cfg
+def _model_math(a, cfg: Config) -> tuple[Config, list[str]]:
+    """`cfg` with the model-math rows' fields, and the header's notes on them. Fields a flag does not give keep
+    the preset's (or, with --load, the checkpoint's)."""
+    if a.squared_relu and (a.swiglu or a.openai_gelu):
+        other = "--swiglu" if a.swiglu else "--openai-gelu"
+        raise ConfigError(f"--squared-relu and {other} each set the MLP's activation; pass one of them")
+    if a.openai_gelu and (a.swiglu or (a.swiglu is None and cfg.model.swiglu)):
+        raise ConfigError("--openai-gelu sets a GELU MLP and this model's is SwiGLU (--swiglu or its preset); "
+                          "drop --openai-gelu or pick a GELU preset")
+    model = {k: True for k in ("apply_layernorm_1p", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+             if getattr(a, k)}
+    if a.kv_channels is not None:
+        if a.kv_channels < 1:
+            raise ConfigError(f"--kv-channels {a.kv_channels} must be at least 1 (leave it out for --hidden-size / "
+                              "--num-attention-heads)")
+        model["kv_channels"] = a.kv_channels
+    if a.openai_gelu or a.squared_relu:
+        model["activation"] = "squared_relu" if a.squared_relu else "gelu_tanh"
+    notes = []
+    if a.apply_layernorm_1p and cfg.model.normalization == "rmsnorm":
+        notes.append("--apply-layernorm-1p changes nothing with --normalization rmsnorm: Megatron-DeepSpeed's RMSNorm "
+                     "keeps a plain scale, and so does jax3d's")
+    return cfg.replace(model=model), notes
 
 
 def _counted(a, cfg: Config) -> Config:

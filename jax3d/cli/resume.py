@@ -25,7 +25,8 @@ DATA_FIELDS = (*PATH_FIELDS, "split", "tokenizer_type", *TOKENIZER_FILE_KEYS)
 
 # Command-line flags (argparse dests) -> the model fields each one sets explicitly.
 _FLAG_FIELDS = {"preset": ("model_type", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"),
-                "model": ("model_type",), "layernorm_epsilon": ("layernorm_epsilon",)}
+                "model": ("model_type",), "layernorm_epsilon": ("layernorm_epsilon",),
+                "openai_gelu": ("activation",), "squared_relu": ("activation",)}
 
 
 def adopted_fields(given_flags: set[str]) -> set[str]:

@@ -103,7 +103,7 @@ def _main(argv) -> int:
 
     from jax3d.models import build_model
     from jax3d.parallel.plan import resolve
-    from jax3d.train.inputs import build_inputs, tokenizer_and_paths
+    from jax3d.train.inputs import build_inputs, tokenizer_and_paths, with_eod_token
 
     from_checkpoint = ()
     if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
@@ -127,6 +127,7 @@ def _main(argv) -> int:
                     print(f"jax3d: --load {args.load}: {note}", file=sys.stderr)
     # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it.
     tok, paths = tokenizer_and_paths(cfg)
+    cfg = with_eod_token(cfg, tok)
     if args.load:
         from jax3d.checkpoint.tokenizer import check_same_tokenizer
         check_same_tokenizer(args.load, args.ckpt_step, tok)

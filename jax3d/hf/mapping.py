@@ -199,9 +199,16 @@ def hf_config_from_model(cfg: ModelConfig, token_ids: dict[str, int] | None = No
     can express it."""
     token_ids = token_ids or {}
     vocab = cfg.unpadded_vocab_size or cfg.vocab_size
-    act = {"gelu_tanh": "gelu_new", "gelu_erf": "gelu"}[cfg.activation]
     if is_llama(cfg):
         return {**_llama_config(cfg, vocab), **token_ids}
+    name = "GPT-2" if cfg.model_type == "gpt" else "BERT"
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ConfigError(f"HF {name} cannot express --kv-channels {cfg.kv_channels} (its heads are hidden_size / "
+                          "num_attention_heads wide); export it as jax3d safetensors with launch/export.py instead")
+    if cfg.activation not in ("gelu_tanh", "gelu_erf"):
+        raise ConfigError(f"HF {name} cannot express activation {cfg.activation} (--squared-relu) in jax3d's "
+                          "export; export it as jax3d safetensors with launch/export.py instead")
+    act = {"gelu_tanh": "gelu_new", "gelu_erf": "gelu"}[cfg.activation]
     if cfg.model_type == "gpt":
         for field in ("post_layernorm", "embedding_layernorm"):
             if getattr(cfg, field):
@@ -330,6 +337,10 @@ def table(cfg: ModelConfig) -> list[Tensor]:
     return gpt2_table() if cfg.model_type == "gpt" else bert_table(cfg.post_layernorm)
 
 
+# jax3d's layer-norm scales that --apply-layernorm-1p stores as offsets from 1 (layers.norm_for): HF gets 1 + w.
+ONE_PLUS_SCALES = ("blocks.ln_attn.scale", "blocks.ln_mlp.scale", "final_norm.scale")
+
+
 # HF tensors that duplicate a tied one or are buffers, never parameters of their own.
 IGNORED_SUFFIXES = ("lm_head.weight", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
                     "rotary_emb.inv_freq",
@@ -362,6 +373,8 @@ def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     out = {}
     for t in table(cfg):
         arr = np.asarray(_get(params, t.ours), np.float32)
+        if t.ours in ONE_PLUS_SCALES and cfg.one_plus_norms:  # --apply-layernorm-1p stores scale - 1
+            arr = arr + np.float32(1.0)
         if t.ours.startswith("blocks."):
             for i in range(cfg.num_layers):
                 out[t.hf.format(i=i)] = _hf_of(arr[i], t, vocab)

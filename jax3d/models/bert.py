@@ -25,7 +25,7 @@ class BertHeads(nn.Module):
         w = _param(self, "mlm_dense", ("embed", None), (d, d), init)
         b = _param(self, "mlm_dense_bias", ("norm",), (d,), nn.initializers.zeros)
         h = jax.nn.gelu(jnp.einsum("btd,de->bte", x_btd, w) + b, approximate=cfg.activation == "gelu_tanh")
-        h = norm_for(cfg, self.rules, "mlm_norm")(h)
+        h = norm_for(cfg, self.rules, "mlm_norm", one_plus=False)(h)
         bias_v = _param(self, "mlm_bias", ("vocab",), (cfg.vocab_size,), nn.initializers.zeros)
         logits = vocab_parallel_logits(h, wte_vd, self.rules) + bias_v.astype(jnp.float32)
         logits = self.rules.constrain(logits, ("batch", "seq", "vocab"))

@@ -29,10 +29,12 @@ WEIGHTS = (("attn", "qkv_kernel"), ("attn", "out_kernel"), ("mlp", "up_kernel"),
 def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingRules) -> bool:
     """Whether `block` computes this decode step of layers.Block: one token of one row on one GPU, a pre-LN
     block without training's FP8, its GEMM weights Quantized, an activation the kernel has, and a cache the
-    decode attention kernel takes (with the rows' first slots); and only with the row_gemv kernel on, as it is
-    by default (row_gemv.DEFAULT; pallas_gpu.kernel_settings(off=["row_gemv"]) turns it off)."""
+    decode attention kernel takes (with the rows' first slots), norms that store their scales (not
+    --apply-layernorm-1p's offsets from 1); and only with the row_gemv kernel on, as it is by default
+    (row_gemv.DEFAULT; pallas_gpu.kernel_settings(off=["row_gemv"]) turns it off)."""
     tuning = pallas_gpu.tuning(row_gemv)
     if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
+            or cfg.one_plus_norms
             or activation_of(cfg) not in row_gemv.ACTIVATIONS
             or not all(isinstance(params[a][w], Quantized) for a, w in WEIGHTS)):
         return False
@@ -82,9 +84,10 @@ def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None,
 
 def head_applies(cfg: ModelConfig, table, x_btd, rules: ShardingRules) -> bool:
     """Whether `head` computes the LM head of this step: one token of one row on one GPU, the output `table`
-    Quantized (the row_gemv kernel on)."""
+    Quantized (the row_gemv kernel on), a final norm that stores its scale (not --apply-layernorm-1p's offset)."""
     tuning = pallas_gpu.tuning(row_gemv)
-    return x_btd.shape[:2] == (1, 1) and row_gemv.supported(cfg.hidden_size, table, rules, tuning)
+    return (x_btd.shape[:2] == (1, 1) and not cfg.one_plus_norms
+            and row_gemv.supported(cfg.hidden_size, table, rules, tuning))
 
 
 def head(cfg: ModelConfig, final_norm: dict, table, x_btd, interpret: bool = False):

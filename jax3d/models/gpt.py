@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax3d.models import documents
 from jax3d.models.layers import Embedding, _param, fused_lm_loss_sum, norm_for, vocab_parallel_logits
 from jax3d.models.transformer import TransformerLM
 
@@ -24,6 +25,10 @@ class OutputLayer(nn.Module):
 
 class GPT(TransformerLM):
     """A micro-batch is `{'text': int (batch, seq+1)}`, optionally with `loss_mask` (batch, seq).
+
+    With the config's end-of-document switches (`eod_mask_loss`, `reset_position_ids`, `reset_attention_mask`,
+    Megatron's), the loss mask, learned positions and attention mask come from the input tokens and
+    `cfg.eod_token_id` (jax3d.models.documents); rotary positions are not reset, as in Megatron-DeepSpeed.
 
     The loss computes its head's gradients in the forward pass (`layers.fused_lm_loss_sum`, a custom VJP),
     so reverse mode works and forward mode (`jax.jvp`, `jax.jacfwd`) does not; `layers.cross_entropy_sum`
@@ -51,14 +56,33 @@ class GPT(TransformerLM):
         """Per-sample shape and dtype of each batch key."""
         return {"text": ((self.cfg.seq_length + 1,), jnp.int32)}
 
+    def _eod(self) -> int:
+        eod = self.cfg.eod_token_id
+        if eod < 0:
+            raise ValueError("--eod-mask-loss, --reset-position-ids and --reset-attention-mask need the tokenizer's "
+                             "end-of-document id in ModelConfig.eod_token_id, which is not set")
+        return eod
+
     def embed(self, params, mb, rng=None, deterministic=True):
         tokens_bt = mb["text"][:, :-1]
-        return self._modules()[0].apply({"params": params["embed"]}, tokens_bt, None, rng, deterministic)
+        positions_bt = None
+        if self.cfg.reset_position_ids and self.cfg.add_position_embedding:
+            positions_bt = documents.document_positions(tokens_bt, self._eod())
+        return self._modules()[0].apply({"params": params["embed"]}, tokens_bt, None, rng, deterministic,
+                                        positions_bt)
+
+    def block_mask(self, mb):
+        """None (causal attention over the whole sample), or with `reset_attention_mask` (batch, 1, seq, seq):
+        attention within each document only."""
+        if not self.cfg.reset_attention_mask:
+            return None
+        return documents.document_mask(mb["text"][:, :-1], self._eod())
 
     def logits(self, params, tokens_bt):
         """Full logits (batch, seq, vocab) in fp32, for evaluation and generation."""
-        x = self.embed(params, {"text": jnp.pad(tokens_bt, ((0, 0), (0, 1)))})
-        x = self.run_blocks(params["blocks"], x)
+        mb = {"text": jnp.pad(tokens_bt, ((0, 0), (0, 1)))}
+        x = self.embed(params, mb)
+        x = self.run_blocks(params["blocks"], x, mask=self.block_mask(mb))
         return self.final_logits(params, x)
 
     def embed_at(self, params, tokens_bt, positions_bt):
@@ -76,10 +100,12 @@ class GPT(TransformerLM):
                                      self.rules, self.cfg.unpadded_vocab_size)
         return {"lm": loss_sum}, {}
 
-    @staticmethod
-    def _loss_mask(mb):
+    def _loss_mask(self, mb):
         text = mb["text"]
-        return mb.get("loss_mask", jnp.ones(text[..., 1:].shape, jnp.float32))
+        mask = mb.get("loss_mask", jnp.ones(text[..., 1:].shape, jnp.float32))
+        if self.cfg.eod_mask_loss:
+            mask = mask * documents.not_after_eod(text[..., :-1], self._eod())
+        return mask
 
     def normalizers(self, batch):
         return {"lm": jnp.maximum(jnp.sum(self._loss_mask(batch).astype(jnp.float32)), 1.0)}

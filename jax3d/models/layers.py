@@ -95,6 +95,7 @@ lean_layer_norm = jax.checkpoint(layer_norm, static_argnums=(3,),
 _ACTIVATIONS = {
     "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
     "gelu_erf": lambda h: jax.nn.gelu(h, approximate=False),
+    "squared_relu": lambda h: jnp.square(jax.nn.relu(h)),
     "swiglu": lambda h_btcf: jax.nn.silu(h_btcf[:, :, 0]) * h_btcf[:, :, 1],  # (gate, up) on dim 2
 }
 
@@ -124,16 +125,21 @@ _activate_lean = jax.checkpoint(lambda h, b, activation: _ACTIVATIONS[activation
 
 class LayerNorm(nn.Module):
     """Layer norm computed in fp32, returned in the input dtype: on one GPU as one Pallas kernel each way
-    (jax3d.models.fused_norm), elsewhere `lean_layer_norm`. With `rms`, RMSNorm: a scale and no bias."""
+    (jax3d.models.fused_norm), elsewhere `lean_layer_norm`. With `rms`, RMSNorm: a scale and no bias. With
+    `one_plus` (Megatron's --apply-layernorm-1p) the parameter `scale` holds the scale minus 1, initialised to 0:
+    the same norm, but weight decay pulls the scale towards 1 rather than 0."""
 
     eps: float = 1e-5
     rules: ShardingRules = ShardingRules()  # where it runs: the kernels take one GPU only
     rms: bool = False
+    one_plus: bool = False
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
-        scale = _param(self, "scale", ("norm",), (d,), nn.initializers.ones)
+        scale = _param(self, "scale", ("norm",), (d,), nn.initializers.zeros if self.one_plus else nn.initializers.ones)
+        if self.one_plus:  # added in fp32: in bf16, 1 + w would round away a small w
+            scale = scale.astype(jnp.float32) + 1.0
         bias = None if self.rms else _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
         tuning = pallas_gpu.tuning(fused_norm)
         if bias is not None and fused_norm.supported(x, self.rules, tuning):
@@ -141,9 +147,12 @@ class LayerNorm(nn.Module):
         return lean_layer_norm(x, scale, bias, self.eps)
 
 
-def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str) -> LayerNorm:
-    """The model's layer norm (or RMSNorm), with its epsilon."""
-    return LayerNorm(cfg.layernorm_epsilon, rules, cfg.normalization == "rmsnorm", name=name)
+def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str, one_plus: bool = True) -> LayerNorm:
+    """The model's layer norm (or RMSNorm), with its epsilon. `cfg.apply_layernorm_1p` applies to the layer norms
+    of the blocks and the final one, as in Megatron-DeepSpeed (whose RMSNorm and BERT head norm ignore it); other
+    callers pass `one_plus=False`."""
+    return LayerNorm(cfg.layernorm_epsilon, rules, cfg.normalization == "rmsnorm", one_plus and cfg.one_plus_norms,
+                     name=name)
 
 
 def attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -354,6 +363,8 @@ class Embedding(nn.Module):
             wpe = _param(self, "position", ("pos", "embed"), (cfg.max_position_embeddings, cfg.hidden_size), init)
             if positions_bt is None:
                 positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+            elif self.rules.splits("act_seq"):  # as the tokens (positions reset at documents are computed)
+                positions_bt = self.rules.constrain(positions_bt, ("batch", "seq"))
             pos = jnp.take(wpe, positions_bt, axis=0)
         # A gather from a vocab-sharded table: XLA's SPMD partitioner does the masked local lookup and
         # all-reduce over `model` (Megatron's VocabParallelEmbedding) without gathering the table.
@@ -362,7 +373,7 @@ class Embedding(nn.Module):
             wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)
             x_btd = x_btd + jnp.take(wtt, types_bt, axis=0)
         if cfg.embedding_layernorm:
-            x_btd = norm_for(cfg, self.rules, "norm")(x_btd)
+            x_btd = norm_for(cfg, self.rules, "norm", one_plus=False)(x_btd)
         x_btd = self.rules.constrain(x_btd, ("batch", "act_seq", "embed"))
         return _dropout(x_btd, cfg.hidden_dropout, _dropout_rng(self, rng, deterministic), deterministic)
 

@@ -141,7 +141,7 @@ def layout_errors(mesh: MeshConfig, model: ModelConfig, parallel: ParallelConfig
         fits = ", ".join(str(t) for t in range(1, common + 1) if common % t == 0 and mesh.size % t == 0)
         errors.append(f"{' and '.join(undivided)} {'is' if len(undivided) == 1 else 'are'} not divisible by "
                       f"--tensor-model-parallel-size {tp}; pass one of {fits}")
-    if model.hidden_size % model.num_attention_heads:
+    if model.hidden_size % model.num_attention_heads and not model.kv_channels:  # Megatron's rule, without it
         errors.append(f"--hidden-size {model.hidden_size} is not divisible by "
                       f"--num-attention-heads {model.num_attention_heads}")
     v = parallel.virtual_stages

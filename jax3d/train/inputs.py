@@ -36,6 +36,19 @@ def tokenizer_and_paths(cfg: Config):
     return tok, [prefix]
 
 
+def with_eod_token(cfg: Config, tok) -> Config:
+    """`cfg` with the tokenizer's end-of-document id where the model reads it (--eod-mask-loss,
+    --reset-position-ids, --reset-attention-mask); ConfigError when the tokenizer has none."""
+    if not cfg.model.uses_eod:
+        return cfg
+    eod = getattr(tok, "eod", None)
+    if eod is None:
+        raise ConfigError(f"--eod-mask-loss, --reset-position-ids and --reset-attention-mask split samples at the "
+                          f"end-of-document token, and this {type(tok).__name__} has none; drop them or use a "
+                          "tokenizer with one")
+    return cfg.replace(model={"eod_token_id": int(eod)})
+
+
 def check_token_ids(data_paths, vocab_size: int, sample: int = 1 << 22, windows: int = 16) -> None:
     """Refuses `--data-path` data whose token ids do not fit the tokenizer: data preprocessed with another
     vocabulary would index past the embedding table and train on NaN. A prefix of more than `sample`

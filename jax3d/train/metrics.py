@@ -19,13 +19,14 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "V10
 def model_flops_per_token(cfg: ModelConfig) -> float:
     """Model FLOPs per token, forward and backward, without recompute.
 
-    Matmuls 6 x (weights), attention 12 x L x seq x d with the causal mask not halved: the PaLM /
+    Matmuls 6 x (weights), attention 12 x L x seq x heads x head_dim (d) with the causal mask not halved: the PaLM /
     Megatron convention, which the PyTorch peers (GPT and Llama) also use.
     """
     d, f, v, L, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers, cfg.seq_length
-    kv = cfg.kv_heads * cfg.head_dim  # width of k and of v (d without grouped-query attention)
-    matmul = L * (2 * d * d + 2 * d * kv + (3 if cfg.swiglu else 2) * d * f) + v * d
-    return 6.0 * matmul + 12.0 * L * s * d
+    q = cfg.num_attention_heads * cfg.head_dim  # width of q and of the attention output (d without --kv-channels)
+    kv = cfg.kv_heads * cfg.head_dim  # width of k and of v (q without grouped-query attention)
+    matmul = L * (2 * d * q + 2 * d * kv + (3 if cfg.swiglu else 2) * d * f) + v * d
+    return 6.0 * matmul + 12.0 * L * s * q
 
 
 def optimizer_state_norms(params, opt_state) -> dict:
