@@ -166,12 +166,21 @@ def _main(argv) -> int:
         checkpointer.install_signal_handlers()
     from jax3d.checkpoint.checkpointer import TrainingInterrupted
     from jax3d.train.loop import train
+    from jax3d.train.skipped import SkippedStepsStop
     try:
         last = train(cfg, mesh_cfg, mesh, inputs, progress=not args.no_progress, checkpointer=checkpointer,
                      memory_check=not args.no_memory_check)
     except TrainingInterrupted as e:
         print(f"jax3d: {e}", file=sys.stderr)
         return e.exit_code  # 143 for SIGTERM, 130 for SIGINT
+    except SkippedStepsStop as e:
+        if jax.process_index() == 0:
+            kept = checkpointer.newest() if checkpointer is not None and tr.save else None
+            print(f"jax3d: {e}" + (f", keeping the checkpoints in {tr.save} (the newest is step {kept})" if kept
+                                   is not None else " (no checkpoint was saved)" if tr.save else "")
+                  + "; lower --lr, or set --clip-grad, and resume from a checkpoint of before the trouble",
+                  file=sys.stderr)
+        return e.exit_code
     finally:
         if checkpointer is not None:
             checkpointer.uninstall_signal_handlers()
