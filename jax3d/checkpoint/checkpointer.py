@@ -89,7 +89,8 @@ class Checkpointer:
     (donating) train step may run while the files are written. `wait()` blocks until writes finish.
     """
 
-    def __init__(self, cfg: Config, tokenizer=None, *, async_save: bool = True):
+    def __init__(self, cfg: Config, tokenizer=None, *, async_save: bool = True, checked: int | None = None):
+        """`checked`: the step of `--load` whose files the caller has already checked (`check_files`)."""
         tr = cfg.train
         self.cfg = cfg
         self.save_dir = tr.save
@@ -99,7 +100,7 @@ class Checkpointer:
         self.data = data_record(cfg.data)
         self._writing = None  # (step, start time) of the save being written
         self._summing = None  # the thread writing the checksums of the last save
-        self._checked = None  # (directory, step) whose files step_to_restore checked
+        self._checked = (tr.load, checked)  # (directory, step) whose files were checked
         self.async_save = async_save
         self._mgr = None
         self._last_saved = -1
@@ -127,8 +128,8 @@ class Checkpointer:
         ConfigError where the run cannot start, its `--save` directory included (`check_save_dir`)."""
         self.check_save_dir()
         step = self._load_step()
-        if step is not None:
-            check_files(self.load_dir, step)  # before the step compiles: a damaged checkpoint is found in seconds
+        if step is not None:  # before the step compiles: a damaged checkpoint is found in seconds
+            check_files(self.load_dir, step, contents=self._checked != (self.load_dir, step))
             self._checked = (self.load_dir, step)
         return step
 
