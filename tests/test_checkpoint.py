@@ -140,8 +140,12 @@ def test_two_process_restore_and_save(gpt_ref, tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     with open(out) as f:
         np.testing.assert_allclose(json.load(f), gpt_ref["losses"][10:], rtol=1e-4, atol=1e-4)
-    # What the two processes saved restores on one process, onto the reference layout.
+    # What the two processes saved restores on one process, onto the reference layout; each process summed half
+    # of the files, and all of them are checked.
     assert list_steps(save) == [20]
+    sums = [json.load(open(os.path.join(save, "20", f"jax3d_crc32.{p}.json"))) for p in (0, 1)]
+    with open(os.path.join(save, "20", "jax3d_files.json")) as f:
+        assert sorted([*sums[0], *sums[1]]) == sorted(json.load(f)) and sums[0] and sums[1]
     cfg, mesh_cfg, mesh = layout(8, 1, 1)
     steps = build_steps(cfg.replace(train={"load": save}), mesh_cfg, mesh)
     state, consumed = Checkpointer(steps.cfg).restore(steps)
