@@ -199,7 +199,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         mgr.wait_until_finished()
         self._report_written()
-        self._join_checksums()  # this save may delete (--keep-checkpoints) the step being read
+        if self.cfg.train.keep_checkpoints == 1:
+            self._join_checksums()  # this save deletes the step being summed
         # Steps past the one this run resumed from belong to an abandoned future (a rollback with
         # --ckpt-step), as do any at or past this one. That future is dropped once, at the first save:
         # later saves keep the steps this run wrote.
@@ -240,6 +241,7 @@ class Checkpointer:
             total = record_files(self.save_dir, step)
             size = f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"
             _log(f"jax3d: saved step {step} to {self.save_dir} ({size}, {time.perf_counter() - t0:.1f} s)")
+        self._join_checksums()  # one at a time
         self._summing = threading.Thread(target=_sum_files, args=(self.save_dir, step), daemon=True,
                                          name=f"jax3d-checksums-{step}")
         self._summing.start()

@@ -76,20 +76,21 @@ class SkipWatch:
         self.streak = 0  # its length; 0 when the last step read applied its update
 
     def add(self, step: int, metrics: dict) -> None:
-        self.unread.append((step, {k: metrics[k] for k in ("skipped", "grad_norm", "loss_scale")}))
+        self.unread.append((step, metrics))
 
     def read_through(self, step: int) -> None:
-        """Reads the flags of the steps up to `step`, which the caller knows have finished."""
+        """Reads the flags of the steps up to `step`, which the caller knows have finished: one scalar a step,
+        and a skipped step's gradient norm and loss scale for its line."""
         ready = []
         while self.unread and self.unread[0][0] <= step:
             ready.append(self.unread.popleft())
-        for (s, _), m in zip(ready, jax.device_get([m for _, m in ready])):
-            total = int(m["skipped"])
-            skipped, self.total = total > self.total, total
+        for (s, m), total in zip(ready, jax.device_get([m["skipped"] for _, m in ready])):
+            skipped, self.total = int(total) > self.total, int(total)
             if skipped:
                 if not self.streak:
                     self.first = s
-                    self.say(self._started(s, float(m["grad_norm"]), float(m["loss_scale"])))
+                    norm, scale = jax.device_get((m["grad_norm"], m["loss_scale"]))
+                    self.say(self._started(s, float(norm), float(scale)))
                 self.streak += 1
                 if self.limit and self.streak >= self.limit:
                     raise SkippedStepsStop(self.first, s, self.limit)
