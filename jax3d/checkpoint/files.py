@@ -81,10 +81,11 @@ def _saved_checksums(root: str) -> dict:
     return sums
 
 
-def check_files(directory: str, step: int, contents: bool = True) -> None:
+def check_files(directory: str, step: int, contents: bool = True, items: tuple[str, ...] = ()) -> None:
     """ConfigError naming the first file of checkpoint step `step` that is missing, not the size it was saved
     with (a copy cut short, a disk that filled up) or, with `contents`, not the bytes it was saved with (its
-    CRC32 differs): before anything is restored or compiled. Steps saved before these records pass unchecked."""
+    CRC32 differs): before anything is restored or compiled. `items` ("params", ...) limits the reading of
+    bytes to the folders of the orbax items a reader restores. Steps saved before these records pass unchecked."""
     root = _root(directory, step)
     where = f"checkpoint {directory} step {step} is damaged"
     fix = "copy the checkpoint again, or pass another --ckpt-step or --load"
@@ -102,7 +103,7 @@ def check_files(directory: str, step: int, contents: bool = True) -> None:
     sums = _saved_checksums(root) if contents and os.path.isdir(root) else {}
     if not sums:
         return
-    rels = sorted(sums)
+    rels = sorted(r for r in sums if not items or "/" not in r or r.split("/")[0] in items)
     with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         have = dict(zip(rels, pool.map(lambda rel: _crc_or_none(os.path.join(root, rel)), rels)))
     for rel in rels:

@@ -254,7 +254,7 @@ def restore_arrays(directory: str, step: int, items: dict, partial=(), checked: 
     The items named in `partial` may leave out parts of what was saved. `checked`: the caller has already run
     `check_files` on the step (its checksums read every byte), so only the sizes are compared again."""
     ocp = orbax_checkpoint()
-    check_files(directory, step, contents=not checked)
+    check_files(directory, step, contents=not checked, items=(*items, "meta"))  # the bytes this reader reads
 
     def restore_args(name, target):
         if name not in partial:
