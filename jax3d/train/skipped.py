@@ -105,8 +105,8 @@ class SkipWatch:
         stop = f"the run stops after {self.limit} in a row, {FLAG}" if self.limit else f"{FLAG} 0: it never stops"
         if self.fp16:
             return (f"jax3d: step {step}: gradients overflowed (grad norm {grad_norm:g}) at loss scale "
-                    f"{_scale(scale)}, so its update was skipped and the scale comes down; a few such steps at the "
-                    f"start of an fp16 run are normal ({stop})")
+                    f"{_scale(scale)}, so its update was skipped and the scale comes down; in fp16 a few such steps at "
+                    f"the start of a run, and one now and then after the scale has grown, are normal ({stop})")
         return (f"jax3d: step {step}: gradients are not finite (grad norm {grad_norm:g}), so its update was "
                 f"skipped, as every step's is until they are ({stop})")
 
