@@ -286,6 +286,7 @@ class TrainConfig:
     load: str = ""
     ckpt_step: int = -1
     keep_checkpoints: int = 0  # 0: keep all
+    exit_after_skipped_iters: int = -1  # stop when this many steps in a row were skipped (0: never; -1: jax3d.train.skipped's default)
     peak_tflops: float = 0.0  # 0: from the device kind
     # Megatron's fine-tuning switches (their meanings in jax3d.cli's help).
     finetune: bool = False  # --load's weights only: step 0, a fresh optimizer, schedule, data position and RNG

@@ -2,6 +2,7 @@
 (to round-off), across processes; killed saves never count; bad checkpoints fail with one sentence."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,8 @@ def gpt_ref(tmp_path_factory):
 
 def test_resume_pipelined_is_bit_exact(gpt_ref):
     assert list_steps(gpt_ref["dir"]) == [10, 20]
+    # with its checksums, which the restore verifies
+    assert all(os.path.isfile(os.path.join(gpt_ref["dir"], s, "jax3d_crc32.0.json")) for s in ("10", "20"))
     losses, params = resume(gpt_ref, *layout(2, 2, 2, zero=1, schedule="1f1b"))
     np.testing.assert_array_equal(losses, gpt_ref["losses"][10:])
     jax.tree.map(np.testing.assert_array_equal, params, gpt_ref["params"])
@@ -137,8 +140,12 @@ def test_two_process_restore_and_save(gpt_ref, tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     with open(out) as f:
         np.testing.assert_allclose(json.load(f), gpt_ref["losses"][10:], rtol=1e-4, atol=1e-4)
-    # What the two processes saved restores on one process, onto the reference layout.
+    # What the two processes saved restores on one process, onto the reference layout; each process summed half
+    # of the files, and all of them are checked.
     assert list_steps(save) == [20]
+    sums = [json.load(open(os.path.join(save, "20", f"jax3d_crc32.{p}.json"))) for p in (0, 1)]
+    with open(os.path.join(save, "20", "jax3d_files.json")) as f:
+        assert sorted([*sums[0], *sums[1]]) == sorted(json.load(f)) and sums[0] and sums[1]
     cfg, mesh_cfg, mesh = layout(8, 1, 1)
     steps = build_steps(cfg.replace(train={"load": save}), mesh_cfg, mesh)
     state, consumed = Checkpointer(steps.cfg).restore(steps)
@@ -260,7 +267,8 @@ def test_damaged_checkpoint_is_a_config_error(small_ckpt, tmp_path):
                 fh.write(b"garbage")
     with pytest.raises(ConfigError, match="step 2 is damaged: 2/params/.* holds 7 bytes where"):
         _restore(cfg, steps, load=d)  # the file list kept with the step names the first file
-    os.remove(os.path.join(d, "2", "jax3d_files.json"))  # as in a checkpoint written before file lists
+    for record in ("jax3d_files.json", "jax3d_crc32.0.json"):  # as in a checkpoint written before file lists
+        os.remove(os.path.join(d, "2", record))
     with pytest.raises(ConfigError, match="step 2 could not be restored") as e:
         _restore(cfg, steps, load=d)
     assert "See full" not in str(e.value) and "bound method" not in str(e.value)
@@ -280,6 +288,63 @@ def test_damaged_checkpoint_is_a_config_error(small_ckpt, tmp_path):
         fh.write("{not json")
     with pytest.raises(ConfigError, match="step 1 is unreadable"):
         _restore(cfg, steps, load=d, ckpt_step=1)
+
+
+def _flip_a_bit(path: str, at: int = -1) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at % os.path.getsize(path))
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_flipped_bit_is_named_by_its_checksum_and_an_old_checkpoint_still_restores(small_ckpt, tmp_path):
+    """A file of the same size with one bit flipped restored and trained at NaN before checksums were kept."""
+    import shutil
+    from jax3d.checkpoint.read import check_files
+    cfg, _, _, steps = small_ckpt
+    d = str(tmp_path / "flipped")
+    shutil.copytree(cfg.train.save, d)
+    root = os.path.join(d, "2")
+    with open(os.path.join(root, "jax3d_crc32.0.json")) as f:
+        sums = json.load(f)
+    with open(os.path.join(root, "jax3d_files.json")) as f:
+        assert sorted(sums) == sorted(json.load(f))  # every file the size list holds has its checksum
+    # the largest file of the parameters: their array data
+    data = max((r for r in sums if r.startswith("params/")), key=lambda r: os.path.getsize(os.path.join(root, r)))
+    _flip_a_bit(os.path.join(root, data), at=os.path.getsize(os.path.join(root, data)) // 2)
+    want = f"step 2 is damaged: 2/{data} does not hold the bytes that were saved \\(CRC32 "
+    with pytest.raises(ConfigError, match=want):
+        check_files(d, 2)
+    with pytest.raises(ConfigError, match=want):
+        _restore(cfg, steps, load=d)
+    ck = Checkpointer(cfg.replace(train={"load": d, "save": ""}))
+    with pytest.raises(ConfigError, match=want):
+        ck.step_to_restore()  # what the loop asks before it compiles
+    # A step saved before checksums were kept restores as it did (this one, undamaged).
+    os.remove(os.path.join(d, "1", "jax3d_crc32.0.json"))
+    check_files(d, 1)
+    state, _ = _restore(cfg, steps, load=d, ckpt_step=1)
+    assert int(state.step) == 1
+
+
+def test_a_flipped_bit_is_refused_by_load_with_one_sentence(small_ckpt, tmp_path, capsys):
+    import shutil
+    from jax3d.cli.train import main
+    cfg = small_ckpt[0]
+    d = str(tmp_path / "flipped")
+    shutil.copytree(cfg.train.save, d)
+    meta = os.path.join(d, "2", "meta", "metadata")
+    with open(meta) as f:
+        text = f.read()
+    with open(meta, "w") as f:  # "2" -> "3" is one bit (0x32 -> 0x33): the same size, still JSON
+        f.write(text.replace('"step": 2', '"step": 3', 1))
+    assert main(["--load", d, "--train-iters", "4", "--log-dir", str(tmp_path / "log"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert re.fullmatch(f"error: checkpoint {re.escape(d)} step 2 is damaged: 2/meta/metadata does not hold the bytes "
+                        "that were saved \\(CRC32 [0-9a-f]{8}, saved as [0-9a-f]{8}\\); copy the checkpoint again, or "
+                        "pass another --ckpt-step or --load", err.strip()), err
 
 
 def test_keep_checkpoints_and_load_without_save(small_ckpt, tmp_path):

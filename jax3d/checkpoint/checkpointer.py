@@ -22,6 +22,7 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 import time
 
 import jax
@@ -29,8 +30,9 @@ import numpy as np
 
 from jax3d.config import Config, ConfigError, ModelConfig, as_tuple
 from jax3d.parallel import with_shardings
-from jax3d.checkpoint.read import (check_files, list_steps, manager, no_checkpoint, orbax_checkpoint,
-                                   read_meta, record_files, resolve_step, restore_arrays)
+from jax3d.checkpoint.files import check_files, record_checksums, record_files
+from jax3d.checkpoint.read import (list_steps, manager, no_checkpoint, orbax_checkpoint, read_meta, resolve_step,
+                                   restore_arrays)
 from jax3d.checkpoint.tokenizer import kept_in, tokenizer_info
 
 FORMAT_VERSION = 1
@@ -49,10 +51,10 @@ class TrainingInterrupted(Exception):
     `exit_code` is the shell convention for death by that signal: 143 for SIGTERM, 130 for SIGINT.
     """
 
-    def __init__(self, signum: int, step: int, saved: bool):
+    def __init__(self, signum: int, step: int, saved: bool, why: str = "no --save"):
         self.signum, self.step, self.saved = signum, step, saved
         self.exit_code = 128 + signum
-        what = f"saved a checkpoint at step {step}" if saved else f"stopped at step {step} without saving (no --save)"
+        what = f"saved a checkpoint at step {step}" if saved else f"stopped at step {step} without saving ({why})"
         super().__init__(f"{signal.Signals(signum).name} received; {what}")
 
 
@@ -89,7 +91,8 @@ class Checkpointer:
     (donating) train step may run while the files are written. `wait()` blocks until writes finish.
     """
 
-    def __init__(self, cfg: Config, tokenizer=None, *, async_save: bool = True):
+    def __init__(self, cfg: Config, tokenizer=None, *, async_save: bool = True, checked: int | None = None):
+        """`checked`: the step of `--load` whose files the caller has already checked (`check_files`)."""
         tr = cfg.train
         self.cfg = cfg
         self.save_dir = tr.save
@@ -98,6 +101,8 @@ class Checkpointer:
         from jax3d.checkpoint.record import data_record
         self.data = data_record(cfg.data)
         self._writing = None  # (step, start time) of the save being written
+        self._summing = None  # the thread writing the checksums of the last save
+        self._checked = (tr.load, checked)  # (directory, step) whose files were checked
         self.async_save = async_save
         self._mgr = None
         self._last_saved = -1
@@ -125,8 +130,9 @@ class Checkpointer:
         ConfigError where the run cannot start, its `--save` directory included (`check_save_dir`)."""
         self.check_save_dir()
         step = self._load_step()
-        if step is not None:
-            check_files(self.load_dir, step)  # before the step compiles: a damaged checkpoint is found in seconds
+        if step is not None:  # before the step compiles: a damaged checkpoint is found in seconds
+            check_files(self.load_dir, step, contents=self._checked != (self.load_dir, step))
+            self._checked = (self.load_dir, step)
         return step
 
     def _load_step(self) -> int | None:
@@ -157,7 +163,8 @@ class Checkpointer:
         tr = self.cfg.train
         fresh = {"step", "opt_state", "rng", "loss_scale", "fp8"} if tr.finetune else \
             {k for k, off in (("opt_state", tr.no_load_optim), ("rng", tr.no_load_rng)) if off}
-        state, meta, fresh = restore_state(self.load_dir, step, steps, fresh)
+        state, meta, fresh = restore_state(self.load_dir, step, steps, fresh,
+                                           checked=self._checked == (self.load_dir, step))
         if self.save_dir and _same_dir(self.save_dir, self.load_dir):
             self._resumed_from = step
         notes = ["fine-tuning from step 0 with a fresh optimizer"] if tr.finetune else [
@@ -194,6 +201,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         mgr.wait_until_finished()
         self._report_written()
+        if self.cfg.train.keep_checkpoints == 1:
+            self._join_checksums()  # this save deletes the step being summed
         # Steps past the one this run resumed from belong to an abandoned future (a rollback with
         # --ckpt-step), as do any at or past this one. That future is dropped once, at the first save:
         # later saves keep the steps this run wrote.
@@ -223,8 +232,9 @@ class Checkpointer:
         self._last_saved = step
 
     def _report_written(self) -> None:
-        """Once the save being written is on disk: its file list (what `check_files` compares a later load
-        with) and one line "saved step N to DIR (X GB, Y s)"."""
+        """Once the save being written is on disk: its file list and checksums (what `check_files` compares a
+        later load with) and one line "saved step N to DIR (X GB, Y s)". The checksums read every byte, so
+        each process sums its share in a thread, beside the training (a sync save waits for them)."""
         if self._writing is None:
             return
         step, t0 = self._writing
@@ -233,6 +243,17 @@ class Checkpointer:
             total = record_files(self.save_dir, step)
             size = f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"
             _log(f"jax3d: saved step {step} to {self.save_dir} ({size}, {time.perf_counter() - t0:.1f} s)")
+        self._join_checksums()  # one at a time
+        self._summing = threading.Thread(target=_sum_files, args=(self.save_dir, step), daemon=True,
+                                         name=f"jax3d-checksums-{step}")
+        self._summing.start()
+        if not self.async_save:
+            self._join_checksums()
+
+    def _join_checksums(self) -> None:
+        if self._summing is not None:
+            self._summing.join()
+            self._summing = None
 
     def _logical(self, state, mesh):
         """The state in logical layer order, as checkpoints hold it (the state itself when it is)."""
@@ -247,38 +268,45 @@ class Checkpointer:
         convert = self._to_logical[mesh]
         return state if convert is None else convert(state)
 
-    def maybe_save(self, step: int, state, loader_state: dict, force: bool = False) -> bool:
-        """Saves at `--save-interval` multiples, when forced, and on a caught signal (then raises)."""
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether `maybe_save` would save `step` (signals aside): a `--save-interval` multiple, or forced."""
+        every = self.cfg.train.save_interval
+        return bool(self.save_dir) and step != self._last_saved and (force or bool(every and step % every == 0))
+
+    def maybe_save(self, step: int, state, loader_state: dict, force: bool = False, hold: bool = False) -> bool:
+        """Saves at `--save-interval` multiples, when forced, and on a caught signal (then raises). With `hold`
+        (the state's last updates were all skipped, jax3d.train.skipped) nothing is saved: the save would
+        rotate a checkpoint that still trains away (--keep-checkpoints) for one that may not."""
         if self._writing is not None and not self.manager().is_saving_in_progress():
             self._report_written()
         stop = self._stop_requested(step, force)
         if stop:
-            saved = False
-            if self.save_dir and step != self._last_saved:
+            saved = bool(self.save_dir) and (not hold or step == self._last_saved)
+            if saved and step != self._last_saved:
                 self.save(step, state, loader_state, wait=True)
-                saved = True
-            elif self.save_dir:
-                self.wait()
-                saved = True
-            raise TrainingInterrupted(stop, step, saved)
-        if not self.save_dir or step == self._last_saved:
+            self.wait()
+            raise TrainingInterrupted(stop, step, saved, "its last updates were skipped for non-finite "
+                                      "gradients" if self.save_dir else "no --save")
+        if hold or not self.due(step, force):
             return False
-        every = self.cfg.train.save_interval
-        if force or (every and step % every == 0):
-            self.save(step, state, loader_state)
-            return True
-        return False
+        self.save(step, state, loader_state)
+        return True
+
+    def newest(self) -> int | None:
+        """The newest complete step in `--save`, or None."""
+        found = list_steps(self.save_dir) if self.save_dir else []
+        return found[-1] if found else None
 
     def wait(self) -> None:
-        """Blocks until every pending write is on disk."""
+        """Blocks until every pending write, checksums included, is on disk."""
         if self._mgr is not None:
             self._mgr.wait_until_finished()
             self._report_written()
+        self._join_checksums()
 
     def close(self) -> None:
         if self._mgr is not None:
-            self._mgr.wait_until_finished()
-            self._report_written()
+            self.wait()
             self._mgr.close()
             self._mgr = None
         self.uninstall_signal_handlers()
@@ -321,11 +349,12 @@ class Checkpointer:
         return hit[0] if hit else 0
 
 
-def restore_state(directory: str, step: int, steps, fresh=frozenset()):
+def restore_state(directory: str, step: int, steps, fresh=frozenset(), checked: bool = False):
     """Restores checkpoint `step` onto `steps` (its model checked first); returns (TrainState, meta, the parts
     started anew). The parts `fresh` names ("step", "opt_state", "rng", "loss_scale", "fp8"), and those the checkpoint
     was saved without (--no-save-optim, --no-save-rng), are not read but started as a new run starts them; a
-    fresh optimizer state under a restored step counts from that step, so the learning-rate schedule goes on."""
+    fresh optimizer state under a restored step counts from that step, so the learning-rate schedule goes on.
+    `checked`: `check_files` already read the step's checksums."""
     from jax3d.train.state import TrainState, initial_loss_scale, seed_keys
 
     meta = read_meta(directory, step)
@@ -340,7 +369,7 @@ def restore_state(directory: str, step: int, steps, fresh=frozenset()):
     items = {"params": targets.params, **({"train": train_t} if train_t else {})}
     saved_fp8 = bool(meta["config"].get("precision", {}).get("fp8"))  # histories this run leaves unread
     r = restore_arrays(directory, step, items, partial={"train"} if fresh or (saved_fp8 and targets.fp8 is None)
-                       else ())
+                       else (), checked=checked)
     t = dict(r.train) if train_t else {}
     shardings = steps.logical_shardings
     if "step" in fresh:
@@ -372,6 +401,15 @@ def _counting_from(opt_state, count: int):
         name = getattr(path[-1], "name", getattr(path[-1], "key", None)) if path else None
         return jax.numpy.full_like(leaf, count) if name == "count" else leaf
     return jax.tree_util.tree_map_with_path(set_count, opt_state)
+
+
+def _sum_files(directory: str, step: int) -> None:
+    """This process's share of a saved step's checksums; a failure costs only the check they would allow."""
+    try:
+        record_checksums(directory, step, jax.process_index(), jax.process_count())
+    except OSError as e:  # the step deleted meanwhile, a disk that filled up
+        print(f"jax3d: no checksums for step {step} in {directory} ({e}); it still restores, unchecked",
+              file=sys.stderr, flush=True)
 
 
 def _mesh_of(state):

@@ -15,6 +15,7 @@ import warnings
 import jax
 
 from jax3d.config import TOKENIZER_FILE_KEYS, ConfigError, config_from_dict
+from jax3d.checkpoint.files import FILE_LIST, check_files, record_files  # noqa: F401 (read's callers use them)
 
 
 def orbax_checkpoint():
@@ -80,46 +81,6 @@ def _jax3d_steps(directory: str) -> list[int]:
     except ConfigError:
         return []  # numbered folders, but not jax3d's checkpoints
     return steps
-
-
-FILE_LIST = "jax3d_files.json"  # in a step's folder: its files and their sizes, written once the save is complete
-
-
-def record_files(directory: str, step: int) -> int:
-    """Writes the file list of a complete step (relative path -> bytes) into it; returns the total bytes."""
-    import json
-
-    root = os.path.join(os.path.abspath(directory), str(step))
-    sizes = {}
-    for folder, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(folder, name)
-            if name != FILE_LIST:
-                sizes[os.path.relpath(path, root)] = os.path.getsize(path)
-    with open(os.path.join(root, FILE_LIST), "w") as f:
-        json.dump(sizes, f)
-    return sum(sizes.values())
-
-
-def check_files(directory: str, step: int) -> None:
-    """ConfigError naming the first file of checkpoint step `step` that is missing or not the size it was
-    saved with (a copy cut short, a disk that filled up): seconds of stat calls instead of a failure in the
-    middle of a restore, after the step has compiled. Steps saved before file lists were kept pass."""
-    import json
-
-    root = os.path.join(os.path.abspath(directory), str(step))
-    try:
-        with open(os.path.join(root, FILE_LIST)) as f:
-            sizes = json.load(f)
-    except (OSError, ValueError):
-        return
-    for rel, want in sizes.items():
-        path = os.path.join(root, rel)
-        have = os.path.getsize(path) if os.path.isfile(path) else None
-        if have != want:
-            what = "is missing" if have is None else f"holds {have:,} bytes where {want:,} were saved"
-            raise ConfigError(f"checkpoint {directory} step {step} is damaged: {os.path.join(str(step), rel)} {what}; "
-                              "copy the checkpoint again, or pass another --ckpt-step or --load")
 
 
 def resolve_step(directory: str, steps: list[int], want: int) -> int:
@@ -288,11 +249,12 @@ def _quiet_after_failed_read():
     logging.getLogger("asyncio").removeFilter(no_echoes)
 
 
-def restore_arrays(directory: str, step: int, items: dict, partial=()):
+def restore_arrays(directory: str, step: int, items: dict, partial=(), checked: bool = False):
     """Restores orbax items {name: target tree of sharded ShapeDtypeStructs}; ConfigError when unreadable.
-    The items named in `partial` may leave out parts of what was saved."""
+    The items named in `partial` may leave out parts of what was saved. `checked`: the caller has already run
+    `check_files` on the step (its checksums read every byte), so only the sizes are compared again."""
     ocp = orbax_checkpoint()
-    check_files(directory, step)
+    check_files(directory, step, contents=not checked, items=(*items, "meta"))  # the bytes this reader reads
 
     def restore_args(name, target):
         if name not in partial:

@@ -105,7 +105,7 @@ def _main(argv) -> int:
     from jax3d.parallel.plan import resolve
     from jax3d.train.inputs import build_inputs, tokenizer_and_paths, with_eod_token
 
-    from_checkpoint = ()
+    from_checkpoint, checked = (), None
     if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
         from jax3d.cli.train_flags import given_flags
         from jax3d.cli.resume import adopt_saved_model, adopt_saved_run
@@ -114,6 +114,7 @@ def _main(argv) -> int:
         step = resolve_step(args.load, found, args.ckpt_step) if found else None
         if found:
             check_files(args.load, step)  # a damaged checkpoint is named before anything else is said
+            checked = step  # its checksums read every byte: once is enough
             from jax3d.train.loop import check_not_past_end
             check_not_past_end(step, cfg.train)
         given = given_flags(argv)
@@ -163,16 +164,25 @@ def _main(argv) -> int:
     checkpointer = None
     if tr.save or tr.load:
         from jax3d.checkpoint.checkpointer import Checkpointer
-        checkpointer = Checkpointer(cfg, tokenizer=inputs.tokenizer)
+        checkpointer = Checkpointer(cfg, tokenizer=inputs.tokenizer, checked=checked)
         checkpointer.install_signal_handlers()
     from jax3d.checkpoint.checkpointer import TrainingInterrupted
     from jax3d.train.loop import train
+    from jax3d.train.skipped import SkippedStepsStop
     try:
         last = train(cfg, mesh_cfg, mesh, inputs, progress=not args.no_progress, checkpointer=checkpointer,
                      memory_check=not args.no_memory_check)
     except TrainingInterrupted as e:
         print(f"jax3d: {e}", file=sys.stderr)
         return e.exit_code  # 143 for SIGTERM, 130 for SIGINT
+    except SkippedStepsStop as e:
+        if jax.process_index() == 0:
+            kept = checkpointer.newest() if checkpointer is not None and tr.save else None
+            print(f"jax3d: {e}" + (f", keeping the checkpoints in {tr.save} (the newest is step {kept})" if kept
+                                   is not None else " (no checkpoint was saved)" if tr.save else "")
+                  + "; lower --lr, or set --clip-grad, and resume from a checkpoint of before the trouble",
+                  file=sys.stderr)
+        return e.exit_code
     finally:
         if checkpointer is not None:
             checkpointer.uninstall_signal_handlers()

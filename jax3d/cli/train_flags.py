@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer settings, global batch size, precision and seed unless flags set them (default: none)")
     g.add_argument("--ckpt-step", type=int, default=-1, help="step to load (default: the latest)")
     g.add_argument("--keep-checkpoints", type=int, default=0, help="keep only the newest N (0: all)")
+    g.add_argument("--exit-after-skipped-iters", type=int, default=None, metavar="N",
+                   help="stop (exit 3) once the last N steps were all skipped for non-finite gradients, before a "
+                        "save could rotate good checkpoints away; 0: never (default: 50, or more where an --fp16 "
+                        "loss scale needs more overflows to come down)")
     g.add_argument("--finetune", action="store_true",
                    help="load only the weights of --load and start a new run at step 0: a fresh optimizer, "
                         "learning-rate schedule, data position and RNG, on this command line's data")
@@ -268,9 +272,13 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         log_interval=a.log_interval, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
                         log_dir=a.log_dir, save=a.save, save_interval=a.save_interval, load=a.load,
                         ckpt_step=a.ckpt_step, keep_checkpoints=a.keep_checkpoints, peak_tflops=a.peak_tflops,
+                        exit_after_skipped_iters=_given(a.exit_after_skipped_iters, -1),
                         finetune=a.finetune, override_data=a.override_data, no_load_optim=a.no_load_optim,
                         no_load_rng=a.no_load_rng, no_save_optim=a.no_save_optim, no_save_rng=a.no_save_rng)
     _refuse_bad_values(a, model, optim, train)
+    if a.exit_after_skipped_iters:
+        from jax3d.train.skipped import check_limit
+        check_limit(a.exit_after_skipped_iters, precision)
     tok_flags = [f for f, v in (("--tokenizer-type", a.tokenizer_type), ("--vocab-file", a.vocab_file),
                                 ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file),
                                 ("--tokenizer-model", a.tokenizer_model)) if v]
@@ -304,6 +312,7 @@ def _refuse_bad_values(a: argparse.Namespace, model, optim, train) -> None:
                     ("--clip-grad", a.clip_grad), ("--exit-interval", a.exit_interval),
                     ("--eval-interval", a.eval_interval), ("--eval-iters", a.eval_iters),
                     ("--save-interval", a.save_interval), ("--keep-checkpoints", a.keep_checkpoints),
+                    ("--exit-after-skipped-iters", _given(a.exit_after_skipped_iters, 0)),
                     ("--vocab-size", a.vocab_size), ("--init-method-std", a.init_method_std),
                     ("--loss-scale", a.loss_scale)]
     fractions = [("--hidden-dropout", model.hidden_dropout), ("--attention-dropout", model.attention_dropout),

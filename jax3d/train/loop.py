@@ -14,6 +14,7 @@ from jax3d.train.counts import BatchCounts, last_step, settle
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, optimizer_state_norms, peak_tflops
 from jax3d.train.memory import (STATE_FIXES, check_fits, check_placed, device_offer, is_out_of_memory, largest_fitting,
                                 ran_out, step_peak_bytes)
+from jax3d.train.skipped import SkipWatch, skip_limit
 from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps
 
 
@@ -227,17 +228,23 @@ def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, chec
         deadline = _Deadline(tr.exit_duration_in_mins, started)
         last, pending = {}, []
         t_last, steps_since, consumed_last = time.perf_counter(), 0, consumed
+        say = (lambda line: bar.write(line, file=sys.stderr)) if chief else (lambda line: None)
+        skips = SkipWatch(cfg.precision, skip_limit(cfg), int(state.loss_scale.skipped), say)
+        owed = False  # a save put off because the steps before it were all skipped
         for it in range(start, end):
             batch, size = first_batch if it == start else loader.next()
             # The compiled step takes the full global batch; a ramp's smaller batches compile their own.
             state, metrics = (train_step if size == tr.global_batch_size else steps.train_step)(state, batch)
             pending.append(metrics)
+            skips.add(it + 1, metrics)
             if len(pending) > MAX_STEPS_IN_FLIGHT:
                 jax.block_until_ready(pending[-1 - MAX_STEPS_IN_FLIGHT])
+                skips.read_through(it + 1 - MAX_STEPS_IN_FLIGHT)  # finished: its flags cost no sync
             steps_since += 1
             step = it + 1
             if step % tr.log_interval == 0 or step == end:
                 host = jax.device_get(pending)  # waits for the device: the interval's time is real
+                skips.read_through(step)
                 dt = (time.perf_counter() - t_last) / steps_since
                 tps = (loader.consumed - consumed_last) * cfg.model.seq_length / (dt * steps_since)
                 tflops = tps * flops_tok / n_dev / 1e12
@@ -270,18 +277,30 @@ def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, chec
                           f"perplexity {ev['val_ppl']:.2f}")
                 last.update(ev)
             if checkpointer is not None:
-                checkpointer.maybe_save(step, state, loader.state_dict(), force=step == end)
+                # A state reached only by skipped steps is not saved over one that trains: the save waits.
+                due = owed or checkpointer.due(step, force=step == end)
+                if due:
+                    skips.read_through(step)  # the save waits for this step anyway
+                hold = skips.streak > 0
+                if due and hold and (not owed or step == end):
+                    say(skips.held(step, last=step == end))
+                owed = due and hold
+                checkpointer.maybe_save(step, state, loader.state_dict(), force=due, hold=hold)
             t_last += time.perf_counter() - paused
             bar.update(1)
             if step < end and deadline.near(checkpointer):
-                saved_now = checkpointer is not None and checkpointer.save_dir
+                saving = checkpointer is not None and checkpointer.save_dir
+                if saving:
+                    skips.read_through(step)  # the save waits for this step anyway
+                saved_now = saving and not skips.streak
                 if saved_now:
                     checkpointer.maybe_save(step, state, loader.state_dict(), force=True)
                 if chief:
                     bar.write(f"jax3d: --exit-duration-in-mins {tr.exit_duration_in_mins:g}: stopping at step {step} "
                               f"of {end} after {deadline.minutes():.1f} min of training, "
                               + ("with a checkpoint; --load it to go on" if saved_now else
-                                 "without a checkpoint (no --save)"), file=sys.stderr)
+                                 "without a checkpoint (no --save)" if not saving else
+                                 f"without saving (steps {skips.first}-{step} were skipped)"), file=sys.stderr)
                 break
     finally:
         if bar is not None:
