@@ -105,8 +105,10 @@ def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, to
         train, valid, _ = data.build_gpt_datasets(paths, d.split, model.seq_length, num, cfg.train.seed,
                                                   cache_dir=d.cache_dir or None)
     from jax3d.data.sampling import why_split_is_empty
+    by_sequence = model.model_type != "bert"
     if train is None:
-        raise ConfigError(why_split_is_empty(paths, d.split, "train"))
+        raise ConfigError(why_split_is_empty(paths, d.split, "train", by_sequence))
     if num_valid_samples and valid is None:
-        print(f"jax3d: this run does not validate: {why_split_is_empty(paths, d.split, 'valid')}", file=sys.stderr)
+        print(f"jax3d: this run does not validate: {why_split_is_empty(paths, d.split, 'valid', by_sequence)}",
+              file=sys.stderr)
     return Inputs(tok, train, valid)
