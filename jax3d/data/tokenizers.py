@@ -149,6 +149,19 @@ class GPTSentencePieceTokenizer:
         return self.sp.decode_ids([int(i) for i in ids])
 
 
+def default_tokenizer_type(model_type: str, vocab_file: str = "", merge_file: str = "", tokenizer_file: str = "",
+                           tokenizer_model: str = "") -> str:
+    """The `--tokenizer-type` a run with these tokenizer files and no type reads them as: with a vocabulary
+    file Megatron's per-script default, pretrain_gpt.py's GPT2BPETokenizer for a GPT (Llama included) and
+    pretrain_bert.py's BertWordPieceLowerCase for a BERT; a lone SentencePiece model or tokenizer.json is the
+    one type that reads it. "" without files."""
+    if vocab_file or merge_file:
+        return "BertWordPieceLowerCase" if model_type == "bert" else "GPT2BPETokenizer"
+    if tokenizer_model:
+        return "GPTSentencePieceTokenizer"
+    return "HFTokenizer" if tokenizer_file else ""
+
+
 def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
                     tokenizer_file: str | None = None, tokenizer_model: str | None = None):
     """Build a tokenizer by Megatron's `--tokenizer-type` name from its vocabulary files."""

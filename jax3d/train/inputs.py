@@ -1,6 +1,7 @@
 """Builds the tokenizer and the train / valid sample datasets a run asks for."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -16,15 +17,30 @@ class Inputs:
     valid: object | None
 
 
+def with_default_tokenizer(cfg: Config) -> Config:
+    """`cfg` with the `--tokenizer-type` its tokenizer files imply where `--data-path` is given without one
+    (`default_tokenizer_type`: Megatron's GPT2BPETokenizer for a GPT or Llama, BertWordPieceLowerCase for a
+    BERT). A run with `--load` takes the checkpoint's tokenizer before this (jax3d.cli.resume)."""
+    from jax3d.data.tokenizers import default_tokenizer_type
+
+    d = cfg.data
+    if not d.data_path or d.tokenizer_type:
+        return cfg
+    kind = default_tokenizer_type(cfg.model.model_type, **{k: getattr(d, k) for k in TOKENIZER_FILE_KEYS})
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, tokenizer_type=kind)) if kind else cfg
+
+
 def tokenizer_and_paths(cfg: Config):
     """The run's tokenizer and its data-path prefixes: `--data-path`, or the bundled default corpus when empty."""
     from jax3d import data
 
-    d = cfg.data
+    d = with_default_tokenizer(cfg).data
     if d.data_path:
         if not d.tokenizer_type:
-            raise ConfigError("--data-path needs --tokenizer-type (and its --vocab-file / --merge-file / "
-                              "--tokenizer-file / --tokenizer-model) to know the vocabulary")
+            raise ConfigError("--data-path needs the tokenizer it was preprocessed with: pass its --vocab-file "
+                              "(and --merge-file), --tokenizer-model or --tokenizer-file, with --tokenizer-type "
+                              "where the default (GPT2BPETokenizer for GPT, BertWordPieceLowerCase for BERT) "
+                              "is not its type")
         tok = data.build_tokenizer(d.tokenizer_type, **{k: getattr(d, k) or None for k in TOKENIZER_FILE_KEYS})
         check_token_ids(d.data_path, tok.vocab_size)
         check_tokenized_by(d.data_path, tok)
