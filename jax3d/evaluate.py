@@ -109,7 +109,8 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
     passes = [build(1, (p,)) for w, p in zip(weights, prefixes) if w > 0]
     one_pass = sum(len(d) for d in passes if d is not None)
     if not one_pass:
-        raise ConfigError(f"{why_split_is_empty(data_paths, split, which)}, or pass another --split-name")
+        raise ConfigError(f"{why_split_is_empty(data_paths, split, which, m.model_type != 'bert')}, or pass "
+                          "another --split-name")
     if num_samples > max(one_pass, validated):
         also = f" (training validated on {validated})" if validated else ""
         raise ConfigError(f"--num-samples {num_samples} is more than the {one_pass} samples of the {which} split{also}; "

@@ -56,11 +56,17 @@ def jax3d_checkpoint_with_tokenizer(path, model_type, seed=0):
     from jax3d.train.step import build_steps
     from tests.helpers import tiny_config
 
-    kind, tok_type = ("bpe", "GPT2BPETokenizer") if model_type == "gpt" else ("wordpiece", "BertWordPieceLowerCase")
-    files = train_tokenizer([], str(path / "tok"), kind, vocab_size=300, min_frequency=1, texts=iter(TEXT))
+    model_kw = dict(model_type=model_type)
+    if model_type == "llama":  # a Llama with a SentencePiece tokenizer.model, trained as Llama's is
+        tok_type, files = "GPTSentencePieceTokenizer", {"tokenizer_model": sentencepiece_model(path / "tok")}
+        model_kw = dict(model_type="gpt", normalization="rmsnorm", swiglu=True, use_rotary_position_embeddings=True,
+                        add_position_embedding=False, untie_embeddings_and_output_weights=True, add_bias_linear=False)
+    else:
+        kind, tok_type = ("bpe", "GPT2BPETokenizer") if model_type == "gpt" else ("wordpiece", "BertWordPieceLowerCase")
+        files = train_tokenizer([], str(path / "tok"), kind, vocab_size=300, min_frequency=1, texts=iter(TEXT))
     tok = build_tokenizer(tok_type, **files)
     assert tok.vocab_size % 128, tok.vocab_size  # or there would be no padding rows to cut
-    cfg, mesh_cfg, mesh = tiny_config(model_kw=dict(model_type=model_type, vocab_size=padded(tok.vocab_size, 128)))
+    cfg, mesh_cfg, mesh = tiny_config(model_kw=dict(**model_kw, vocab_size=padded(tok.vocab_size, 128)))
     cfg = cfg.replace(train={"save": str(path / "ckpt")}, data={"tokenizer_type": tok_type, **files})
     steps = build_steps(cfg, mesh_cfg, mesh)
     state = steps.init_state(seed)
@@ -68,6 +74,21 @@ def jax3d_checkpoint_with_tokenizer(path, model_type, seed=0):
     params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape), state.params)
     Checkpointer(cfg, tokenizer=tok).save(1, state.replace(params=params), {"consumed_samples": 0}, wait=True)
     return str(path / "ckpt"), tok
+
+
+def sentencepiece_model(directory, llama_style: bool = True) -> str:
+    """A SentencePiece BPE `tokenizer.model` trained on TEXT: as Llama's is (no normalization, byte fallback), or
+    with SentencePiece's defaults (NFKC with runs of whitespace made one space, unknown characters as <unk>)."""
+    import sentencepiece
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "text.txt").write_text("".join(TEXT))
+    style = dict(normalization_rule_name="identity", remove_extra_whitespaces=False, byte_fallback=True,
+                 split_digits=True, allow_whitespace_only_pieces=True) if llama_style else {}
+    sentencepiece.SentencePieceTrainer.train(input=str(directory / "text.txt"), model_prefix=str(directory / "tokenizer"),
+                                             vocab_size=300, model_type="bpe", hard_vocab_limit=False,
+                                             minloglevel=2, **style)
+    return str(directory / "tokenizer.model")
 
 
 def tiny_llama(path, n_layer=3, hidden=64, heads=8, kv_heads=2, ffn=96, vocab=300, positions=64, theta=10000.0,

@@ -40,6 +40,39 @@ def test_epoch_of_samples_is_the_shuffled_document_stream(tmp_path):
     assert set(valid.doc_idx.tolist()) <= set(range(270, 300))
 
 
+def test_sentence_split_data_trains_gpt_each_sentence_a_document(tmp_path):
+    """Data preprocessed with --split-sentences (pretrain_llama2_distributed.sh's _text_sentence) was refused;
+    Megatron's GPT dataset walks the indexed dataset's sequences, so each sentence is a document: its split
+    and its windows are those of the same sentences written one document each."""
+    from jax3d.data.sampling import why_split_is_empty
+
+    rng = np.random.default_rng(0)
+    docs = [[list(rng.integers(1, 1000, rng.integers(1, 12))) for _ in range(rng.integers(2, 9))] for _ in range(6)]
+    docs[-1][-1].append(EOD)
+    sentences, one_each = IndexedDatasetBuilder(str(tmp_path / "s"), np.uint16), \
+        IndexedDatasetBuilder(str(tmp_path / "d"), np.uint16)
+    for doc in docs:
+        for sent in doc:
+            sentences.add_item(sent)
+            one_each.add_item(sent)
+            one_each.end_document()
+        sentences.end_document()
+    sentences.finalize()
+    one_each.finalize()
+    n = sum(len(d) for d in docs)
+    assert IndexedDataset(str(tmp_path / "s")).num_documents == 6 < n
+    got = build_gpt_datasets([str(tmp_path / "s")], "80,20,0", 8, (60, 10, 0), seed=2)
+    want = build_gpt_datasets([str(tmp_path / "d")], "80,20,0", 8, (60, 10, 0), seed=2)
+    for g, w in zip(got[:2], want[:2]):
+        assert len(g) == len(w)
+        for i in range(len(g)):
+            np.testing.assert_array_equal(g[i]["text"], w[i]["text"])
+    assert got[2] is None
+    assert why_split_is_empty([str(tmp_path / "s")], "99,1,0", "valid", by_sequence=True) == (
+        f"--split 99,1,0 gives the valid split 1.0% of the {n} sentences in {tmp_path / 's'}, which rounds to none; "
+        "add sentences or raise its share")
+
+
 def test_indices_deterministic_and_seed_dependent(tmp_path):
     prefix = _make(tmp_path / "a", 200, 1)
     a = build_gpt_datasets([prefix], "1", 8, (400, 0, 0), seed=5, cache_dir=str(tmp_path / "c1"))[0]

@@ -40,18 +40,26 @@ def _value(args, flag):
     return None
 
 
-def script_args(name: str, tmp_path, overrides=(), drop=DATA_FLAGS) -> list[str]:
-    """The script's arguments with its DeepSpeed JSON written under `tmp_path`, the flags of `drop` (and their
-    values) left out, each flag of `overrides` (pairs) set, and every output folder under `tmp_path`."""
+def script_args(name: str, tmp_path, overrides=(), drop=DATA_FLAGS, files=None) -> list[str]:
+    """The script's arguments as its trainer reads them (`--model bert` for pretrain_bert.py), with its DeepSpeed
+    JSON written under `tmp_path`, the flags of `drop` (and their values) left out, the paths of those in `files`
+    ({flag: path}; --data-path keeps its weights) replaced, each flag of `overrides` (pairs) set, and every output
+    folder under `tmp_path`."""
     rec = script(name)
     out, args = [], list(rec["args"])
+    if rec["trainer"] == "pretrain_bert.py":
+        out += ["--model", "bert"]
+    files = files or {}
     i = 0
     while i < len(args):
         flag = args[i].split("=")[0]
         n = 1
         while i + n < len(args) and not args[i + n].startswith("--"):
             n += 1
-        if flag not in drop:
+        values = args[i + 1:i + n] if "=" not in args[i] else [args[i].split("=", 1)[1]]
+        if flag in files:
+            out += [flag, *[v if _is_weight(v) else files[flag] for v in values]]
+        elif flag not in drop:
             out += args[i:i + n]
         i += n
     if rec["deepspeed_config"] is not None:
@@ -68,6 +76,14 @@ def script_args(name: str, tmp_path, overrides=(), drop=DATA_FLAGS) -> list[str]
         else:
             out += [flag, v]
     return out
+
+
+def _is_weight(v: str) -> bool:
+    try:
+        float(v)
+        return True
+    except ValueError:
+        return False
 
 
 def _shrunk(name: str) -> list[tuple[str, str]]:
@@ -396,3 +412,91 @@ def test_a_sentencepiece_tokenizer_preprocesses_trains_and_is_kept_in_the_checkp
     assert record["type"] == "GPTSentencePieceTokenizer" and record["vocab_size"] == 300
     assert record["tokenizer_model"] == os.path.join(ck, "tokenizer", "sp.model")
     assert set(record["fingerprints"]) == {"tokenizer_model"}
+
+
+# Megatron's trainers default --tokenizer-type (pretrain_gpt.py: GPT2BPETokenizer, pretrain_bert.py:
+# BertWordPieceLowerCase); the Llama script passes GPTSentencePieceTokenizer. What each run must read with.
+SCRIPT_TOKENIZERS = {"ds_pretrain_gpt_125M": "GPT2BPETokenizer", "ds_pretrain_bert": "BertWordPieceLowerCase",
+                     "pretrain_llama2_distributed": "GPTSentencePieceTokenizer"}
+
+
+@pytest.fixture(scope="module")
+def script_files(tmp_path_factory):
+    """Small stand-ins for the three scripts' files, {script: {flag: path}}: a GPT-2 style vocab.json and
+    merges.txt with a document dataset, a BERT vocab.txt with a sentence-split dataset, and a SentencePiece model
+    with a sentence-split dataset (pretrain_llama2_distributed.sh's own _text_sentence)."""
+    import sentencepiece
+
+    from jax3d.data import TokenizerSpec, preprocess_jsonl, train_tokenizer
+    from jax3d.data.synthetic import synthetic_documents, write_jsonl
+
+    d = tmp_path_factory.mktemp("script_files")
+    docs = synthetic_documents(300, seed=7, min_sentences=2, max_sentences=6)
+    corpus = str(d / "corpus.jsonl")
+    write_jsonl(corpus, docs)
+    (d / "corpus.txt").write_text("\n".join(docs))
+    gpt2 = train_tokenizer([], str(d / "gpt2"), "bpe", 400, texts=iter(docs))
+    bert = train_tokenizer([], str(d / "bert"), "wordpiece", 400, texts=iter(docs))
+    sentencepiece.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "sp"),
+                                             vocab_size=120, model_type="bpe", minloglevel=2)
+    sp = {"tokenizer_model": str(d / "sp.model")}
+
+    def data(name, kind, files, sentences):
+        spec = TokenizerSpec(kind, **files)
+        return preprocess_jsonl(corpus, str(d / "data" / name), spec, append_eod=kind != "BertWordPieceLowerCase",
+                                split_sentences_=sentences, progress=False).outputs[0]
+
+    return {"ds_pretrain_gpt_125M": {"--vocab-file": gpt2["vocab_file"], "--merge-file": gpt2["merge_file"],
+                                     "--data-path": data("gpt", "GPT2BPETokenizer", gpt2, False)},
+            "ds_pretrain_bert": {"--vocab-file": bert["vocab_file"],
+                                 "--data-path": data("bert", "BertWordPieceLowerCase", bert, True)},
+            "pretrain_llama2_distributed": {"--tokenizer-model": sp["tokenizer_model"],
+                                            "--data-path": data("llama", "GPTSentencePieceTokenizer", sp, True)}}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPT_TOKENIZERS))
+def test_a_scripts_tokenizer_flags_read_as_its_trainer_reads_them(name, script_files, tmp_path):
+    """The scripts' own tokenizer flags, their files replaced: no --tokenizer-type (GPT, BERT) is Megatron's
+    per-trainer default, which reads text as that tokenizer built by name does."""
+    from jax3d.data.tokenizers import build_tokenizer
+    from jax3d.train.inputs import tokenizer_and_paths, with_default_tokenizer
+
+    files = script_files[name]
+    cfg = config_from_args(build_parser().parse_args(script_args(name, tmp_path, _shrunk(name), (), files)))
+    want = SCRIPT_TOKENIZERS[name]
+    assert with_default_tokenizer(cfg).data.tokenizer_type == want
+    tok, paths = tokenizer_and_paths(cfg)
+    keys = {"--vocab-file": "vocab_file", "--merge-file": "merge_file", "--tokenizer-model": "tokenizer_model"}
+    reference = build_tokenizer(want, **{keys[f]: p for f, p in files.items() if f in keys})
+    text = "The pipeline sends activations forward. Gradients come back!"
+    assert type(tok).__name__ == want and tok.tokenize(text) == reference.tokenize(text)
+    assert paths[-1] == files["--data-path"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, run_length", [
+    ("ds_pretrain_gpt_125M", [("--train-samples", str(256 * 100)), ("--train-tokens", str(2 * 256 * 32)),
+                              ("--lr-warmup-tokens", str(256 * 32)), ("--lr-decay-tokens", str(2 * 256 * 32))]),
+    ("pretrain_llama2_distributed", [("--train-iters", "2"), ("--lr-warmup-iters", "1"), ("--save-interval", "2")]),
+    ("ds_pretrain_bert", [("--train-iters", "2"), ("--lr-warmup-iters", "1"), ("--lr-decay-iters", "2")]),
+])
+def test_a_script_trains_on_8_devices_with_its_own_tokenizer_flags(name, run_length, script_files, tmp_path, capsys):
+    """The three scripts of issue 54 as written but for sizes, paths and run length: no tokenizer flag added.
+    The checkpoint records the tokenizer Megatron's trainer would read with, built from the files given."""
+    from jax3d.checkpoint.read import list_steps, read_meta
+    from jax3d.checkpoint.record import file_fingerprint
+    from jax3d.data import IndexedDataset
+
+    files = script_files[name]
+    args = script_args(name, tmp_path, [*_shrunk(name), *run_length, ("--log-interval", "1")], (), files)
+    assert not {"--tokenizer-type", "--tokenizer-file"} & set(args) - set(script(name)["args"])
+    assert main([*args, "--no-progress"]) == 0
+    losses = _curve(tmp_path / "log")
+    assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+    record = read_meta(str(tmp_path / "ck"), list_steps(str(tmp_path / "ck"))[-1])["tokenizer"]
+    assert record["type"] == SCRIPT_TOKENIZERS[name]
+    keys = {"--vocab-file": "vocab_file", "--merge-file": "merge_file", "--tokenizer-model": "tokenizer_model"}
+    assert record["fingerprints"] == {keys[f]: file_fingerprint(p) for f, p in files.items() if f in keys}
+    if name != "ds_pretrain_gpt_125M":  # sentence-split data, as the script's _text_sentence prefix says
+        ds = IndexedDataset(files["--data-path"])
+        assert len(ds) > ds.num_documents

@@ -150,6 +150,26 @@ def test_finetune_starts_at_step_0_with_a_fresh_optimizer(corpora, tmp_path, cap
     assert "pass another --save" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_other_data_is_read_with_the_checkpoints_tokenizer_when_no_flag_names_one(corpora, run4, tmp_path, capsys):
+    """--help says the checkpoint's tokenizer is the default: a fine-tune and an --override-data resume on other
+    data stopped with "--data-path needs --tokenizer-type". They read it with the checkpoint's tokenizer, which
+    the new checkpoint records as the base run's (same files, by fingerprint)."""
+    from jax3d.checkpoint.read import read_meta
+
+    base = read_meta(run4[0], 4)["tokenizer"]
+    ck = str(tmp_path / "ck")
+    shutil.copytree(run4[0], ck)
+    for extra, save, step in ((["--finetune", "--train-iters", "1"], str(tmp_path / "ft"), 1),
+                              (["--override-data", "--train-iters", "5"], ck, 5)):
+        assert main([*BASE, "--load", ck, "--save", save, "--data-path", corpora["b"], *extra,
+                     "--log-dir", str(tmp_path / "logs" / save[-2:])]) == 0
+        err = capsys.readouterr().err
+        assert f"jax3d: --load {ck}: --data-path is read with its tokenizer (GPT2BPETokenizer: " in err, err
+        record = read_meta(save, step)["tokenizer"]
+        assert (record["type"], record["fingerprints"]) == (base["type"], base["fingerprints"])
+
+
 def test_a_checkpoint_past_train_iters_is_refused_and_one_at_it_is_done(run4, capsys):
     ck = run4[0]
     assert main([*BASE, "--load", ck, "--train-iters", "2"]) == 2

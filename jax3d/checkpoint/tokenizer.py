@@ -121,16 +121,8 @@ def checkpoint_tokenizer(meta: dict, required: bool = True):
     raise DataError."""
     record = tokenizer_record(meta)
     files = {k: record.get(k) or None for k in TOKENIZER_FILE_KEYS}
-    missing = [f for f in files.values() if f and not os.path.exists(f)]
-    problem = None
-    if record.get("note") == NO_TOKENIZER:
-        problem = ("the checkpoint records no tokenizer (it was imported without tokenizer files, or saved by code "
-                   "that gave Checkpointer none); import it again from a folder that has them (vocab.json and "
-                   "merges.txt, vocab.txt or tokenizer.json), or save it with Checkpointer(cfg, tokenizer)")
-    elif missing:
-        problem = (f"the checkpoint's tokenizer file {missing[0]} does not exist; put it back there, or run from "
-                   "the folder training ran in if the path is relative")
-    elif record.get("type") in TOKENIZER_TYPES and any(files.values()):
+    problem = _problem(record)
+    if problem is None and record.get("type") in TOKENIZER_TYPES and any(files.values()):
         return build_tokenizer(record["type"], **files)
     if problem is None and required:  # the bundled corpus's, with its files nowhere: rebuilt in its cache
         from jax3d.data import default_corpus
@@ -140,6 +132,34 @@ def checkpoint_tokenizer(meta: dict, required: bool = True):
     if problem and required:
         raise ConfigError(problem)
     return None
+
+
+def _problem(record: dict) -> str | None:
+    """Why tokenizer record `record` can't be built again (no tokenizer recorded, a file gone), or None."""
+    missing = [record[k] for k in TOKENIZER_FILE_KEYS if record.get(k) and not os.path.exists(record[k])]
+    if record.get("note") == NO_TOKENIZER:
+        return ("the checkpoint records no tokenizer (it was imported without tokenizer files, or saved by code "
+                "that gave Checkpointer none); import it again from a folder that has them (vocab.json and "
+                "merges.txt, vocab.txt, tokenizer.json or tokenizer.model), or save it with Checkpointer(cfg, "
+                "tokenizer)")
+    if missing:
+        return (f"the checkpoint's tokenizer file {missing[0]} does not exist; put it back there, or run from "
+                "the folder training ran in if the path is relative")
+    return None
+
+
+def recorded_tokenizer_fields(meta: dict) -> dict:
+    """The DataConfig fields (`tokenizer_type` and its files) of the tokenizer a checkpoint (its metadata
+    `meta`) was trained or imported with, its files where they are now; {} when it records none that has
+    files. ConfigError when a file is gone."""
+    record = tokenizer_record(meta)
+    if record.get("note") == NO_TOKENIZER or record.get("type") not in TOKENIZER_TYPES or \
+            not any(record.get(k) for k in TOKENIZER_FILE_KEYS):
+        return {}
+    problem = _problem(record)
+    if problem:
+        raise ConfigError(problem)
+    return {"tokenizer_type": record["type"], **{k: record.get(k) or "" for k in TOKENIZER_FILE_KEYS}}
 
 
 def _log(msg: str) -> None:

@@ -96,6 +96,24 @@ def adopt_saved_run(cfg: Config, load_dir: str, meta: dict, given: set[str]) -> 
     return Adopted(new, notes)
 
 
+def adopt_saved_tokenizer(cfg: Config, load_dir: str, meta: dict, given: set[str]) -> tuple[Config, str | None]:
+    """(`cfg` reading its --data-path with the tokenizer checkpoint `load_dir` (metadata `meta`) records, a note
+    saying so) where no tokenizer flag in `given` names one: a fine-tune, a resume with --override-data, a run
+    from an import. A plain resume took it with the checkpoint's data already (`adopt_saved_run`). (`cfg`, None)
+    where it records none, or the run reads the bundled corpus."""
+    from jax3d.checkpoint.tokenizer import recorded_tokenizer_fields
+
+    if not cfg.data.data_path or cfg.data.tokenizer_type or given & {"tokenizer_type", *TOKENIZER_FILE_KEYS}:
+        return cfg, None
+    fields = recorded_tokenizer_fields(meta)
+    if not fields:
+        return cfg, None
+    files = [os.path.relpath(fields[k]) for k in TOKENIZER_FILE_KEYS if fields[k]]
+    note = (f"--data-path is read with its tokenizer ({fields['tokenizer_type']}: {', '.join(files)}); pass "
+            "--tokenizer-type and its files for another")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **fields)), note
+
+
 # Fields a resumed run takes from its checkpoint unless one of the flags (argparse dests) listed sets them. The
 # micro-batch size is not one: it changes memory, not the loss curve, and a new layout may need another.
 _TRAIN_FIELDS = {"seed": ("seed",), "global_batch_size": ("global_batch_size", "preset")}

@@ -103,12 +103,12 @@ def _main(argv) -> int:
 
     from jax3d.models import build_model
     from jax3d.parallel.plan import resolve
-    from jax3d.train.inputs import build_inputs, tokenizer_and_paths, with_eod_token
+    from jax3d.train.inputs import build_inputs, tokenizer_and_paths, with_default_tokenizer, with_eod_token
 
     from_checkpoint, checked = (), None
     if args.load:  # fine-tuning: the checkpoint's model unless a flag says otherwise
         from jax3d.cli.train_flags import given_flags
-        from jax3d.cli.resume import adopt_saved_model, adopt_saved_run
+        from jax3d.cli.resume import adopt_saved_model, adopt_saved_run, adopt_saved_tokenizer
         from jax3d.checkpoint.read import check_files, list_steps, read_meta, resolve_step
         found = list_steps(args.load)
         step = resolve_step(args.load, found, args.ckpt_step) if found else None
@@ -121,12 +121,16 @@ def _main(argv) -> int:
         # what the checkpoint set, including values that equal a flag's default
         cfg, from_checkpoint = adopt_saved_model(cfg, args.load, args.ckpt_step, given)
         if found:  # resuming: the checkpoint's data, tokenizer, optimizer and seed, unless flags say otherwise
-            adopted = adopt_saved_run(cfg, args.load, read_meta(args.load, step), given)
-            cfg = adopted.cfg
+            meta = read_meta(args.load, step)
+            adopted = adopt_saved_run(cfg, args.load, meta, given)
+            # other data (a fine-tune, --override-data) is read with the checkpoint's tokenizer unless flags name one
+            cfg, tok_note = adopt_saved_tokenizer(adopted.cfg, args.load, meta, given)
             if jax.process_index() == 0:
-                for note in adopted.notes:
+                for note in [*adopted.notes, *([tok_note] if tok_note else [])]:
                     print(f"jax3d: --load {args.load}: {note}", file=sys.stderr)
-    # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it.
+    # The tokenizer fixes the vocabulary, so it comes before the plan; the datasets come after it. The type
+    # Megatron's scripts leave to their trainer's default is set here, so the checkpoint records it.
+    cfg = with_default_tokenizer(cfg)
     tok, paths = tokenizer_and_paths(cfg)
     cfg = with_eod_token(cfg, tok)
     if args.load:

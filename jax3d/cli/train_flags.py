@@ -125,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the checkpoint's with --load)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
     g.add_argument("--tokenizer-type", default="", choices=["", *TOKENIZER_TYPES], metavar="TYPE",
-                   help=f"one of: {', '.join(TOKENIZER_TYPES)} (default: the bundled corpus's, or the checkpoint's "
-                        "with --load)")
+                   help=f"one of: {', '.join(TOKENIZER_TYPES)} (default: the checkpoint's with --load; else what "
+                        "the files given imply, --vocab-file Megatron's GPT2BPETokenizer for GPT and Llama and "
+                        "BertWordPieceLowerCase for BERT, --tokenizer-model GPTSentencePieceTokenizer, "
+                        "--tokenizer-file HFTokenizer; the bundled corpus's without --data-path)")
     g.add_argument("--vocab-file", default="", help="GPT-2 vocab.json or BERT vocab.txt (default: none, or the checkpoint's with --load)")
     g.add_argument("--merge-file", default="", help="GPT-2 merges.txt (default: none, or the checkpoint's with --load)")
     g.add_argument("--tokenizer-file", default="", help="a Hugging Face tokenizer.json (HFTokenizer) (default: none, or the checkpoint's with --load)")

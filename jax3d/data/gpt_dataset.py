@@ -1,5 +1,8 @@
 """GPT samples with Megatron's semantics: fixed-length windows over the token stream of shuffled
-documents, crossing document boundaries (preprocessing put EOD between documents)."""
+documents, crossing document boundaries (preprocessing put EOD between documents).
+
+As in Megatron's GPT dataset, the documents are the indexed dataset's sequences: in data preprocessed
+with --split-sentences each sentence is one."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,13 +65,10 @@ class GPTDataset:
     def __init__(self, indexed: IndexedDataset, name: str, doc_range, seq_length: int,
                  num_samples: int, seed: int, cache_dir: str | None = None):
         self.indexed, self.name, self.seq_length = indexed, name, seq_length
-        if len(indexed.sizes) != indexed.num_documents:
-            raise DataError(f"{indexed.prefix} has sentence-level sequences; GPT needs a document "
-                            "dataset (preprocess without --split-sentences).")
         arrays = cached_index("gpt", indexed, name, doc_range, cache_dir,
                               lambda: build_gpt_indices(indexed.sizes, doc_range, seq_length,
                                                         num_samples, seed),
-                              seq_length=seq_length, num_samples=num_samples, seed=seed)
+                              by_sequence=True, seq_length=seq_length, num_samples=num_samples, seed=seed)
         self.doc_idx, self.sample_idx = arrays["doc_idx"], arrays["sample_idx"]
         self.shuffle_idx = arrays["shuffle_idx"]
 
@@ -105,4 +105,4 @@ def build_gpt_datasets(data_paths, split: str, seq_length: int, num_samples, see
         return GPTDataset(indexed, name, doc_range, seq_length, n, seed, cdir)
 
     return build_split_datasets(data_paths, split, num_samples, build_one, cache_dir,
-                                dict(seq_length=seq_length, seed=seed, kind="gpt"))
+                                dict(seq_length=seq_length, seed=seed, kind="gpt"), by_sequence=True)

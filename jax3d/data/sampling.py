@@ -68,19 +68,32 @@ def split_weights(split: str) -> list[float]:
     return parts + [0.0] * (3 - len(parts))
 
 
-def why_split_is_empty(data_paths, split: str, which: str) -> str:
+def split_units(indexed: IndexedDataset, by_sequence: bool) -> int:
+    """How many units `--split` divides: sequences for GPT, whose sample windows walk the sequences (in
+    sentence-split data each sentence is a document, as in Megatron's GPT dataset), documents for BERT."""
+    return len(indexed) if by_sequence else indexed.num_documents
+
+
+def _units_word(indexed: IndexedDataset, by_sequence: bool) -> str:
+    return "sentences" if by_sequence and len(indexed) != indexed.num_documents else "documents"
+
+
+def why_split_is_empty(data_paths, split: str, which: str, by_sequence: bool = False) -> str:
     """Why split `which` ("train", "valid" or "test") of `data_paths` holds no document: "--split S gives it no
-    share", or its share and how few documents each source has to round it from. It names the fix."""
+    share", or its share and how few documents each source has to round it from (sequences with
+    `by_sequence`, as GPT splits them). It names the fix."""
     parts = split_weights(split)
     share = parts[SPLIT_NAMES.index(which)] / sum(parts)
     if share == 0:
         return f"--split {split} gives the {which} split no share; give it one, e.g. --split 969,30,1"
     _, prefixes = parse_data_paths(data_paths)
-    docs = [IndexedDataset(p).num_documents for p in prefixes]
-    where = (f"of the {docs[0]} documents in {prefixes[0]}, which rounds to none" if len(prefixes) == 1 else
-             f"of each of the {len(prefixes)} sources ({', '.join(map(str, docs))} documents), which rounds to none "
+    sources = [IndexedDataset(p) for p in prefixes]
+    docs = [split_units(ds, by_sequence) for ds in sources]
+    word = _units_word(sources[0], by_sequence)
+    where = (f"of the {docs[0]} {word} in {prefixes[0]}, which rounds to none" if len(prefixes) == 1 else
+             f"of each of the {len(prefixes)} sources ({', '.join(map(str, docs))} {word}), which rounds to none "
              "in each (each source is split on its own)")
-    return f"--split {split} gives the {which} split {share:.1%} {where}; add documents or raise its share"
+    return f"--split {split} gives the {which} split {share:.1%} {where}; add {word} or raise its share"
 
 
 def cache_key(**fields) -> str:
@@ -122,13 +135,13 @@ def cached_arrays(cache_dir: str, name: str, key: str, build) -> dict[str, np.nd
     return arrays
 
 
-def cached_index(kind: str, indexed, name: str, doc_range, cache_dir: str | None, build,
+def cached_index(kind: str, indexed, name: str, doc_range, cache_dir: str | None, build, by_sequence: bool = False,
                  **fields) -> dict[str, np.ndarray]:
     """`cached_arrays` for one split of one indexed dataset: keyed by the data (path, token count, and
     a digest of the split's sequence lengths, so data rebuilt under the same name with the same counts
     but other documents is not served a stale index), the split and `fields`; stored beside the data
-    unless `cache_dir` is given."""
-    lo, hi = (int(indexed.doc_idx[i]) for i in doc_range)
+    unless `cache_dir` is given. `doc_range` counts documents, or sequences with `by_sequence`."""
+    lo, hi = doc_range if by_sequence else (int(indexed.doc_idx[i]) for i in doc_range)
     lengths = hashlib.sha256(np.ascontiguousarray(indexed.sizes[lo:hi]).tobytes()).hexdigest()[:16]
     key = cache_key(prefix=os.path.abspath(indexed.prefix), name=name, doc_range=list(doc_range),
                     num_tokens=int(indexed.tokens.size), lengths=lengths, **fields)
@@ -202,16 +215,16 @@ class BlendedDataset:
 
 
 def build_split_datasets(data_paths, split: str, num_samples, build_one, cache_dir=None,
-                         key_fields=None):
+                         key_fields=None, by_sequence: bool = False):
     """Build (train, valid, test) from Megatron-style `data_paths`, blending when weighted.
 
     `build_one(indexed, split_name, doc_range, n_samples, cache_dir)` makes one source's split
-    dataset from its opened `IndexedDataset`. A split with no documents or no requested samples is
-    None.
+    dataset from its opened `IndexedDataset`; `doc_range` counts documents, or sequences with
+    `by_sequence` (`split_units`). A split with no documents or no requested samples is None.
     """
     weights, prefixes = parse_data_paths(data_paths)
     sources = [IndexedDataset(p) for p in prefixes]
-    per_prefix = [split_ranges(split, ds.num_documents) for ds in sources]
+    per_prefix = [split_ranges(split, split_units(ds, by_sequence)) for ds in sources]
     out = []
     for s, name in enumerate(SPLIT_NAMES):
         n = int(num_samples[s]) if num_samples is not None else 0

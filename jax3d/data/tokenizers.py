@@ -61,6 +61,12 @@ class _HFBacked:
     def _id(self, token):
         return self.tok.token_to_id(token)
 
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
 
 class GPT2BPETokenizer(_HFBacked):
     """Byte-level BPE from GPT-2's `vocab.json` + `merges.txt`; `eod` is `<|endoftext|>`."""
@@ -133,11 +139,19 @@ class GPTSentencePieceTokenizer:
         if self.eod < 0:
             raise DataError(f"--tokenizer-model {tokenizer_model} has no end-of-sentence piece, which GPT "
                             "documents end with; train it with one (sentencepiece's eos_id)")
-        self.pad, self.bos = self.sp.pad_id(), self.sp.bos_id()
+        # -1 where the model has no such piece
+        self.pad, self.bos, self.unk = self.sp.pad_id(), self.sp.bos_id(), self.sp.unk_id()
 
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.piece_to_id(token)
+        return i if self.sp.id_to_piece(i) == token else None  # an unknown piece reads as the unk id
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.sp.id_to_piece(i) if 0 <= i < self.vocab_size else None
 
     def tokenize(self, text: str) -> list[int]:
         return self.sp.encode_as_ids(text)
@@ -147,6 +161,19 @@ class GPTSentencePieceTokenizer:
 
     def detokenize(self, ids) -> str:
         return self.sp.decode_ids([int(i) for i in ids])
+
+
+def default_tokenizer_type(model_type: str, vocab_file: str = "", merge_file: str = "", tokenizer_file: str = "",
+                           tokenizer_model: str = "") -> str:
+    """The `--tokenizer-type` a run with these tokenizer files and no type reads them as: with a vocabulary
+    file Megatron's per-script default, pretrain_gpt.py's GPT2BPETokenizer for a GPT (Llama included) and
+    pretrain_bert.py's BertWordPieceLowerCase for a BERT; a lone SentencePiece model or tokenizer.json is the
+    one type that reads it. "" without files."""
+    if vocab_file or merge_file:
+        return "BertWordPieceLowerCase" if model_type == "bert" else "GPT2BPETokenizer"
+    if tokenizer_model:
+        return "GPTSentencePieceTokenizer"
+    return "HFTokenizer" if tokenizer_file else ""
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,

@@ -25,8 +25,8 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.in
 _ITEMSIZE = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _DTYPES.items()}}  # the dtypes read
 _PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 # The HF tokenizer files an import copies (`_tokenizer_of` says which tokenizer type a set of them means).
-_TOKENIZER_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
-                    "special_tokens_map.json")
+_TOKENIZER_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer.model",
+                    "tokenizer_config.json", "special_tokens_map.json")
 
 
 def read_safetensors_file(path: str) -> dict[str, np.ndarray]:
@@ -140,6 +140,10 @@ def _tokenizer_of(hf_dir: str, model_type: str) -> tuple[dict, list[str]]:
         kw = {"tokenizer_type": "BertWordPieceLowerCase" if lower else "BertWordPieceCase", "vocab_file": "vocab.txt"}
     elif "tokenizer.json" in have:
         kw = {"tokenizer_type": "HFTokenizer", "tokenizer_file": "tokenizer.json"}
+    elif "tokenizer.model" in have:  # a SentencePiece model without its tokenizers-library conversion
+        kw = {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": "tokenizer.model"}
+        print(f"jax3d: {hf_dir} has no tokenizer.json; its tokenizer is tokenizer.model, read by SentencePiece "
+              "(--tokenizer-type GPTSentencePieceTokenizer)", file=sys.stderr)
     return kw, have
 
 
@@ -172,10 +176,10 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     tokenizer = None
     if tok_kw:  # built from the source folder first, so a bad tokenizer fails before anything is written
         from jax3d.data import build_tokenizer
-        src = {k: os.path.join(hf_dir, v) for k, v in tok_kw.items() if k.endswith("_file")}
+        src = {k: os.path.join(hf_dir, v) for k, v in tok_kw.items() if k in TOKENIZER_FILE_KEYS}
         tokenizer = build_tokenizer(tok_kw["tokenizer_type"], **src)
     tok_dir = os.path.join(os.path.abspath(save), "tokenizer")
-    tok_kw = {k: (os.path.join(tok_dir, v) if k.endswith("_file") else v) for k, v in tok_kw.items()}
+    tok_kw = {k: (os.path.join(tok_dir, v) if k in TOKENIZER_FILE_KEYS else v) for k, v in tok_kw.items()}
     cfg = Config(model=cfg_m, data=DataConfig(**tok_kw),
                  train=TrainConfig(micro_batch_size=1, global_batch_size=1, train_iters=1, save=save, seed=seed))
     mesh_cfg = MeshConfig(1, 1, 1)

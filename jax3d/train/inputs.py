@@ -1,6 +1,7 @@
 """Builds the tokenizer and the train / valid sample datasets a run asks for."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -16,17 +17,32 @@ class Inputs:
     valid: object | None
 
 
+def with_default_tokenizer(cfg: Config) -> Config:
+    """`cfg` with the `--tokenizer-type` its tokenizer files imply where `--data-path` is given without one
+    (`default_tokenizer_type`: Megatron's GPT2BPETokenizer for a GPT or Llama, BertWordPieceLowerCase for a
+    BERT). A run with `--load` takes the checkpoint's tokenizer before this (jax3d.cli.resume)."""
+    from jax3d.data.tokenizers import default_tokenizer_type
+
+    d = cfg.data
+    if not d.all_paths or d.tokenizer_type:
+        return cfg
+    kind = default_tokenizer_type(cfg.model.model_type, **{k: getattr(d, k) for k in TOKENIZER_FILE_KEYS})
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, tokenizer_type=kind)) if kind else cfg
+
+
 def tokenizer_and_paths(cfg: Config):
     """The run's tokenizer and its data-path prefixes: `--data-path`, or the bundled default corpus when empty
     and no split has its own data (`--train-data-path` etc., which the paths then leave to `build_inputs`)."""
     from jax3d import data
 
-    d = cfg.data
+    d = with_default_tokenizer(cfg).data
     if d.all_paths:
         if not d.tokenizer_type:
             flag = "--data-path" if d.data_path else f"--{next(iter(d.split_paths))}-data-path"
-            raise ConfigError(f"{flag} needs --tokenizer-type (and its --vocab-file / --merge-file / "
-                              "--tokenizer-file / --tokenizer-model) to know the vocabulary")
+            raise ConfigError(f"{flag} needs the tokenizer it was preprocessed with: pass its --vocab-file "
+                              "(and --merge-file), --tokenizer-model or --tokenizer-file, with --tokenizer-type "
+                              "where the default (GPT2BPETokenizer for GPT, BertWordPieceLowerCase for BERT) "
+                              "is not its type")
         tok = data.build_tokenizer(d.tokenizer_type, **{k: getattr(d, k) or None for k in TOKENIZER_FILE_KEYS})
         for paths in d.all_paths:
             check_token_ids(paths, tok.vocab_size)
@@ -123,10 +139,13 @@ def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, to
         return Inputs(tok, train, valid)
     num = (num_train_samples, num_valid_samples, 0)
     train, valid, _ = _datasets(cfg, tok, paths, d.split, num)
+    from jax3d.data.sampling import why_split_is_empty
+    by_sequence = cfg.model.model_type != "bert"
     if train is None:
-        raise ConfigError(why_split_is_empty(paths, d.split, "train"))
+        raise ConfigError(why_split_is_empty(paths, d.split, "train", by_sequence))
     if num_valid_samples and valid is None:
-        print(f"jax3d: this run does not validate: {why_split_is_empty(paths, d.split, 'valid')}", file=sys.stderr)
+        print(f"jax3d: this run does not validate: {why_split_is_empty(paths, d.split, 'valid', by_sequence)}",
+              file=sys.stderr)
     return Inputs(tok, train, valid)
 
 
