@@ -247,9 +247,13 @@ class TrainConfig:
     rampup_batch_size: tuple[int, ...] = ()
     exit_duration_in_mins: float = 0.0  # save and stop before this much training time (0: no limit)
     # TensorBoard events there (not in log_dir), with Megatron's choice of scalars plus the groups named
-    # (timers, batch_size, validation_ppl, optimizer_states, memory).
+    # (timers, batch_size, validation_ppl, optimizer_states, memory), less those named no_learning_rate, no_loss_scale.
     tensorboard_dir: str = ""
     tensorboard_log: tuple[str, ...] = ()
+    # A jax.profiler trace of this process's steps (first, last), counted from 1 (empty: none), on these
+    # processes (empty: all) (jax3d.train.profile).
+    profile_steps: tuple[int, ...] = ()
+    profile_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from jax3d.parallel.mesh import MeshConfig
 from jax3d.train.counts import BatchCounts, last_step, settle
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, optimizer_state_norms, peak_tflops
 from jax3d.train.memory import STATE_FIXES, check_fits
+from jax3d.train.profile import StepTrace
 from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps
 
 
@@ -178,7 +179,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     loader = _TrainBatches(inputs.train, BatchCounts.of(cfg), tr.global_batch_size // steps.accum_steps, mesh, consumed)
     logs = set(tr.tensorboard_log)
     opt_norms = jax.jit(optimizer_state_norms) if "optimizer_states" in logs else None
-    writer = bar = None
+    writer = bar = trace = None
     try:
         # A fresh run starts a fresh log; a resumed one appends to it.
         writer = MetricsWriter(tr.log_dir, enabled=chief, fresh=start == 0, tensorboard_dir=tr.tensorboard_dir,
@@ -186,12 +187,15 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         first_batch = loader.next()
         bar = _progress(end, start, progress and chief)
         deadline = _Deadline(tr.exit_duration_in_mins, started)
+        trace = StepTrace(tr.profile_steps, tr.profile_ranks, tr.tensorboard_dir or tr.log_dir)
         last, pending = {}, []
         t_last, steps_since, consumed_last = time.perf_counter(), 0, consumed
         for it in range(start, end):
             batch, size = first_batch if it == start else loader.next()
+            trace.before_step()
             # The compiled step takes the full global batch; a ramp's smaller batches compile their own.
             state, metrics = (train_step if size == tr.global_batch_size else steps.train_step)(state, batch)
+            trace.after_step((state, metrics))
             pending.append(metrics)
             if len(pending) > MAX_STEPS_IN_FLIGHT:
                 jax.block_until_ready(pending[-1 - MAX_STEPS_IN_FLIGHT])
@@ -245,6 +249,8 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
                                  "without a checkpoint (no --save)"), file=sys.stderr)
                 break
     finally:
+        if trace is not None:
+            trace.stop()
         if bar is not None:
             bar.close()
         loader.close()
