@@ -172,7 +172,7 @@ def test_values_that_ask_for_nothing_are_accepted_and_meaningless_flags_are_name
     assert [n.split(" changes nothing here: ")[0] for n in notes] == [
         "jax3d: --no-bias-gelu-fusion", "jax3d: --use-cpu-initialization", "jax3d: --local-rank 0",
         "jax3d: --empty-unused-memory-level 1", "jax3d: --wandb-project p"]
-    assert "metrics go to --log-dir's metrics.jsonl" in notes[-1]
+    assert "the metrics go to --log-dir's metrics.jsonl" in notes[-1]
 
 
 def test_no_log_flags_leave_their_scalars_out_of_tensorboard():

@@ -68,7 +68,16 @@ def _more_than_one_expert(_, a) -> bool:
 def _family(feature, fix, group, flags) -> tuple[Flag, ...]:
     """REFUSED rows for the flags of one feature, each (name, help, argparse keywords): a flag left at Megatron's
     default, or given that default, asks for nothing and is accepted."""
-    return tuple(_refused(name, help, group, feature, fix, **kw) for name, help, kw in flags)
+    rows = []
+    for name, help, kw in flags:
+        default = kw.get("default")
+        if default in (None, []) or kw.get("action"):
+            rows.append(_refused(name, help, group, feature, fix, **kw))
+        else:
+            shown = " ".join(map(str, default)) if isinstance(default, list) else default
+            rows.append(_refused(name, help, group, feature, fix, when=f"other than {shown}",
+                                 otherwise=f"{shown}, Megatron's default, asks for nothing", **kw))
+    return tuple(rows)
 
 
 def _int(default, metavar="N"):
@@ -469,8 +478,8 @@ FLAGS: tuple[Flag, ...] = (
     _accepted("--timing-log-option", "which ranks' timers Megatron prints (default: none, Megatron's is minmax)",
               "XLA runs a step as one program; its time is the step time", _LOG, choices=["max", "minmax", "all"],
               default=None),
-    *(_accepted(name, f"Weights & Biases: {what} (default: none)", "jax3d does not write to Weights & Biases: "
-                "metrics go to --log-dir's metrics.jsonl and TensorBoard events (--tensorboard-dir)", _LOG,
+    *(_accepted(name, f"Weights & Biases: {what} (default: none)", "jax3d does not write to Weights & Biases; "
+                "the metrics go to --log-dir's metrics.jsonl and TensorBoard events (--tensorboard-dir)", _LOG,
                 default=None, metavar=metavar)
       for name, what, metavar in (("--wandb-project", "the project", "NAME"), ("--wandb-exp-name", "the run's name",
                                                                             "NAME"),
