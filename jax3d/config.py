@@ -212,6 +212,8 @@ class DataConfig:
     tokenizer_file: str = ""
     tokenizer_model: str = ""  # a SentencePiece model (GPTSentencePieceTokenizer)
     cache_dir: str = ""
+    mask_prob: float = 0.15  # BERT: share of tokens masked
+    short_seq_prob: float = 0.1  # BERT: share of samples given a shorter target length
 
 
 @dataclass(frozen=True)

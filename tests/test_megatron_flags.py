@@ -144,7 +144,6 @@ def test_checkpoint_switches_need_what_they_read(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--dataloader-type", "cyclic"], "the cyclic sampler"),
     (["--checkpoint-num-layers", "2"], "recompute units of more than one layer"),
-    (["--mask-prob", "0.2"], "BERT masking at another rate"),
     (["--DDP-impl", "FSDP"], "PyTorch FSDP, which jax3d does not build; pass --zero-stage 3"),
     (["--kd"], "knowledge distillation"),
     (["--num-layers-teacher", "4"], "knowledge distillation"),
@@ -164,7 +163,8 @@ def test_a_flag_asking_for_a_feature_stops_in_one_sentence(argv, message):
 def test_values_that_ask_for_nothing_are_accepted_and_meaningless_flags_are_named_once():
     base = _cfg()
     for argv in (["--dataloader-type", "single"], ["--checkpoint-num-layers", "1"], ["--img-h", "224"],
-                 ["--kd-temp", "1.0"], ["--DDP-impl", "torch"], ["--remote-device", "none"], ["--mask-prob", "0.15"]):
+                 ["--kd-temp", "1.0"], ["--DDP-impl", "torch"], ["--remote-device", "none"], ["--mask-prob", "0.15"],
+                 ["--short-seq-prob", "0.1"]):
         assert _cfg(*argv) == base, argv
     ns = build_parser().parse_args(["--no-bias-gelu-fusion", "--local_rank", "0", "--wandb-project", "p",
                                     "--use-cpu-initialization", "--empty-unused-memory-level", "1"])
@@ -173,6 +173,24 @@ def test_values_that_ask_for_nothing_are_accepted_and_meaningless_flags_are_name
         "jax3d: --no-bias-gelu-fusion", "jax3d: --use-cpu-initialization", "jax3d: --local-rank 0",
         "jax3d: --empty-unused-memory-level 1", "jax3d: --wandb-project p"]
     assert "the metrics go to --log-dir's metrics.jsonl" in notes[-1]
+
+
+def test_mask_prob_and_short_seq_prob_reach_berts_samples():
+    """The share of tokens BERT's samples mask follows --mask-prob (the bundled corpus, 32 samples)."""
+    import numpy as np
+    from jax3d.train.inputs import build_inputs
+
+    shares = []
+    for p in ("0.15", "0.4"):
+        cfg = _cfg("--model", "bert", "--seq-length", "64", "--mask-prob", p, "--short-seq-prob", "0.2")
+        assert (cfg.data.mask_prob, cfg.data.short_seq_prob) == (float(p), 0.2)
+        train = build_inputs(cfg, 32, 0).train
+        samples = [train[i] for i in range(32)]
+        shares.append(sum(s["loss_mask"].sum() for s in samples) / sum(s["padding_mask"].sum() for s in samples))
+    np.testing.assert_allclose(shares, [0.15, 0.4], atol=0.04)
+    assert {"mask_prob"} <= given_flags(["--mask-prob", "0.2"])  # a resumed run keeps the checkpoint's otherwise
+    with pytest.raises(ConfigError, match="--mask-prob 0.0 must be above 0 and at most 1"):
+        _cfg("--mask-prob", "0")
 
 
 def test_no_log_flags_leave_their_scalars_out_of_tensorboard():

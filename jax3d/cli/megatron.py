@@ -112,7 +112,8 @@ def _translate(a, cfg: Config) -> tuple[Config, list[str]]:
                                  "fp8_margin": a.fp8_margin, "fp8_interval": a.fp8_interval,
                                  "fp8_amax_history_len": a.fp8_amax_history_len,
                                  "fp8_amax_compute_algo": a.fp8_amax_compute_algo})
-    cfg = cfg.replace(parallel=par, data={"tokenizer_model": a.tokenizer_model},
+    cfg = cfg.replace(parallel=par, data={"tokenizer_model": a.tokenizer_model, "mask_prob": a.mask_prob,
+                                          "short_seq_prob": a.short_seq_prob},
                       train={"exit_duration_in_mins": a.exit_duration_in_mins or 0.0,
                              "tensorboard_dir": a.tensorboard_dir or "", "tensorboard_log": logs,
                              "profile_steps": _profile_steps(a), "profile_ranks": tuple(a.profile_ranks or ())})
@@ -145,6 +146,10 @@ def _refuse_combinations(a) -> None:
     if a.enable_zbh1_exact_semantics and not a.enable_zbh1_pipeline:
         raise ConfigError("--enable-zbh1-exact-semantics refines --enable-zbh1-pipeline, which is not given; add "
                           "it or drop --enable-zbh1-exact-semantics")
+    if not 0 < a.mask_prob <= 1:
+        raise ConfigError(f"--mask-prob {a.mask_prob} must be above 0 and at most 1 (a share of the tokens)")
+    if not 0 <= a.short_seq_prob <= 1:
+        raise ConfigError(f"--short-seq-prob {a.short_seq_prob} must be between 0 and 1 (a share of the samples)")
     if a.exit_signal_handler and not a.save:
         raise ConfigError("--exit-signal-handler saves a checkpoint to --save on SIGTERM, and --save is not given; "
                           "add --save (jax3d then saves on SIGTERM with or without the flag)")

@@ -351,11 +351,13 @@ FLAGS: tuple[Flag, ...] = (
              + _XLA_COMMS, choices=["local", "torch", "FSDP"], default="local"),
     *(_accepted(name, help, why, _PAR, **kw) for name, help, why, kw in (
         ("--no-contiguous-buffers-in-local-ddp", "no contiguous gradient buffer in Megatron's DDP",
-         "XLA allocates the gradients' buffers", {"action": "store_false", "dest": "use_contiguous_buffers_in_local_ddp"}),
+         "XLA allocates the gradients' buffers",
+         {"action": "store_false", "dest": "use_contiguous_buffers_in_local_ddp"}),
         ("--no-gradient-accumulation-fusion", "no fused weight-gradient accumulation in the linear layers",
          _XLA_FUSES, {"action": "store_false", "dest": "gradient_accumulation_fusion"}),
         ("--overlap-p2p-communication", "overlap the pipeline's sends and receives with compute",
-         "XLA schedules the pipeline's transfers beside the compute", {"action": "store_true", "dest": "overlap_p2p_comm"}),
+         "XLA schedules the pipeline's transfers beside the compute",
+         {"action": "store_true", "dest": "overlap_p2p_comm"}),
         ("--no-scatter-gather-tensors-in-pipeline", "no scatter/gather of activations sent between stages",
          _XLA_COMMS, {"action": "store_false", "dest": "scatter_gather_tensors_in_pipeline"}),
         ("--use-ring-exchange-p2p", "a custom ring exchange for the pipeline's sends and receives", _XLA_COMMS, _ON),
@@ -416,11 +418,10 @@ FLAGS: tuple[Flag, ...] = (
          "which is refused"),
         ("--ds_fused_adam", "DeepSpeed's fused Adam kernel", "a fused kernel of the same update; XLA fuses jax3d's "
          "AdamW itself"))),
-    _refused("--memory-centric-tiled-linear", "DeepSpeed: tile linear layers (ZeRO-3's TiledLinear)", _DS,
-             "DeepSpeed's TiledLinear", "drop it (Megatron-DeepSpeed reads it nowhere either)", **_ON),
+    _accepted("--memory-centric-tiled-linear", "DeepSpeed: tile linear layers (ZeRO-3's TiledLinear)",
+              "Megatron-DeepSpeed reads it nowhere: its linear layers are never tiled either", _DS, **_ON),
     _accepted("--tile-factor", "tiles per linear dimension with --memory-centric-tiled-linear (default: none, "
-              "Megatron's is 1)", "read only with --memory-centric-tiled-linear, which is refused", _DS,
-              **_int(None)),
+              "Megatron's is 1)", "Megatron-DeepSpeed reads it nowhere", _DS, **_int(None)),
     # Data.
     _refused("--dataloader-type", "single: one pass over the shuffled samples in order; cyclic: reshuffled every "
              "epoch (default: single)", _DATA, "the cyclic sampler (samples reshuffled every epoch)", "pass "
@@ -431,13 +432,10 @@ FLAGS: tuple[Flag, ...] = (
     _act("--aml-data-download-path", "a folder every --data-path prefix is under (default: none)", "each --data-path "
          "prefix is read under it (Megatron prefixes a weighted list's weights too; jax3d only the paths)", _DATA,
          **_path()),
-    _refused("--mask-prob", "BERT: share of tokens masked (default: 0.15)", _DATA, "BERT masking at another rate",
-             "pass --mask-prob 0.15 or leave it out", asks=lambda v, a: v != 0.15, when="other than 0.15",
-             otherwise="0.15 is what jax3d's BERT masks", decision=ACT, type=float, default=0.15),
-    _refused("--short-seq-prob", "BERT: share of samples given a shorter target length (default: 0.1)", _DATA,
-             "BERT's short samples at another rate", "pass --short-seq-prob 0.1 or leave it out",
-             asks=lambda v, a: v != 0.1, when="other than 0.1", otherwise="0.1 is what jax3d's BERT draws",
-             decision=ACT, type=float, default=0.1),
+    _act("--mask-prob", "BERT: share of tokens masked (default: 0.15)", "the share of tokens jax3d's BERT masks",
+         _DATA, type=float, default=0.15, metavar="P"),
+    _act("--short-seq-prob", "BERT: share of samples given a shorter target length (default: 0.1)", "the share "
+         "of samples jax3d's BERT draws short, as Megatron draws them", _DATA, type=float, default=0.1, metavar="P"),
     _accepted("--mmap-warmup", "read the data files through once at start", "pages of the memory-mapped files are "
               "read as the loader needs them; the samples are the same", _DATA, **_ON),
     _accepted("--trust-remote-code", "let HFTokenizer run code from its folder", "jax3d's HFTokenizer reads "
@@ -471,8 +469,8 @@ FLAGS: tuple[Flag, ...] = (
     _accepted("--log-world-size-to-tensorboard", "write the world size to TensorBoard", "the run header names the "
               "device count, which a run does not change", _LOG, **_ON),
     _accepted("--tensorboard-log-interval", "steps between TensorBoard writes (default: none, Megatron's is 1)",
-              "jax3d writes the events at every --log-interval step, averaged over the interval as the console "
-              "line", _LOG, **_int(None)),
+              "jax3d writes the events at every --log-interval step, with the losses averaged over the interval "
+              "as on the console", _LOG, **_int(None)),
     _accepted("--no-barrier-with-level-1-timing", "no barrier around Megatron's level-1 timers", "XLA runs a step "
               "as one program; its time is the step time", _LOG, action="store_false", dest="barrier_with_L1_time"),
     _accepted("--timing-log-option", "which ranks' timers Megatron prints (default: none, Megatron's is minmax)",

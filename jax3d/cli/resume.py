@@ -18,7 +18,7 @@ from jax3d.config import (TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, 
                           config_from_dict)
 
 # The data flags a resumed run adopts or checks (argparse dests, which are DataConfig's field names).
-DATA_FIELDS = ("data_path", "split", "tokenizer_type", *TOKENIZER_FILE_KEYS)
+DATA_FIELDS = ("data_path", "split", "tokenizer_type", *TOKENIZER_FILE_KEYS, "mask_prob", "short_seq_prob")
 
 
 # Command-line flags (argparse dests) -> the model fields each one sets explicitly.

@@ -7,7 +7,8 @@ import os
 
 from jax3d.file_util import dir_problem
 from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, layer_counts
-from jax3d.cli.megatron import add_megatron_flags, apply_aliases, implied_given, kept_from_checkpoint, megatron_config
+from jax3d.cli.megatron import (add_megatron_flags, apply_aliases, implied_given, kept_from_checkpoint,
+                               megatron_config)
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig, default_ffn_hidden_size)
 from jax3d.data.tokenizers import TOKENIZER_TYPES

@@ -100,7 +100,8 @@ def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, to
     num = (num_train_samples, num_valid_samples, 0)
     if model.model_type == "bert":
         train, valid, _ = data.build_bert_datasets(paths, d.split, model.seq_length, num, cfg.train.seed,
-                                                   tok, cache_dir=d.cache_dir or None)
+                                                   tok, cache_dir=d.cache_dir or None, masked_lm_prob=d.mask_prob,
+                                                   short_seq_prob=d.short_seq_prob)
     else:
         train, valid, _ = data.build_gpt_datasets(paths, d.split, model.seq_length, num, cfg.train.seed,
                                                   cache_dir=d.cache_dir or None)
