@@ -256,6 +256,7 @@ class TrainConfig:
     # processes (empty: all) (jax3d.train.profile).
     profile_steps: tuple[int, ...] = ()
     profile_ranks: tuple[int, ...] = ()
+    kill_switch_file: str = ""  # stop before the next step, without a save, once this file exists
 
 
 @dataclass(frozen=True)

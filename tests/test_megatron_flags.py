@@ -148,6 +148,7 @@ def test_checkpoint_switches_need_what_they_read(tmp_path, capsys):
     (["--kd"], "knowledge distillation"),
     (["--num-layers-teacher", "4"], "knowledge distillation"),
     (["--random-ltd"], "random layer-token drop"),
+    (["--skip-train"], "run launch/evaluate.py"),
     (["--vision-pretraining-type", "dino"], "vision models"),
     (["--retro-add-retriever"], "RETRO"),
     (["--ict-head-size", "128"], "ICT, biencoder and REALM"),
@@ -218,3 +219,13 @@ def test_profile_traces_the_steps_it_names(tmp_path):
         trace.before_step()
         trace.after_step(None)
     assert not trace.tracing and not os.path.exists(tmp_path / "other")
+
+
+def test_kill_switch_file_stops_before_the_next_step_without_a_save(tmp_path, capsys):
+    switch, ck = tmp_path / "stop", tmp_path / "ck"
+    assert _cfg("--kill-switch-file", str(switch)).train.kill_switch_file == str(switch)
+    switch.write_text("")
+    assert main([*TINY, "--train-iters", "3", "--save", str(ck), "--log-dir", str(tmp_path / "log"),
+                 "--kill-switch-file", str(switch)]) == 0
+    assert f"--kill-switch-file {switch} exists: stopping before step 1 without saving" in capsys.readouterr().err
+    assert not os.path.exists(ck) or os.listdir(ck) == []

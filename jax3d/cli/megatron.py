@@ -116,7 +116,8 @@ def _translate(a, cfg: Config) -> tuple[Config, list[str]]:
                                           "short_seq_prob": a.short_seq_prob},
                       train={"exit_duration_in_mins": a.exit_duration_in_mins or 0.0,
                              "tensorboard_dir": a.tensorboard_dir or "", "tensorboard_log": logs,
-                             "profile_steps": _profile_steps(a), "profile_ranks": tuple(a.profile_ranks or ())})
+                             "profile_steps": _profile_steps(a), "profile_ranks": tuple(a.profile_ranks or ()),
+                             "kill_switch_file": a.kill_switch_file or ""})
     return cfg, [f"jax3d: {n}" for n in notes]
 
 

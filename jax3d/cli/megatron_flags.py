@@ -298,8 +298,9 @@ FLAGS: tuple[Flag, ...] = (
     _act("--exit-signal-handler", "on SIGTERM, save a checkpoint to --save and stop", "jax3d does this on every run "
          "with --save (SIGINT too); without --save there is nothing to save to, so the flag is refused", _RUN,
          **_ON),
-    _refused("--kill-switch-file", "stop the run when this file appears (default: none)", _RUN, "a kill-switch file",
-             "drop it and send the run SIGTERM instead (it saves a checkpoint and stops)", **_path()),
+    _act("--kill-switch-file", "stop the run, without a save, once this file exists (default: none)", "checked "
+         "before each step, as Megatron does; the run stops at once, exit 0, and what it saved before stays",
+         _RUN, **_path()),
     _refused("--skip-train", "evaluate a checkpoint without training", _RUN, "evaluation without training in the "
              "train command", "run launch/evaluate.py --load CHECKPOINT instead", **_ON),
     _refused("--random-ltd", "random layer-token drop (random-LTD)", _RUN, "random layer-token drop (random-LTD)",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -127,6 +128,15 @@ class _Deadline:
         return near
 
 
+def _kill_switch(path: str) -> bool:
+    """`--kill-switch-file`: whether `path` exists, for every process if one sees it (they stop together)."""
+    seen = bool(path) and os.path.exists(path)
+    if path and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        seen = bool(np.max(multihost_utils.process_allgather(np.int32(seen))))
+    return seen
+
+
 def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None,
           memory_check: bool = True) -> dict:
     """Runs `cfg.train.train_iters` steps (or until `--train-tokens`, `--exit-interval` or
@@ -191,6 +201,11 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         last, pending = {}, []
         t_last, steps_since, consumed_last = time.perf_counter(), 0, consumed
         for it in range(start, end):
+            if _kill_switch(tr.kill_switch_file):  # as Megatron: checked before each step, and no save
+                if chief:
+                    bar.write(f"jax3d: --kill-switch-file {tr.kill_switch_file} exists: stopping before step "
+                              f"{it + 1} without saving", file=sys.stderr)
+                break
             batch, size = first_batch if it == start else loader.next()
             trace.before_step()
             # The compiled step takes the full global batch; a ramp's smaller batches compile their own.
