@@ -1,4 +1,5 @@
-"""Megatron-DeepSpeed's flags that jax3d's own train flags don't already cover, decided in one table.
+"""Megatron-DeepSpeed's flags that jax3d's own train flags don't already cover, decided in one table
+(jax3d/cli/megatron_flags.py: every flag of Megatron-DeepSpeed's arguments.py is there or is train.py's own).
 
 Each flag a Megatron-DeepSpeed launch script passes either acts as it does there (ACT), is accepted and named
 once in the run header with why it changes nothing under JAX and XLA (ACCEPTED), or names a feature jax3d does not
