@@ -266,6 +266,8 @@ class DataConfig:
     def all_paths(self) -> list[tuple[str, ...]]:
         """Every --data-path / --*-data-path given: the data the tokenizer must fit."""
         return [p for p in (self.data_path, *self.split_paths.values()) if p]
+    mask_prob: float = 0.15  # BERT: share of tokens masked
+    short_seq_prob: float = 0.1  # BERT: share of samples given a shorter target length
 
 
 @dataclass(frozen=True)
@@ -302,12 +304,17 @@ class TrainConfig:
     rampup_batch_size: tuple[int, ...] = ()
     exit_duration_in_mins: float = 0.0  # save and stop before this much training time (0: no limit)
     # TensorBoard events there (not in log_dir), with Megatron's choice of scalars plus the groups named
-    # (timers, batch_size, validation_ppl, optimizer_states, memory).
+    # (timers, batch_size, validation_ppl, optimizer_states, memory), less those named no_learning_rate, no_loss_scale.
     tensorboard_dir: str = ""
     tensorboard_log: tuple[str, ...] = ()
     # Megatron's --log-params-norm and --log-num-zeros-in-grad: the train step computes them only when asked.
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False
+    # A jax.profiler trace of this process's steps (first, last), counted from 1 (empty: none), on these
+    # processes (empty: all) (jax3d.train.profile).
+    profile_steps: tuple[int, ...] = ()
+    profile_ranks: tuple[int, ...] = ()
+    kill_switch_file: str = ""  # stop before the next step, without a save, once this file exists
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,9 @@ def build_dataset(cfg: Config, tokenizer, data_paths, text_file: str, split: str
         want[idx] = samples
         if m.model_type == "bert":
             return data.build_bert_datasets(list(paths), split, m.seq_length, want, cfg.train.seed,
-                                            tokenizer, cache_dir=cfg.data.cache_dir or None)[idx]
+                                            tokenizer, cache_dir=cfg.data.cache_dir or None,
+                                            masked_lm_prob=cfg.data.mask_prob,
+                                            short_seq_prob=cfg.data.short_seq_prob)[idx]
         return data.build_gpt_datasets(list(paths), split, m.seq_length, want, cfg.train.seed,
                                        cache_dir=cfg.data.cache_dir or None)[idx]
 

@@ -20,7 +20,7 @@ from jax3d.config import (TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, 
 # The data flags a resumed run adopts or checks (argparse dests, which are DataConfig's field names). The path
 # flags go together: one given names the run's data, and none of the others is taken from the checkpoint.
 PATH_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
-DATA_FIELDS = (*PATH_FIELDS, "split", "tokenizer_type", *TOKENIZER_FILE_KEYS)
+DATA_FIELDS = (*PATH_FIELDS, "split", "tokenizer_type", *TOKENIZER_FILE_KEYS, "mask_prob", "short_seq_prob")
 
 
 # Command-line flags (argparse dests) -> the model fields each one sets explicitly.

@@ -111,6 +111,9 @@ def _main(argv) -> int:
         from jax3d.cli.resume import adopt_saved_model, adopt_saved_run, adopt_saved_tokenizer
         from jax3d.checkpoint.read import check_files, list_steps, read_meta, resolve_step
         found = list_steps(args.load)
+        if not found and args.exit_on_missing_checkpoint:
+            raise ConfigError(f"--load {args.load} holds no checkpoint and --exit-on-missing-checkpoint stops rather "
+                              "than start from random weights; check the path, or drop the flag to start afresh")
         step = resolve_step(args.load, found, args.ckpt_step) if found else None
         if found:
             check_files(args.load, step)  # a damaged checkpoint is named before anything else is said

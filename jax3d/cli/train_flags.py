@@ -7,7 +7,8 @@ import os
 
 from jax3d.file_util import dir_problem
 from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, layer_counts
-from jax3d.cli.megatron import add_megatron_flags, implied_given, megatron_config
+from jax3d.cli.megatron import (add_megatron_flags, apply_aliases, implied_given, kept_from_checkpoint,
+                               megatron_config)
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig, default_ffn_hidden_size)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
@@ -199,7 +200,7 @@ def given_flags(argv) -> set[str]:
     for action in p._actions:
         action.default = argparse.SUPPRESS
     given = p.parse_args(argv)
-    return set(vars(given)) | implied_given(given)
+    return (set(vars(given)) | implied_given(given)) - kept_from_checkpoint(given)
 
 
 def _given(value, default):
@@ -213,6 +214,7 @@ def _override(base, **kw):
 
 def config_from_args(a: argparse.Namespace) -> Config:
     """The Config a parsed command line describes; fields it leaves to `jax3d.parallel.plan.resolve` are None or 0."""
+    apply_aliases(a)  # Megatron's other names for flags below, e.g. --encoder-num-layers
     preset = a.preset or ("bert-tiny" if a.model == "bert" else "gpt-tiny")
     model, batch = get_preset(preset)
     if a.model and a.model != model.model_type:
@@ -221,7 +223,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
     asked = {f"{flag} {v}" if flag != "--checkpoint-activations" else flag: v for flag, v in
              (("--recompute", a.recompute), ("--recompute-granularity", a.recompute_granularity),
-              ("--checkpoint-activations", "full" if a.checkpoint_activations else None)) if v}
+              ("--checkpoint-activations", "full" if a.checkpoint_activations else None),
+              ("--recompute-activations", "selective" if a.recompute_activations else None)) if v}
     if len(set(asked.values())) > 1:
         raise ConfigError(f"{' and '.join(asked)} ask for different recomputation; pass one of them")
     recompute = next(iter(asked.values()), None)

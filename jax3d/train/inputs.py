@@ -174,5 +174,6 @@ def _datasets(cfg: Config, tok, paths, split: str, num):
     d, model = cfg.data, cfg.model
     if model.model_type == "bert":
         return data.build_bert_datasets(paths, split, model.seq_length, num, cfg.train.seed, tok,
-                                        cache_dir=d.cache_dir or None)
+                                        cache_dir=d.cache_dir or None, masked_lm_prob=d.mask_prob,
+                                        short_seq_prob=d.short_seq_prob)
     return data.build_gpt_datasets(paths, split, model.seq_length, num, cfg.train.seed, cache_dir=d.cache_dir or None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -15,6 +16,7 @@ from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token,
 from jax3d.train.memory import (STATE_FIXES, check_fits, check_placed, device_offer, is_out_of_memory, largest_fitting,
                                 ran_out, step_peak_bytes)
 from jax3d.train.skipped import SkipWatch, skip_limit
+from jax3d.train.profile import StepTrace
 from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps
 
 
@@ -128,6 +130,15 @@ class _Deadline:
         return near
 
 
+def _kill_switch(path: str) -> bool:
+    """`--kill-switch-file`: whether `path` exists, for every process if one sees it (they stop together)."""
+    seen = bool(path) and os.path.exists(path)
+    if path and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        seen = bool(np.max(multihost_utils.process_allgather(np.int32(seen))))
+    return seen
+
+
 def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None,
           memory_check: bool = True) -> dict:
     """Runs `cfg.train.train_iters` steps (or until `--train-tokens`, `--exit-interval` or
@@ -216,7 +227,7 @@ def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, chec
     loader = _TrainBatches(inputs.train, BatchCounts.of(cfg), tr.global_batch_size // steps.accum_steps, mesh, consumed)
     logs = set(tr.tensorboard_log)
     opt_norms = jax.jit(optimizer_state_norms) if "optimizer_states" in logs else None
-    writer = bar = None
+    writer = bar = trace = None
     try:
         # A fresh run starts a fresh log; a resumed one appends to it.
         writer = MetricsWriter(tr.log_dir, enabled=chief, fresh=start == 0, tensorboard_dir=tr.tensorboard_dir,
@@ -226,15 +237,23 @@ def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, chec
             check_placed(train_step)
         bar = _progress(end, start, progress and chief)
         deadline = _Deadline(tr.exit_duration_in_mins, started)
+        trace = StepTrace(tr.profile_steps, tr.profile_ranks, tr.tensorboard_dir or tr.log_dir)
         last, pending = {}, []
         t_last, steps_since, consumed_last = time.perf_counter(), 0, consumed
         say = (lambda line: bar.write(line, file=sys.stderr)) if chief else (lambda line: None)
         skips = SkipWatch(cfg.precision, skip_limit(cfg), int(state.loss_scale.skipped), say)
         owed = False  # a save put off because the steps before it were all skipped
         for it in range(start, end):
+            if _kill_switch(tr.kill_switch_file):  # as Megatron: checked before each step, and no save
+                if chief:
+                    bar.write(f"jax3d: --kill-switch-file {tr.kill_switch_file} exists: stopping before step "
+                              f"{it + 1} without saving", file=sys.stderr)
+                break
             batch, size = first_batch if it == start else loader.next()
+            trace.before_step()
             # The compiled step takes the full global batch; a ramp's smaller batches compile their own.
             state, metrics = (train_step if size == tr.global_batch_size else steps.train_step)(state, batch)
+            trace.after_step((state, metrics))
             pending.append(metrics)
             skips.add(it + 1, metrics)
             if len(pending) > MAX_STEPS_IN_FLIGHT:
@@ -303,6 +322,8 @@ def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, chec
                                  f"without saving (steps {skips.first}-{step} were skipped)"), file=sys.stderr)
                 break
     finally:
+        if trace is not None:
+            trace.stop()
         if bar is not None:
             bar.close()
         loader.close()

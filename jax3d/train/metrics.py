@@ -94,10 +94,16 @@ TENSORBOARD_GROUPS = {"timers": ("step_time_s", "tokens_per_s", "tflops_per_devi
                       "optimizer_states": ("optimizer/",)}
 
 
+# What Megatron's --no-log-*-to-tensorboard flags leave out.
+TENSORBOARD_OFF = {"no_learning_rate": "lr", "no_loss_scale": "loss_scale"}
+
+
 def tensorboard_scalars(record: dict, groups) -> dict:
     """The numbers of `record` that Megatron writes to TensorBoard with the flags of `groups` on: the losses
-    and accuracies, TENSORBOARD_ALWAYS and each group's keys."""
-    keys = TENSORBOARD_ALWAYS + tuple(k for g in groups for k in TENSORBOARD_GROUPS[g])
+    and accuracies, TENSORBOARD_ALWAYS (less what TENSORBOARD_OFF's groups leave out) and each group's keys."""
+    off = {TENSORBOARD_OFF[g] for g in groups if g in TENSORBOARD_OFF}
+    keys = tuple(k for k in TENSORBOARD_ALWAYS if k not in off) + \
+        tuple(k for g in groups if g in TENSORBOARD_GROUPS for k in TENSORBOARD_GROUPS[g])
     return {k: v for k, v in record.items() if k.endswith(("loss", "_acc")) or k in keys or
             any(p.endswith("/") and k.startswith(p) for p in keys)}
 
