@@ -180,7 +180,7 @@ def test_the_gpu_guard_holds_the_peak_against_what_the_allocator_can_give(monkey
         memory.check_fits(_compiled(14.7, 52.8), smaller=smaller)
     msg = str(e.value)
     assert "needs 67.5 GiB per device" in msg and "can give it 60.0 GiB" in msg and "largest free block" in msg
-    assert "--micro-batch-size 12 fits (54.3 GiB per device" in msg and "\n" not in msg
+    assert "; --micro-batch-size 12 fits (54.3 GiB per device: the same global batch" in msg and "\n" not in msg
     assert tried == [12]  # the largest candidate fits: nothing smaller is compiled
     # A growing pool (XLA_PYTHON_CLIENT_PREALLOCATE=false) has its limit less what is in use.
     _on(monkeypatch, _Gpu(bytes_limit=71.26, pool_bytes=2, largest_free_block_bytes=2, bytes_in_use=10),
@@ -230,4 +230,4 @@ def test_a_step_that_runs_out_of_device_memory_ends_in_one_sentence(tmp_path, mo
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err
     assert "the train step ran out of device memory" in lines[0] and "compiled peak is" in lines[0]
-    assert "--micro-batch-size 2 fits" in lines[0] and "--recompute full" in lines[0]
+    assert "; --micro-batch-size 2 fits (" in lines[0] and "--recompute full" in lines[0]

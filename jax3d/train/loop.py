@@ -1,6 +1,7 @@
 """The training loop: the only place with side effects (data, logging, evaluation, checkpoints)."""
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -156,6 +157,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         if not is_out_of_memory(e) or "step" not in compiled:
             raise
     # Out of the handler, so that the failed run's frames, and the device buffers they held, are gone.
+    gc.collect()  # the failed step's frames may sit in reference cycles, holding device buffers
     peak = step_peak_bytes(compiled["step"])
     have = min(device_offer() or peak, peak - 1)  # what ran out: a step that fits needs less than its peak
     raise ran_out("the train step", peak, _smaller_micro_batch(cfg, mesh_cfg, mesh, have))

@@ -178,11 +178,13 @@ def largest_fitting(candidates, peak_at, have: int) -> tuple[int, int] | None:
 
 
 def fit_hint(fitting) -> str:
-    """The start of a guard's fixes when a smaller micro-batch fits: `(micro-batch, peak)` from `largest_fitting`."""
+    """How a guard's fixes start: with the smaller micro-batch that fits, `(micro-batch, peak)` from
+    `largest_fitting`, where there is one."""
     if fitting is None:
-        return ""
+        return "use "
     micro, peak = fitting
-    return f"--micro-batch-size {micro} fits ({_gib(peak)} per device, the same global batch in more micro-batches), or "
+    return (f"--micro-batch-size {micro} fits ({_gib(peak)} per device: the same global batch in more "
+            "micro-batches); otherwise use ")
 
 
 class DeviceOutOfMemory(ConfigError):
@@ -198,14 +200,14 @@ def check_fits(compiled, what: str = "the train step", fixes: str = _FIXES, smal
     """
     peak = step_peak_bytes(compiled)
     devices = jax.local_devices()
-    hint = lambda have: fit_hint(smaller(have)) if smaller is not None else ""  # noqa: E731
+    hint = lambda have: fit_hint(smaller(have) if smaller is not None else None)  # noqa: E731
     if devices[0].platform == "cpu":
         # Emulated CPU devices all live in this process's host memory.
         have, need = host_available_bytes(), peak * len(devices)
         if have is not None and need > have:
             raise DeviceOutOfMemory(
                 f"{what} needs {_gib(peak)} per device x {len(devices)} emulated devices = "
-                f"{_gib(need)}, but this host has {_gib(have)} free; use {hint(have // len(devices))}{fixes}, "
+                f"{_gib(need)}, but this host has {_gib(have)} free; {hint(have // len(devices))}{fixes}, "
                 f"or pass --no-memory-check")
         return
     offer = allocator_offer(devices[0])
@@ -213,7 +215,7 @@ def check_fits(compiled, what: str = "the train step", fixes: str = _FIXES, smal
         have, how = offer
         raise DeviceOutOfMemory(
             f"{what} needs {_gib(peak)} per device, but each {devices[0].device_kind} can give it {_gib(have)} "
-            f"({how}, {_fraction_note()}); use {hint(have)}{fixes}, or pass --no-memory-check")
+            f"({how}, {_fraction_note()}); {hint(have)}{fixes}, or pass --no-memory-check")
 
 
 def check_placed(compiled, what: str = "the train step") -> None:
@@ -244,4 +246,4 @@ def ran_out(what: str, peak: int, fitting) -> DeviceOutOfMemory:
     device = jax.local_devices()[0]
     return DeviceOutOfMemory(
         f"{what} ran out of device memory on the {device.device_kind} (its compiled peak is {_gib(peak)} per device, "
-        f"{_fraction_note()}); checkpoints written before are kept; use {fit_hint(fitting)}{_FIXES}")
+        f"{_fraction_note()}); checkpoints written before are kept; {fit_hint(fitting)}{_FIXES}")
