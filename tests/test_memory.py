@@ -197,6 +197,16 @@ def test_once_the_state_is_placed_the_temporaries_must_fit_in_one_free_block(mon
         memory.check_placed(_compiled(14.7, 52.8))
 
 
+def test_advice_after_running_out_is_for_a_fresh_run_with_the_whole_pool(monkeypatch):
+    """A run that ran out may still hold part of the pool (on an H100, the state of the 1.3B step at micro-batch 24
+    was still there, so the advice was micro-batch 8 where 12 fits); the next run has all of it."""
+    _on(monkeypatch, _Gpu(bytes_limit=71.26, pool_bytes=71.26, largest_free_block_bytes=56.5, bytes_in_use=14.7))
+    assert memory.device_capacity() == int(71.26 * GIB)
+    _on(monkeypatch, _Gpu(bytes_limit=71.26, pool_bytes=20, largest_free_block_bytes=5, bytes_in_use=14.7),
+        preallocate="false")
+    assert memory.device_capacity() == int(71.26 * GIB)
+
+
 def test_largest_fitting_compiles_from_the_largest_candidate_down():
     tried = []
     peak = lambda b: tried.append(b) or 10 * b  # noqa: E731

@@ -1,7 +1,6 @@
 """The training loop: the only place with side effects (data, logging, evaluation, checkpoints)."""
 from __future__ import annotations
 
-import gc
 import math
 import os
 import sys
@@ -14,8 +13,8 @@ from jax3d.config import Config, ConfigError
 from jax3d.parallel.mesh import MeshConfig
 from jax3d.train.counts import BatchCounts, last_step, settle
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, optimizer_state_norms, peak_tflops
-from jax3d.train.memory import (STATE_FIXES, check_fits, check_placed, device_offer, is_out_of_memory, largest_fitting,
-                                ran_out, step_peak_bytes)
+from jax3d.train.memory import (STATE_FIXES, check_fits, check_placed, device_capacity, is_out_of_memory,
+                                largest_fitting, ran_out, step_peak_bytes)
 from jax3d.train.skipped import SkipWatch, skip_limit
 from jax3d.train.profile import StepTrace
 from jax3d.train.step import Steps, abstract_batch, abstract_state, build_steps
@@ -157,9 +156,9 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
         if not is_out_of_memory(e) or "step" not in compiled:
             raise
     # Out of the handler, so that the failed run's frames, and the device buffers they held, are gone.
-    gc.collect()  # the failed step's frames may sit in reference cycles, holding device buffers
+    # The advice is for the next run, which has the whole pool (this process may still hold some of it).
     peak = step_peak_bytes(compiled["step"])
-    have = min(device_offer() or peak, peak - 1)  # what ran out: a step that fits needs less than its peak
+    have = min(device_capacity() or peak, peak - 1)  # what ran out: a step that fits needs less than its peak
     raise ran_out("the train step", peak, _smaller_micro_batch(cfg, mesh_cfg, mesh, have))
 
 

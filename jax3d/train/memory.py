@@ -146,15 +146,19 @@ def allocator_offer(device, env=os.environ) -> tuple[int, str] | None:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), "its allocator's limit less what is in use"
 
 
-def device_offer() -> int | None:
-    """Bytes one local device can still take: `allocator_offer` on an accelerator; on emulated CPU devices, which
-    share this process's host memory, their share of what the host has free. None where nothing says."""
+def device_capacity(env=os.environ) -> int | None:
+    """Bytes a fresh run's step can have on one local device: on an accelerator, the pool XLA claims (its
+    `pool_bytes` when claimed at start, else `bytes_limit`); on emulated CPU devices, which share this process's
+    host memory, their share of what the host has free. None where nothing says. Advice for the next run is
+    measured against this, not against what a failed run still holds."""
     devices = jax.local_devices()
     if devices[0].platform == "cpu":
         have = host_available_bytes()
         return None if have is None else have // len(devices)
-    offer = allocator_offer(devices[0])
-    return None if offer is None else offer[0]
+    stats = devices[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["pool_bytes"]) if _preallocated(stats, env) else int(stats["bytes_limit"])
 
 
 def temporaries_bytes(compiled) -> int:
