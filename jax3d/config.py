@@ -255,6 +255,8 @@ class DataConfig:
     train_data_path: tuple[str, ...] = ()
     valid_data_path: tuple[str, ...] = ()
     test_data_path: tuple[str, ...] = ()
+    mask_prob: float = 0.15  # BERT: share of tokens masked
+    short_seq_prob: float = 0.1  # BERT: share of samples given a shorter target length
 
     @property
     def split_paths(self) -> dict[str, tuple[str, ...]]:
@@ -266,8 +268,6 @@ class DataConfig:
     def all_paths(self) -> list[tuple[str, ...]]:
         """Every --data-path / --*-data-path given: the data the tokenizer must fit."""
         return [p for p in (self.data_path, *self.split_paths.values()) if p]
-    mask_prob: float = 0.15  # BERT: share of tokens masked
-    short_seq_prob: float = 0.1  # BERT: share of samples given a shorter target length
 
 
 @dataclass(frozen=True)

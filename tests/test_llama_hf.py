@@ -32,6 +32,7 @@ CASES = {
     "gqa-kv4-llama3-scaling-5L": dict(n_layer=5, kv_heads=4, theta=500000.0, rope_scaling=LLAMA3),
     "linear-scaling-1L": dict(n_layer=1, rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "mistral-no-window": dict(arch="MistralForCausalLM", kv_heads=4),
+    "head-dim-12-of-8": dict(n_layer=2, head_dim=12),  # imports as --kv-channels 12
 }
 
 

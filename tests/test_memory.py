@@ -239,5 +239,5 @@ def test_a_step_that_runs_out_of_device_memory_ends_in_one_sentence(tmp_path, mo
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err
-    assert "the train step ran out of device memory" in lines[0] and "compiled peak is" in lines[0]
+    assert "the run ran out of device memory" in lines[0] and "the train step's compiled peak is" in lines[0]
     assert "; --micro-batch-size 2 fits (" in lines[0] and "--recompute full" in lines[0]

@@ -160,12 +160,13 @@ def test_other_data_is_read_with_the_checkpoints_tokenizer_when_no_flag_names_on
     base = read_meta(run4[0], 4)["tokenizer"]
     ck = str(tmp_path / "ck")
     shutil.copytree(run4[0], ck)
-    for extra, save, step in ((["--finetune", "--train-iters", "1"], str(tmp_path / "ft"), 1),
-                              (["--override-data", "--train-iters", "5"], ck, 5)):
-        assert main([*BASE, "--load", ck, "--save", save, "--data-path", corpora["b"], *extra,
+    for flag, extra, save, step in (("--data-path", ["--finetune", "--train-iters", "1"], str(tmp_path / "ft"), 1),
+                                    ("--train-data-path", ["--finetune", "--train-iters", "1"], str(tmp_path / "f2"), 1),
+                                    ("--data-path", ["--override-data", "--train-iters", "5"], ck, 5)):
+        assert main([*BASE, "--load", ck, "--save", save, flag, corpora["b"], *extra,
                      "--log-dir", str(tmp_path / "logs" / save[-2:])]) == 0
         err = capsys.readouterr().err
-        assert f"jax3d: --load {ck}: --data-path is read with its tokenizer (GPT2BPETokenizer: " in err, err
+        assert f"jax3d: --load {ck}: {flag} is read with its tokenizer (GPT2BPETokenizer: " in err, err
         record = read_meta(save, step)["tokenizer"]
         assert (record["type"], record["fingerprints"]) == (base["type"], base["fingerprints"])
 

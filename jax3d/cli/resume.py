@@ -103,14 +103,16 @@ def adopt_saved_tokenizer(cfg: Config, load_dir: str, meta: dict, given: set[str
     where it records none, or the run reads the bundled corpus."""
     from jax3d.checkpoint.tokenizer import recorded_tokenizer_fields
 
-    if not cfg.data.data_path or cfg.data.tokenizer_type or given & {"tokenizer_type", *TOKENIZER_FILE_KEYS}:
+    d = cfg.data
+    if not d.all_paths or d.tokenizer_type or given & {"tokenizer_type", *TOKENIZER_FILE_KEYS}:
         return cfg, None
     fields = recorded_tokenizer_fields(meta)
     if not fields:
         return cfg, None
     files = [os.path.relpath(fields[k]) for k in TOKENIZER_FILE_KEYS if fields[k]]
-    note = (f"--data-path is read with its tokenizer ({fields['tokenizer_type']}: {', '.join(files)}); pass "
-            "--tokenizer-type and its files for another")
+    flags = " and ".join(["--data-path"] * bool(d.data_path) + [f"--{k}-data-path" for k in d.split_paths])
+    note = (f"{flags} {'is' if ' and ' not in flags else 'are'} read with its tokenizer ({fields['tokenizer_type']}: "
+            f"{', '.join(files)}); pass --tokenizer-type and its files for another")
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **fields)), note
 
 
@@ -134,6 +136,10 @@ def _adopt_optim(cfg: Config, saved: Config, meta: dict, given: set[str], notes:
         kw.pop("min_lr", None)  # the command line derived it from this run's --lr
     if given & {"lr_warmup_iters", "lr_warmup_samples"} and "lr_warmup_fraction" not in given:
         kw.pop("lr_warmup_fraction", None)  # the warm-up the command line gives replaces the checkpoint's fraction
+    if "lr_warmup_fraction" in given:  # and a fraction given replaces the checkpoint's warm-up in steps or samples
+        for f in ("lr_warmup_iters", "lr_warmup_samples"):
+            if f not in given:
+                kw.pop(f, None)
     if "weight_decay_incr_iters" not in given and saved.optim.weight_decay_incr_style != "constant":
         # Megatron keeps a checkpoint's weight-decay schedule, its length included
         kw["weight_decay_incr_iters"] = saved.optim.weight_decay_incr_iters or saved.train.train_iters

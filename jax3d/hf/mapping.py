@@ -117,9 +117,8 @@ def _llama_fields(hf: dict) -> dict:
     rope_parameters); ConfigError naming the first field jax3d's model cannot reproduce."""
     d, n = _size(hf, "hidden_size"), _size(hf, "num_attention_heads")
     kv = _size(hf, "num_key_value_heads") if hf.get("num_key_value_heads") is not None else n
-    if hf.get("head_dim") not in (None, d // n):
-        raise ConfigError(f"config.json head_dim {hf['head_dim']} is not hidden_size / num_attention_heads = {d // n}, "
-                          "which jax3d's attention needs")
+    # A head_dim other than hidden / heads is Megatron's --kv-channels (jax3d's export writes it so).
+    head_dim = {"kv_channels": _size(hf, "head_dim")} if hf.get("head_dim") not in (None, d // n) else {}
     if hf.get("sliding_window") is not None:
         raise ConfigError(f"config.json sliding_window {hf['sliding_window']} limits attention to a window, which "
                           "jax3d does not build; only models with sliding_window null import")
@@ -153,7 +152,7 @@ def _llama_fields(hf: dict) -> dict:
                 rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
                 untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
                 add_bias_linear=bool(hf.get("attention_bias", False)), add_position_embedding=False,
-                **{k: v for k, v in LLAMA_FIELDS.items() if k != "rotary_percent"}, **scaling)
+                **{k: v for k, v in LLAMA_FIELDS.items() if k != "rotary_percent"}, **scaling, **head_dim)
 
 
 def _variant(cfg: ModelConfig) -> str | None:

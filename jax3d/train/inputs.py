@@ -139,7 +139,6 @@ def build_inputs(cfg: Config, num_train_samples: int, num_valid_samples: int, to
         return Inputs(tok, train, valid)
     num = (num_train_samples, num_valid_samples, 0)
     train, valid, _ = _datasets(cfg, tok, paths, d.split, num)
-    from jax3d.data.sampling import why_split_is_empty
     by_sequence = cfg.model.model_type != "bert"
     if train is None:
         raise ConfigError(why_split_is_empty(paths, d.split, "train", by_sequence))

@@ -159,7 +159,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     # The advice is for the next run, which has the whole pool (this process may still hold some of it).
     peak = step_peak_bytes(compiled["step"])
     have = min(device_capacity() or peak, peak - 1)  # what ran out: a step that fits needs less than its peak
-    raise ran_out("the train step", peak, _smaller_micro_batch(cfg, mesh_cfg, mesh, have))
+    raise ran_out("the run", peak, _smaller_micro_batch(cfg, mesh_cfg, mesh, have))
 
 
 def _micro_batches_below(cfg: Config, data: int) -> list[int]:

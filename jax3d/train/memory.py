@@ -249,5 +249,6 @@ def ran_out(what: str, peak: int, fitting) -> DeviceOutOfMemory:
     to check): its compiled peak and what would fit."""
     device = jax.local_devices()[0]
     return DeviceOutOfMemory(
-        f"{what} ran out of device memory on the {device.device_kind} (its compiled peak is {_gib(peak)} per device, "
+        f"{what} ran out of device memory on the {device.device_kind} (the train step's compiled peak is "
+        f"{_gib(peak)} per device, "
         f"{_fraction_note()}); checkpoints written before are kept; {fit_hint(fitting)}{_FIXES}")
