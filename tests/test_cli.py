@@ -211,7 +211,7 @@ def test_dry_run_reports_the_peak_the_memory_guard_checks(tmp_path, monkeypatch,
 
     checked = []
 
-    def record(compiled):
+    def record(compiled, **_):
         checked.append(memory.step_peak_bytes(compiled))
         raise ConfigError("stopped after the guard's figure")
 
