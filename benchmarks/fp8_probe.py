@@ -64,7 +64,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from jax3d.models import fp8, fp8_cast, pallas_gpu
+from jax3d.kernels import fp8_cast, pallas_gpu
+from jax3d.models import fp8
 from jax3d.parallel import ShardingRules
 
 # name: extra XLA_FLAGS; each set runs in its own process.
@@ -287,7 +288,7 @@ def gemm_programs(small: bool):
     programs["jax3d-grad"] = (run, args, 3 * flops)
     run, args = vjp3(lambda x, w, s: dequantized_einsum("hybrid", x, w, s), x, w, scales)
     programs["dequantized-grad"] = (run, args, 3 * flops)
-    # jax3d's TN GEMMs, operands cast in both layouts by the Pallas kernel (jax3d.models.fp8_cast); on a CPU
+    # jax3d's TN GEMMs, operands cast in both layouts by the Pallas kernel (jax3d.kernels.fp8_cast); on a CPU
     # they fall back to `jax3d-grad`'s einsum (the kernel runs on one GPU only)
     def cast_einsum(x, w, s):
         with pallas_gpu.kernel_settings(fp8_cast.Tuning()):  # read when traced, the vjp's backward included
@@ -346,7 +347,7 @@ def probe_steps(flagset: str, small: bool, repeats: int, hlo_dir: str, only=()):
     kernels, when `only` names step-fp8-no-pallas)."""
     import dataclasses
 
-    from jax3d.models.pallas_gpu import KERNELS
+    from jax3d.kernels import KERNELS
 
     shape = "tiny" if small else "1.3b-b16"
     batch = 2 if small else 4

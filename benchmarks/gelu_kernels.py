@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import time_chained
-from jax3d.models import fused_gelu
+from jax3d.kernels import fused_gelu
 
 
 def _xla(fp32: bool):

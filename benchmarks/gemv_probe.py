@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jax3d.models import one_row, quantized
-from jax3d.models.pallas_gpu import compiler_params
+from jax3d.kernels.pallas_gpu import compiler_params
 
 # gpt-1.3b's one-row GEMMs (K, N): QKV, attention out, MLP up, MLP down, the LM head
 SHAPES = {"qkv": (2048, 6144), "out": (2048, 2048), "up": (2048, 8192), "down": (8192, 2048), "head": (2048, 50304)}

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
 
     from jax3d.hf import load_hf_params
     from jax3d.models.cached_attention import cache_dtype as kv_cache_dtype
-    from jax3d.models.pallas_gpu import kernel_settings
+    from jax3d.kernels.pallas_gpu import kernel_settings
     from jax3d.models.quantized import weight_dtype
 
     on_gpu = jax.default_backend() == "gpu"

@@ -79,7 +79,8 @@ def decode(a, topology) -> None:
 
     from benchmarks.profile_decode import decode_config
     from jax3d.inference import Generator
-    from jax3d.models import build_model, pallas_gpu
+    from jax3d.kernels import pallas_gpu
+    from jax3d.models import build_model
     from jax3d.models.cached_attention import cache_dtype
     from jax3d.models.quantized import weight_dtype
 
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     d.add_argument("--new", type=int, default=256)
     d.add_argument("--off", action="append", default=[], metavar="KERNEL",
                    help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
-                        "jax3d.models.pallas_gpu's KERNELS and DECODE_KERNELS)")
+                        "jax3d.kernels.pallas_gpu's KERNELS and DECODE_KERNELS)")
     add_tune_flag(d)
     add_decode_dtype_flags(d)
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     if a.program == "decode":
-        from jax3d.models.pallas_gpu import DECODE_KERNELS, KERNELS, unknown_kernels
+        from jax3d.kernels import DECODE_KERNELS, KERNELS
+        from jax3d.kernels.pallas_gpu import unknown_kernels
 
         unknown = unknown_kernels(a.off)
         if unknown:

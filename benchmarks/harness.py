@@ -8,7 +8,6 @@ loading stays out of the figure. FLOPs are counted as the PyTorch peer counts th
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import re
@@ -74,7 +73,7 @@ class Run:
 
     shape: str
     batch: int = 0  # 0: the shape's
-    ablate: tuple[str, ...] = ()  # Pallas kernels left out (jax3d.models.pallas_gpu.KERNELS): XLA's code runs
+    ablate: tuple[str, ...] = ()  # Pallas kernels left out (jax3d.kernels.KERNELS): XLA's code runs
     recompute: str = "none"
     dtype: str = "bfloat16"
     xla_flags: str = ""
@@ -113,7 +112,7 @@ class Run:
         return " ".join(parts)
 
 
-# Each Pallas kernel (jax3d.models.pallas_gpu.KERNELS), and the pallas_call name a compiled step that runs it holds.
+# Each Pallas kernel (jax3d.kernels.KERNELS), and the pallas_call name a compiled step that runs it holds.
 KERNEL_CALLS = {"fused_gelu": "fused_gelu_fwd", "fused_norm": "fused_layer_norm_fwd", "fused_qkv": "fused_qkv_bwd",
                 "fused_xent": "fused_xent", "fp8_cast": "fp8_cast_transpose"}
 
@@ -127,12 +126,13 @@ def kernel_tuning(kernel: str, settings: str, kernels=None, what: str = "kernel"
     """The kernel's Tuning with "field=value,..." changed from its defaults (as `--tune` gives them; at
     least one), for one of `kernels` (the train step's, KERNEL_CALLS, by default). ValueError names what is
     wrong."""
-    from jax3d.models.pallas_gpu import parse_tuning
+    from jax3d.kernels import module
+    from jax3d.kernels.pallas_gpu import parse_tuning
 
     kernels = KERNEL_CALLS if kernels is None else kernels
     if kernel not in kernels:
         raise ValueError(f"no {what} {kernel!r}; choose from {', '.join(kernels)}")
-    cls = importlib.import_module(f"jax3d.models.{kernel}").Tuning
+    cls = module(kernel).Tuning
     if not settings:
         raise ValueError(f"{kernel}: no FIELD=INTEGER given; the fields are those of {cls()}")
     return parse_tuning(cls, settings)
@@ -149,7 +149,7 @@ def add_tune_flag(p):
 def add_decode_kernel_flags(p):
     """`--off KERNEL` and `--tune KERNEL:FIELD=V[,FIELD=V]` for a decode benchmark (decode_kernel_flags reads them)."""
     p.add_argument("--off", action="append", default=[], metavar="KERNEL",
-                   help="a decode kernel left out (jax3d.models.pallas_gpu.DECODE_KERNELS: decode_attention, "
+                   help="a decode kernel left out (jax3d.kernels.DECODE_KERNELS: decode_attention, "
                         "row_gemv), its plain JAX function run instead (row_gemv off: XLA's blocks at batch 1); "
                         "repeatable")
     add_tune_flag(p)
@@ -157,7 +157,7 @@ def add_decode_kernel_flags(p):
 
 def decode_kernel_flags(parser, a) -> tuple[list, tuple]:
     """(the Tunings, the kernels left out) that add_decode_kernel_flags' flags give; parser.error names a bad one."""
-    from jax3d.models.pallas_gpu import DECODE_KERNELS
+    from jax3d.kernels import DECODE_KERNELS
 
     unknown = [k for k in a.off if k not in DECODE_KERNELS]
     if unknown:
@@ -168,7 +168,7 @@ def decode_kernel_flags(parser, a) -> tuple[list, tuple]:
 def decode_tunings(parser, tunes: list[str]) -> list:
     """The decode kernels' Tunings that `--tune KERNEL:FIELD=V[,FIELD=V]` flags give; parser.error names a bad
     one."""
-    from jax3d.models.pallas_gpu import DECODE_KERNELS
+    from jax3d.kernels import DECODE_KERNELS
 
     tuned = []
     for t in tunes:
@@ -182,8 +182,8 @@ def decode_tunings(parser, tunes: list[str]) -> list:
 
 def kernel_settings(run: Run):
     """The context in which `run`'s step is traced: its kernels left out and its settings
-    (jax3d.models.pallas_gpu.kernel_settings). Outside it the model runs every kernel at its defaults."""
-    from jax3d.models.pallas_gpu import kernel_settings
+    (jax3d.kernels.pallas_gpu.kernel_settings). Outside it the model runs every kernel at its defaults."""
+    from jax3d.kernels.pallas_gpu import kernel_settings
 
     return kernel_settings(*(kernel_tuning(k, fields) for k, fields in run.tunings), off=run.ablate)
 

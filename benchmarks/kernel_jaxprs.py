@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib
 import json
 import re
 import sys
@@ -23,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import SHAPES, Run, config_for, kernel_settings, kernel_tuning
-from jax3d.models import fp8_cast, fused_gelu, fused_norm, fused_qkv, fused_xent
-from jax3d.models.pallas_gpu import KERNELS
+from jax3d import kernels
+from jax3d.kernels import KERNELS, fp8_cast, fused_gelu, fused_norm, fused_qkv, fused_xent
 
 
 def cases(tokens: int = 32768, d: int = 2048, ffn: int = 8192, vocab: int = 50304, chunk: int = 8192,
@@ -77,7 +76,7 @@ def step_fingerprint(shape: str = "1.3b-b16", ablate: tuple[str, ...] = (), laye
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
     with contextlib.ExitStack() as stack:
         for k in KERNELS:
-            stack.enter_context(mock.patch.object(importlib.import_module(f"jax3d.models.{k}"), "on_one_gpu",
+            stack.enter_context(mock.patch.object(kernels.module(k), "on_one_gpu",
                                                   lambda rules: rules.single_device()))
         stack.enter_context(kernel_settings(run))
         plan = resolve(cfg, 1)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import time_chained
-from jax3d.models import fused_norm, layers
+from jax3d.kernels import fused_norm
+from jax3d.models import layers
 
 VARIANTS = {
     "xla": lambda x, s, b: layers.lean_layer_norm(x, s, b, 1e-5),

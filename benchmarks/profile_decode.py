@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--hlo", action="store_true", help="count the kernels of the compiled token loop's body")
     p.add_argument("--decode-kernel", choices=["auto", "off"], default="auto",
-                   help="decode's attention as jax3d.models.decode_attention, a Pallas kernel reading only the "
+                   help="decode's attention as jax3d.kernels.decode_attention, a Pallas kernel reading only the "
                         "filled slots, where it runs (auto: on one GPU; --tune decode_attention:parts=N sets its "
                         "parts a row), or never: XLA's attention, and at batch 1 XLA's blocks (off: every decode "
                         "kernel, as --off for each)")
@@ -252,7 +252,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jax3d.models import build_model, pallas_gpu
+    from jax3d.kernels import DECODE_KERNELS, pallas_gpu
+    from jax3d.models import build_model
     from jax3d.models.cached_attention import cache_dtype as kv_cache_dtype
     from jax3d.models.quantized import weight_dtype
     from jax3d.parallel.mesh import MeshConfig
@@ -273,19 +274,19 @@ def main(argv=None) -> int:
                       **({"tune": a.tune} if a.tune else {}), **({"off": a.off} if a.off else {})}), flush=True)
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
-    off = pallas_gpu.DECODE_KERNELS if a.decode_kernel == "off" else off
+    off = DECODE_KERNELS if a.decode_kernel == "off" else off
     with pallas_gpu.kernel_settings(*tuned, off=off):  # read when decode is traced, in the first generate below
         _profile_batches(a, cfg, params, mesh, (dtype, cache_dtype, weights), rs, weight_bytes, rate, weights_ms)
     return 0
 
 
 def decode_kernel_runs(cfg, mesh, batch: int, slots: int) -> bool:
-    """Whether decode's attention is jax3d.models.decode_attention's on `mesh` (generation's devices), with the
+    """Whether decode's attention is jax3d.kernels.decode_attention's on `mesh` (generation's devices), with the
     decode kernel's settings in force."""
     import jax
     import jax.numpy as jnp
 
-    from jax3d.models import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention, pallas_gpu
     from jax3d.parallel import ShardingRules
 
     cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), jnp.bfloat16)
@@ -312,7 +313,7 @@ def slots_read(cfg, mesh, batch: int, prompt_len: int, new: int) -> float:
     """The cache slots a decode step reads per row, averaged over the steps: where the decode kernel runs, whole
     blocks from slot 0 (a row of a full-length prompt) to the block of the slot before the one being decoded
     (whose key and value the kernel has in hand, and writes); else every slot, as XLA's attention reads them."""
-    from jax3d.models import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention, pallas_gpu
 
     if not decode_kernel_runs(cfg, mesh, batch, prompt_len + new):
         return prompt_len + new
@@ -325,7 +326,7 @@ def _profile_batches(a, cfg, params, mesh, dtypes, rs, weight_bytes, rate, weigh
     """Decode of each of --batch's sizes, the model computing, keeping its cache and its GEMM weights in
     `dtypes`."""
     from jax3d.inference import Generator
-    from jax3d.models import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention, pallas_gpu
 
     dtype, cache_dtype, weights = dtypes
     for b in a.batch:

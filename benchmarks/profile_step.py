@@ -29,7 +29,7 @@ import time
 
 from benchmarks.harness import (DEFAULT_PEER, SHAPES, VOCAB, GpuLog, Run, _child, build, child_env, is_bert,
                                 step_host_shortfall)
-from jax3d.models.pallas_gpu import KERNELS
+from jax3d.kernels import KERNELS
 
 CLASSES = ("matmul", "attention", "elementwise_norm", "optimizer", "communication", "copies")
 _COMM = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")

@@ -8,7 +8,7 @@ board power over the timed steps (an H200 runs these steps at its power cap, bel
 `all`) adds a run with that Pallas kernel left out (XLA's code in its place), so each one's worth is
 measured in the same call. Because each run is a fresh process, a change patched into this one (a
 replaced function, say) never reaches the step; kernel settings travel with the run instead (`--tune`,
-`harness.Run.tunings`, which the child traces its step under: `jax3d.models.pallas_gpu.kernel_settings`).
+`harness.Run.tunings`, which the child traces its step under: `jax3d.kernels.pallas_gpu.kernel_settings`).
 
     python -m benchmarks.throughput --shape 1.3b-b16 --peer --ablate all --ablate together
     python -m benchmarks.throughput --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer
@@ -20,13 +20,13 @@ replaced function, say) never reaches the step; kernel settings travel with the 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 
 from benchmarks.harness import emitter, DEFAULT_PEER, SHAPES, Run, is_bert, kernel_tuning, run_isolated, run_peer
-from jax3d.models.pallas_gpu import KERNELS
+from jax3d import kernels
+from jax3d.kernels import KERNELS
 
 
 def main(argv=None) -> int:
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     # FP8 run, and 'all' takes it only with --fp8
     if "fp8_cast" in a.ablate and not a.fp8:
         p.error("--ablate fp8_cast: the FP8 cast kernel runs only in FP8 GEMMs; add --fp8 hybrid")
-    on = [k for k in KERNELS if importlib.import_module(f"jax3d.models.{k}").DEFAULT is not None
+    on = [k for k in KERNELS if kernels.module(k).DEFAULT is not None
           and (k != "fp8_cast" or a.fp8)]
     ablations = [(name,) for name in (on if "all" in a.ablate else a.ablate) if name != "together"]
     if "together" in a.ablate:

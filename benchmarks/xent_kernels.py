@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import time_chained
-from jax3d.models import fused_xent
+from jax3d.kernels import fused_xent
 from jax3d.models.layers import token_nll
 
 

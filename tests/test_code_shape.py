@@ -135,7 +135,7 @@ def test_command_lines_live_only_in_jax3d_cli():
 
 
 def test_model_code_carries_no_benchmark_switches():
-    assert _grep(r"optimised\(|ablate|kernel_tunings", "jax3d/models", "jax3d/config.py") == []
+    assert _grep(r"optimised\(|ablate|kernel_tunings", "jax3d/models", "jax3d/kernels", "jax3d/config.py") == []
 
 
 # Decisions of the parallel layout, which only jax3d/parallel/ makes (the config and the command line carry the
@@ -160,3 +160,57 @@ def test_layout_rules_and_zero_are_decided_only_in_jax3d_parallel():
     assert {what: found for what, found in outside.items() if found} == {}
     for what in ("ZeRO stage compared with a number", "virtual stages held to a number"):
         assert _grep(_LAYOUT_DECISIONS[what], "jax3d/parallel"), what  # the grep sees them where they are
+
+
+def _pallas_uses(path: str) -> list[str]:
+    """'line: what' of each import of jax.experimental.pallas (or a module under it) and each `pallas_call` named
+    in the code (not in docstrings or comments) of the module at `path`."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Name) and node.id == "pallas_call" or \
+                isinstance(node, ast.Attribute) and node.attr == "pallas_call":
+            found.append(f"{node.lineno}: pallas_call")
+            continue
+        else:
+            continue
+        pallas = [n for n in names if n.split(".")[:3] == ["jax", "experimental", "pallas"]]
+        found += [f"{node.lineno}: import {pallas[0]}"] if pallas else []
+    return found
+
+
+def test_pallas_is_written_only_in_jax3d_kernels():
+    """Model, inference and training code call the kernel modules of jax3d/kernels/; none of them writes a
+    pallas_call or imports Pallas itself."""
+    uses = {}  # 'jax3d/...py' -> its Pallas uses
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                uses[os.path.relpath(path, ROOT).replace(os.sep, "/")] = _pallas_uses(path)
+    assert {path: found for path, found in uses.items() if found and not path.startswith("jax3d/kernels/")} == {}
+    from jax3d.kernels import DECODE_KERNELS, KERNELS
+
+    for name in KERNELS + DECODE_KERNELS:  # the rule sees the kernels where they are
+        found = uses[f"jax3d/kernels/{name}.py"]
+        assert any(u.endswith("pallas_call") for u in found) and any(": import " in u for u in found), name
+
+
+def test_the_kernel_registry_lists_each_kernel_module_once():
+    """jax3d.kernels lists its kernels in one place; each listed module is one, with its `Tuning`, `DEFAULT`
+    and `supported`, and every module there but the shared helpers is listed."""
+    import importlib
+
+    import jax3d.kernels as kernels
+
+    listed = kernels.KERNELS + kernels.DECODE_KERNELS
+    assert len(set(listed)) == len(listed)
+    here = {f[:-3] for f in os.listdir(os.path.join(PKG, "kernels")) if f.endswith(".py")}
+    assert here - set(listed) == {"__init__", "pallas_gpu"}
+    for name in listed:
+        module = kernels.module(name)
+        assert module is importlib.import_module(f"jax3d.kernels.{name}")
+        assert isinstance(module.DEFAULT, module.Tuning) and callable(module.supported), name

@@ -1,4 +1,4 @@
-"""jax3d.models.decode_attention (the decode step's attention kernel, which reads only the filled slots) in Pallas'
+"""jax3d.kernels.decode_attention (the decode step's attention kernel, which reads only the filled slots) in Pallas'
 interpreter, against a softmax over the whole cache under generation's mask. Inside generation, against
 transformers' greedy tokens: tests/test_generate.py."""
 import math
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax3d.models import decode_attention
+from jax3d.kernels import decode_attention
 from jax3d.models.cached_attention import join_qkv
 
 

@@ -1,4 +1,4 @@
-"""jax3d.models.fp8_cast (an FP8 GEMM operand quantized in both layouts, with its amax, in one pass) in Pallas'
+"""jax3d.kernels.fp8_cast (an FP8 GEMM operand quantized in both layouts, with its amax, in one pass) in Pallas'
 interpreter against plain JAX, and jax3d.models.fp8's GEMMs built on it against its einsum of the f8 arrays."""
 import functools
 
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax3d.models import fp8, fp8_cast, pallas_gpu
+from jax3d.kernels import fp8_cast, pallas_gpu
+from jax3d.models import fp8
 from jax3d.parallel import ShardingRules
 
 F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax3d.models import fused_norm
+from jax3d.kernels import fused_norm
 from jax3d.models.layers import layer_norm
 from tests.helpers import rel_err
 

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax3d.models import fused_qkv
-from jax3d.models.pallas_gpu import kernel_settings
+from jax3d.kernels import fused_qkv
+from jax3d.kernels.pallas_gpu import kernel_settings
 from tests.helpers import rel_err
 
 ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax3d.models import fused_xent
+from jax3d.kernels import fused_xent
 from jax3d.models.layers import token_nll
 from tests.helpers import rel_err
 

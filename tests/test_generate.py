@@ -53,11 +53,11 @@ def _gen(cfg, params, batch, tp=1, **kw):
 
 
 def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported, monkeypatch):
-    """Decode's attention as jax3d.models.decode_attention (Pallas' interpreter standing in for the GPU), walking
+    """Decode's attention as jax3d.kernels.decode_attention (Pallas' interpreter standing in for the GPU), walking
     the 64 slots in blocks of 16 from each row's first token, whole or (the default at 4 rows of 6 heads,
     decode_attention.Tuning.parts_for) in 8 parts: transformers' greedy tokens, as from XLA's attention with the
     kernel off."""
-    from jax3d.models import decode_attention, pallas_gpu
+    from jax3d.kernels import DECODE_KERNELS, decode_attention, pallas_gpu
 
     hf, params, cfg = imported
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
@@ -68,7 +68,7 @@ def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported
             assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
     assert calls, "the kernel did not run"
     calls.clear()
-    with pallas_gpu.kernel_settings(off=pallas_gpu.DECODE_KERNELS):
+    with pallas_gpu.kernel_settings(off=DECODE_KERNELS):
         assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
     assert not calls
 
@@ -78,7 +78,7 @@ def test_the_decode_kernel_reads_a_grouped_projection_as_it_lies(monkeypatch):
     QKV projection itself, 2 query heads per KV head), rows whole and in 2 parts: the tokens of the forward pass
     without a cache."""
     from jax3d.config import ModelConfig
-    from jax3d.models import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention, pallas_gpu
 
     # weights large enough that attention, not the residual stream, picks the tokens
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -101,7 +101,7 @@ def test_an_fp8_cache_gives_one_set_of_tokens_from_the_kernel_xla_and_two_device
     array through f16, a copy; compiled for an H100 by benchmarks/gpu_compile.py, decode copies none.) Against
     transformers' fp32 tokens it is an approximation: greedy picks part at near-ties (this tiny random model's
     logits are nearly flat), so only most of the tokens are asserted equal."""
-    from jax3d.models import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention, pallas_gpu
 
     hf, params, cfg = imported
     fp8 = jax.numpy.float8_e4m3fn

@@ -5,7 +5,7 @@ import functools
 import jax
 
 from benchmarks import kernel_jaxprs
-from jax3d.models import fused_gelu
+from jax3d.kernels import fused_gelu
 
 
 def test_fingerprints_are_stable_and_see_the_kernel():

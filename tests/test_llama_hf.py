@@ -132,11 +132,11 @@ def test_ragged_batch_equals_transformers_also_at_tp2(gqa):
 
 @pytest.mark.parametrize("parts", [1, 4], ids=["one-part", "4-parts"])
 def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, monkeypatch, parts):
-    """Decode's attention as jax3d.models.decode_attention (Pallas' interpreter standing in for the GPU): rotated
+    """Decode's attention as jax3d.kernels.decode_attention (Pallas' interpreter standing in for the GPU): rotated
     queries and keys packed into the projection's layout again, 4 query heads per KV head, the kernel writing
     each KV head's key and value from one of its programs, each row's slots walked whole or in 4 parts; a
     ragged batch gives transformers' greedy tokens."""
-    from jax3d.models import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention, pallas_gpu
 
     hf, params, cfg = gqa
     monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)

@@ -1,4 +1,4 @@
-"""jax3d.models.row_gemv (one row times a weight stored as rows, with the norm before and the epilogue after, in
+"""jax3d.kernels.row_gemv (one row times a weight stored as rows, with the norm before and the epilogue after, in
 one kernel) against its unfused reference, and jax3d.models.decode_rows (a block's decode step at batch 1 in
 those kernels) against the Generator's tokens without them."""
 import dataclasses
@@ -13,7 +13,8 @@ import pytest
 from jax3d.config import ModelConfig
 from jax3d.inference import generate
 from jax3d.inference.generate import Generator
-from jax3d.models import build_model, decode_attention, decode_rows, get_preset, layers, pallas_gpu, quantized, row_gemv
+from jax3d.kernels import decode_attention, pallas_gpu, row_gemv
+from jax3d.models import build_model, decode_rows, get_preset, layers, quantized
 from jax3d.parallel import MeshConfig, ShardingRules
 
 VARIANTS = {  # weight shape, contracted dims, activation

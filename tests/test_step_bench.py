@@ -7,15 +7,15 @@ import os
 import pytest
 
 from benchmarks import harness, profile_step
-from jax3d.models import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
+from jax3d.kernels import KERNELS, fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
 
 
 def test_parsed_settings_equal_the_tuning_built_directly():
     assert harness.kernel_tuning("fused_xent", "block=2048,warps=4") == fused_xent.Tuning(block=2048, warps=4)
     run = harness.Run("125m-b32", tunings=(("fused_xent", "block=2048"),))
     assert run.label() == "125m-b32 fused_xent[block=2048]"
-    assert harness.Run("tiny", ablate=pallas_gpu.KERNELS).label() == "tiny -every kernel"
-    assert set(harness.KERNEL_CALLS) == set(pallas_gpu.KERNELS)
+    assert harness.Run("tiny", ablate=KERNELS).label() == "tiny -every kernel"
+    assert set(harness.KERNEL_CALLS) == set(KERNELS)
 
 
 def test_a_runs_settings_reach_the_kernels_it_traces():

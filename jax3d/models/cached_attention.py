@@ -7,7 +7,7 @@ whole cache for every layer and token to feed its batched dots: a copy of all of
 heads are a dimension of the query, so a KV head is read once for its g query heads. A decode step (one
 query row) is products and sums rather than dots, so the compiler has no layout of its own to ask for.
 
-On one GPU a decode step runs jax3d.models.decode_attention, one Pallas kernel that reads only the filled
+On one GPU a decode step runs jax3d.kernels.decode_attention, one Pallas kernel that reads only the filled
 slots, when the cache carries the rows' first slots (`cache['start']`, as generation's does). cuDNN
 (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row only with its mask as a
 bias over every (query, key) pair, and wants the slots before the heads; Pallas' own GPU decode kernel
@@ -27,7 +27,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax3d.models import decode_attention, one_row, pallas_gpu, quantized
+from jax3d.kernels import decode_attention, pallas_gpu
+from jax3d.models import one_row, quantized
 
 CACHE_AXES = ("batch", "heads", "seq", "kv")
 CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}  # --kv-cache-dtype: None keeps the compute dtype

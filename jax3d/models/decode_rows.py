@@ -1,4 +1,4 @@
-"""A pre-LN block's decode step at batch 1 on one GPU, as jax3d.models.row_gemv's kernels and the decode
+"""A pre-LN block's decode step at batch 1 on one GPU, as jax3d.kernels.row_gemv's kernels and the decode
 attention kernel: what layers.Block computes for one token with a KV cache, in six kernels where XLA ran eleven
 (a GPT's; rotary positions add XLA's own between the QKV and the attention).
 
@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.config import ModelConfig
-from jax3d.models import cached_attention, decode_attention, pallas_gpu, rope, row_gemv
+from jax3d.kernels import decode_attention, pallas_gpu, row_gemv
+from jax3d.models import cached_attention, rope
 from jax3d.models.layers import activation_of, split_qkv
 from jax3d.models.quantized import Quantized
 from jax3d.parallel.rules import ShardingRules

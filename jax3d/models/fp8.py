@@ -28,8 +28,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax3d.models import fp8_cast, one_row, pallas_gpu, quantized
-from jax3d.models.fp8_cast import largest, quantize  # noqa: F401 (largest: jax3d.train.fp8's)
+from jax3d.kernels import fp8_cast, pallas_gpu
+from jax3d.kernels.fp8_cast import largest, quantize  # noqa: F401 (largest: jax3d.train.fp8's)
+from jax3d.models import one_row, quantized
 
 # (forward operands, output gradient) formats of each mode; float8_e4m3fn is e4m3 with no infinities, as on Hopper.
 FORMATS = {"hybrid": (jnp.float8_e4m3fn, jnp.float8_e5m2), "e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn)}
@@ -54,7 +55,7 @@ def scales_param(module: nn.Module, fmt: str, gemm: str):
 
 def einsum(spec: str, x, w, scales=None, fmt: str = "", rules=None):
     """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given. With the cast kernel on
-    (jax3d.models.fp8_cast) and on one GPU (`rules`), the operands are quantized in both layouts by it."""
+    (jax3d.kernels.fp8_cast) and on one GPU (`rules`), the operands are quantized in both layouts by it."""
     if scales is None:
         return one_row.gemm(functools.partial(quantized.einsum, spec), x, w)  # the block's x: (batch, seq, ...)
     tuning, layout = pallas_gpu.tuning(fp8_cast), _layout(spec)
@@ -104,7 +105,7 @@ def _backward(spec, fmt, res, g_y):
 _fp8_einsum.defvjp(_forward, _backward)
 
 
-# ---- the same GEMM with every operand quantized in both layouts (jax3d.models.fp8_cast) -----------------------------
+# ---- the same GEMM with every operand quantized in both layouts (jax3d.kernels.fp8_cast) -----------------------------
 def _layout(spec: str) -> tuple[int, int, int] | None:
     """(batch dims of x, contracted dims, w's output dims) of a spec "x,w->y" whose x is its batch dims then
     the contracted ones, w the contracted ones then its outputs, y x's batch dims then w's outputs (every GEMM

@@ -22,8 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
-from jax3d.models import (cached_attention, fp8, fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu, quantized,
-                          rope)
+from jax3d.kernels import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
+from jax3d.models import cached_attention, fp8, quantized, rope
 from jax3d.parallel.rules import ShardingRules, traced_platform
 
 
@@ -125,7 +125,7 @@ _activate_lean = jax.checkpoint(lambda h, b, activation: _ACTIVATIONS[activation
 
 class LayerNorm(nn.Module):
     """Layer norm computed in fp32, returned in the input dtype: on one GPU as one Pallas kernel each way
-    (jax3d.models.fused_norm), elsewhere `lean_layer_norm`. With `rms`, RMSNorm: a scale and no bias. With
+    (jax3d.kernels.fused_norm), elsewhere `lean_layer_norm`. With `rms`, RMSNorm: a scale and no bias. With
     `one_plus` (Megatron's --apply-layernorm-1p) the parameter `scale` holds the scale minus 1, initialised to 0:
     the same norm, but weight decay pulls the scale towards 1 rather than 0."""
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, fields, on_one_gpu
+from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params, fields, on_one_gpu
 from jax3d.parallel.rules import ShardingRules
 
 F32 = jnp.float32

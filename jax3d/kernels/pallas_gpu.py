@@ -8,12 +8,8 @@ import dataclasses
 
 from jax.experimental.pallas import triton as pltriton
 
+from jax3d.kernels import DECODE_KERNELS, KERNELS
 from jax3d.parallel.rules import ShardingRules, traced_platform
-
-# The kernel modules of jax3d.models, each with a `Tuning` of block shapes and warps and its `DEFAULT`: the train
-# step's, and generation's.
-KERNELS = ("fused_gelu", "fused_norm", "fused_qkv", "fused_xent", "fp8_cast")
-DECODE_KERNELS = ("decode_attention", "row_gemv")
 
 
 def on_one_gpu(rules: ShardingRules) -> bool:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jax3d.models import quantized
-from jax3d.models.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
+from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
 from jax3d.models.quantized import Quantized
 from jax3d.parallel.rules import ShardingRules
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax3d.models.pallas_gpu import block_width, check_powers_of_two, compiler_params, on_one_gpu
+from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params, on_one_gpu
 from jax3d.parallel.rules import ShardingRules
 
 F32 = jnp.float32
