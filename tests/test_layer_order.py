@@ -194,6 +194,8 @@ def test_uneven_logical_copy_takes_no_more_memory_than_the_state(tmp_path, mesh,
         assert per_device_bytes(logical, device) <= per_device_bytes(state, device)
     assert "stage" in str(logical.params["blocks"]["mlp"]["up_kernel"].sharding.spec)
 
+    with pytest.raises(ValueError, match="pipeline order"):  # saved without the caller's conversion: refused
+        Checkpointer(cfg[0].replace(train={"save": str(tmp_path / "refused")})).save(1, state, {"consumed_samples": GB})
     ck = Checkpointer(cfg[0].replace(train={"save": str(tmp_path), "save_interval": 1}), to_logical=uneven.logical_state)
     ck.maybe_save(1, state, {"consumed_samples": GB}, force=True)
     ck.close()
