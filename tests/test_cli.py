@@ -241,6 +241,20 @@ def test_fields_adopted_from_the_checkpoint_are_blamed_on_it(tmp_path, monkeypat
             "by --tensor-model-parallel-size 4; pass one of 1, 2") in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_an_interleaved_run_resumes_like_the_uninterrupted_one(tmp_path):
+    """The loop hands the checkpointer its steps' conversion to logical order: an interleaved run (its layers
+    kept in pipeline order) saves halfway, and the resumed curve is the uninterrupted one's."""
+    inter = [*LAYERS, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+             "--train-iters", "4"]
+    whole = _run(tmp_path, "whole", *inter)
+    d = str(tmp_path / "ckpt")
+    first = _run(tmp_path, "first", *inter, "--save", d, "--save-interval", "2", "--exit-interval", "2")
+    rest = _run(tmp_path, "rest", *inter, "--load", d, "--save", d, "--save-interval", "2")
+    assert len(whole) == 4 and (len(first), len(rest)) == (2, 2)
+    np.testing.assert_allclose(np.concatenate([first, rest]), whole, rtol=1e-6)
+
+
 def test_one_process_flags_and_launchers_still_run(monkeypatch):
     """--num-processes 1 --process-id 0 (a launcher at one process) is one process, and under SLURM a
     --process-id alone leaves the rest to SLURM's environment; neither is refused. The runtime is joined
