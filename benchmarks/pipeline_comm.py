@@ -1,6 +1,6 @@
 """Collective-permutes the compiled pipeline executes per step, per schedule, read from the compiled HLO.
 
-Compiles the toy pipeline (jax3d.pipeline.toy, its layer stack stored in pipeline order as the train state
+Compiles the toy pipeline (tests/pipeline_toy.py, its layer stack stored in pipeline order as the train state
 keeps it) or a small GPT's train step on emulated CPU devices and counts `collective-permute`
 instructions where they sit: outside the tick loop (run once), in the loop body (run every tick), or in
 a conditional inside the body (run on the ticks the schedule table says something is sent in that
@@ -107,7 +107,8 @@ def main():
     emulate_cpu_devices(a.stages)
     import jax
 
-    from jax3d.pipeline import make_layout, make_schedule, program, to_pipeline_order, toy
+    from jax3d.pipeline import make_layout, make_schedule, program, to_pipeline_order
+    from tests import pipeline_toy as toy  # the pipeline tests' model (run from the checkout's root)
     mesh = jax.make_mesh((1, a.stages, 1), ("data", "stage", "model"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
     for name in a.schedules:

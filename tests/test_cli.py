@@ -241,17 +241,45 @@ def test_fields_adopted_from_the_checkpoint_are_blamed_on_it(tmp_path, monkeypat
             "by --tensor-model-parallel-size 4; pass one of 1, 2") in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_an_interleaved_run_resumes_like_the_uninterrupted_one(tmp_path):
+    """The loop hands the checkpointer its steps' conversion to logical order: an interleaved run (its layers
+    kept in pipeline order) saves halfway, and the resumed curve is the uninterrupted one's."""
+    inter = [*LAYERS, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+             "--train-iters", "4"]
+    whole = _run(tmp_path, "whole", *inter)
+    d = str(tmp_path / "ckpt")
+    first = _run(tmp_path, "first", *inter, "--save", d, "--save-interval", "2", "--exit-interval", "2")
+    rest = _run(tmp_path, "rest", *inter, "--load", d, "--save", d, "--save-interval", "2")
+    assert len(whole) == 4 and (len(first), len(rest)) == (2, 2)
+    np.testing.assert_allclose(np.concatenate([first, rest]), whole, rtol=1e-6)
+
+
 def test_one_process_flags_and_launchers_still_run(monkeypatch):
     """--num-processes 1 --process-id 0 (a launcher at one process) is one process, and under SLURM a
-    --process-id alone leaves the rest to SLURM's environment; neither is refused."""
+    --process-id alone leaves the rest to SLURM's environment; neither is refused. The runtime is joined
+    exactly where flags or the launcher say there are several processes."""
+    import jax
+
+    from jax3d.config import ConfigError
     from jax3d.parallel.mesh import init_distributed
 
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a: joined.append(a))
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
     init_distributed("", 1, 0)
     init_distributed("", 0, 0)
+    with pytest.raises(ConfigError, match="--process-id 3 is no run jax3d can join"):
+        init_distributed("", 0, 3)  # a process id past 0 with no launcher would run alone
+    assert joined == []
     monkeypatch.setenv("SLURM_NTASKS", "1")
     init_distributed("", 0, 3)
+    assert joined == []  # SLURM with one task: one process
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    init_distributed("", 0, 3)
+    init_distributed("host:1234", 2, 1)
+    assert joined == [(), ("host:1234", 2, 1)]  # SLURM's environment, then the flags
 
 
 def test_sequence_parallel_without_tensor_parallelism_says_it_does_nothing(tmp_path, capsys):

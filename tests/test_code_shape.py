@@ -6,21 +6,20 @@ import os
 from jax3d.cli.train_flags import HelpFormatter, build_parser
 from tests.helpers import ROOT
 
-PKG = os.path.join(ROOT, "jax3d")
 
-
-def _module_name(path: str) -> str:
-    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+def _module_name(path: str, root: str) -> str:
+    rel = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
     return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
-def import_graph() -> dict:
-    """jax3d module -> the jax3d modules it imports, anywhere in its source (functions included)."""
+def import_graph(root: str = ROOT) -> dict:
+    """jax3d module -> the jax3d modules it imports, anywhere in its source (functions included); `root`
+    holds the jax3d/ to read."""
     modules = {}
-    for dirpath, _, files in os.walk(PKG):
+    for dirpath, _, files in os.walk(os.path.join(root, "jax3d")):
         for f in files:
             if f.endswith(".py"):
-                modules[_module_name(os.path.join(dirpath, f))] = os.path.join(dirpath, f)
+                modules[_module_name(os.path.join(dirpath, f), root)] = os.path.join(dirpath, f)
     graph = {}
     for name, path in modules.items():
         package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]

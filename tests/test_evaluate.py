@@ -8,7 +8,7 @@ import pytest
 
 from jax3d.data import default_corpus
 from jax3d.cli.evaluate import main as evaluate_main
-from jax3d.evaluate import evaluate_checkpoint
+from jax3d.train.evaluate import evaluate_checkpoint
 from jax3d.cli.train import main as train_main
 
 ARGS = ["--seed", "3", "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "2", "--global-batch-size", "16",

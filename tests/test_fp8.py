@@ -152,7 +152,7 @@ def run_and_save(tmp_path_factory, cfg, mesh_cfg, mesh, name):
     d = str(tmp_path_factory.mktemp(name))
     cfg = cfg.replace(train={"save": d, "save_interval": 10})
     s = build_steps(cfg, mesh_cfg, mesh)
-    ck = Checkpointer(cfg)
+    ck = Checkpointer(cfg, to_logical=s.logical_state)
     l1, state = test_checkpoint.train(s, s.init_state(cfg.train.seed), 0, 10, ck)
     ck.wait()
     at_10 = jax.device_get(s.logical_state(state).fp8)

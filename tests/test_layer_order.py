@@ -105,7 +105,7 @@ def test_checkpoints_restore_across_layer_orders(plain_and_interleaved, tmp_path
     plain, inter = plain_and_interleaved
     d_inter, d_plain = str(tmp_path / "inter"), str(tmp_path / "plain")
     cfg_i = layout(2, 2, 2, "interleaved", 2)[0].replace(train={"save": d_inter, "save_interval": 3})
-    ck = Checkpointer(cfg_i)
+    ck = Checkpointer(cfg_i, to_logical=inter.logical_state)
     _, _, s = run(inter, inter.init_state(0), 0, 3, ck)
     at3 = host(s)
     at3_logical = host(inter.logical_state(s))
@@ -120,7 +120,7 @@ def test_checkpoints_restore_across_layer_orders(plain_and_interleaved, tmp_path
 
     # onto 1F1B: the logical state bit for bit, then the same curve as the uninterrupted run
     cfg_p = layout(2, 2, 2)[0].replace(train={"load": d_inter, "ckpt_step": 3, "save": d_plain, "save_interval": 6})
-    ck_p = Checkpointer(cfg_p)
+    ck_p = Checkpointer(cfg_p, to_logical=plain.logical_state)
     state, _ = ck_p.restore(plain)
     assert_equal(host(state), at3_logical)
     resumed, _, state = run(plain, state, 3, 6, ck_p)
@@ -194,7 +194,9 @@ def test_uneven_logical_copy_takes_no_more_memory_than_the_state(tmp_path, mesh,
         assert per_device_bytes(logical, device) <= per_device_bytes(state, device)
     assert "stage" in str(logical.params["blocks"]["mlp"]["up_kernel"].sharding.spec)
 
-    ck = Checkpointer(cfg[0].replace(train={"save": str(tmp_path), "save_interval": 1}))
+    with pytest.raises(ValueError, match="pipeline order"):  # saved without the caller's conversion: refused
+        Checkpointer(cfg[0].replace(train={"save": str(tmp_path / "refused")})).save(1, state, {"consumed_samples": GB})
+    ck = Checkpointer(cfg[0].replace(train={"save": str(tmp_path), "save_interval": 1}), to_logical=uneven.logical_state)
     ck.maybe_save(1, state, {"consumed_samples": GB}, force=True)
     ck.close()
     other_cfg = layout(*mesh, counts=(2, 3), zero=zero, layers=5)

@@ -8,7 +8,8 @@ import pytest
 
 from jax3d import dropout_keys
 from jax3d.pipeline import (PipelineError, from_pipeline_order, make_layout, make_schedule,
-                            pipeline_value_and_grad, to_pipeline_order, toy)
+                            pipeline_value_and_grad, to_pipeline_order)
+from tests import pipeline_toy as toy
 
 RTOL = 1e-5
 

@@ -2,7 +2,8 @@
 import jax
 import pytest
 
-from jax3d.pipeline import make_schedule, toy
+from jax3d.pipeline import make_schedule
+from tests import pipeline_toy as toy
 
 
 @pytest.fixture(scope="module")

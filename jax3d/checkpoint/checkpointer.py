@@ -11,7 +11,9 @@ The saved pytree and its global shapes don't depend on the (data, stage, model) 
 only the shardings do. Restoring onto another layout is therefore an ordinary orbax restore with the new
 run's shardings as targets: every process reads just the slices its devices hold. A run whose state keeps
 its layer stack in pipeline order (interleaved or uneven stages, train/layer_order.py) saves a logical-order
-copy (held on the devices until orbax has copied it to the host) and reorders what it restores, once.
+copy (held on the devices until orbax has copied it to the host) and reorders what it restores, once. Both
+conversions come from the caller (`to_logical`, and `restore`'s `steps`): the checkpointer knows the saved
+schema, not the train state's layer order.
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it when complete, so a save killed
 half-way never shows up as a step and the previous one stays the latest.
@@ -30,6 +32,8 @@ import numpy as np
 
 from jax3d.config import Config, ConfigError, ModelConfig, as_tuple
 from jax3d.parallel import with_shardings
+from jax3d.parallel.pipeline_spec import PipelineSpec
+from jax3d.pipeline.layout import state_layout
 from jax3d.checkpoint.files import check_files, record_checksums, record_files
 from jax3d.checkpoint.read import (list_steps, manager, no_checkpoint, orbax_checkpoint, read_meta, resolve_step,
                                    restore_arrays)
@@ -83,7 +87,7 @@ def _same_dir(a: str, b: str) -> bool:
 
 
 class Checkpointer:
-    """Saves and restores the train state for `jax3d.train.loop.train`.
+    """Saves and restores the train state for the training loop.
 
     `restore(steps)` -> (TrainState on `steps.state_shardings`, consumed_samples), or (None, 0) to start
     fresh. `maybe_save(step, state, loader_state, force)` saves every `--save-interval` steps (and when
@@ -91,8 +95,11 @@ class Checkpointer:
     (donating) train step may run while the files are written. `wait()` blocks until writes finish.
     """
 
-    def __init__(self, cfg: Config, tokenizer=None, *, async_save: bool = True, checked: int | None = None):
-        """`checked`: the step of `--load` whose files the caller has already checked (`check_files`)."""
+    def __init__(self, cfg: Config, tokenizer=None, *, async_save: bool = True, checked: int | None = None,
+                 to_logical=None):
+        """`checked`: the step of `--load` whose files the caller has already checked (`check_files`).
+        `to_logical`: the train state -> a copy in logical layer order (`Steps.logical_state`), which saves
+        need where the state keeps its layers in pipeline order; None: states are saved as given."""
         tr = cfg.train
         self.cfg = cfg
         self.save_dir = tr.save
@@ -110,7 +117,7 @@ class Checkpointer:
         self._signal = 0
         self._old_handlers = {}
         self._sync_every = max(1, tr.log_interval)
-        self._to_logical = {}  # mesh -> jitted state_to_logical, or None where the state is logical
+        self.to_logical = to_logical
         self.last_save_blocked_s = 0.0  # how long the last save call held the training loop
 
     def check_save_dir(self) -> None:
@@ -257,16 +264,13 @@ class Checkpointer:
 
     def _logical(self, state, mesh):
         """The state in logical layer order, as checkpoints hold it (the state itself when it is)."""
-        from jax3d.train.layer_order import LayerOrder
-
-        if mesh not in self._to_logical:
-            stages = int(mesh.shape["stage"]) if mesh is not None and "stage" in mesh.shape else 1
-            order = LayerOrder.of(self.cfg, stages)
-            self._to_logical[mesh] = None if order.logical else jax.jit(
-                order.state_to_logical,
-                out_shardings=order.logical_shardings(state))
-        convert = self._to_logical[mesh]
-        return state if convert is None else convert(state)
+        if self.to_logical is not None:
+            return self.to_logical(state)
+        stages = int(mesh.shape["stage"]) if mesh is not None and "stage" in mesh.shape else 1
+        if state_layout(PipelineSpec.of(self.cfg, stages, data=1), self.cfg.model.num_layers) is not None:
+            raise ValueError("this train state keeps its layers in pipeline order; pass "
+                             "Checkpointer(..., to_logical=steps.logical_state) to save it in logical order")
+        return state
 
     def due(self, step: int, force: bool = False) -> bool:
         """Whether `maybe_save` would save `step` (signals aside): a `--save-interval` multiple, or forced."""
@@ -275,7 +279,7 @@ class Checkpointer:
 
     def maybe_save(self, step: int, state, loader_state: dict, force: bool = False, hold: bool = False) -> bool:
         """Saves at `--save-interval` multiples, when forced, and on a caught signal (then raises). With `hold`
-        (the state's last updates were all skipped, jax3d.train.skipped) nothing is saved: the save would
+        (the state's last updates were all skipped for non-finite gradients) nothing is saved: the save would
         rotate a checkpoint that still trains away (--keep-checkpoints) for one that may not."""
         if self._writing is not None and not self.manager().is_saving_in_progress():
             self._report_written()
@@ -350,13 +354,13 @@ class Checkpointer:
 
 
 def restore_state(directory: str, step: int, steps, fresh=frozenset(), checked: bool = False):
-    """Restores checkpoint `step` onto `steps` (its model checked first); returns (TrainState, meta, the parts
-    started anew). The parts `fresh` names ("step", "opt_state", "rng", "loss_scale", "fp8"), and those the checkpoint
-    was saved without (--no-save-optim, --no-save-rng), are not read but started as a new run starts them; a
-    fresh optimizer state under a restored step counts from that step, so the learning-rate schedule goes on.
+    """Restores checkpoint `step` onto `steps` (the run's `Steps`, whose model is checked first and whose
+    shardings, optimizer, new-run values and layer order the restore uses); returns (train state, meta, the
+    parts started anew). The parts `fresh` names ("step", "opt_state", "rng", "loss_scale", "fp8"), and those
+    the checkpoint was saved without (--no-save-optim, --no-save-rng), are not read but started as a new run
+    starts them; a fresh optimizer state under a restored step counts from that step, so the learning-rate
+    schedule goes on.
     `checked`: `check_files` already read the step's checksums."""
-    from jax3d.train.state import TrainState, initial_loss_scale, seed_keys
-
     meta = read_meta(directory, step)
     check_model_compatible(meta["config"]["model"], steps.cfg.model, f"{directory} step {step}")
     saved = meta.get("saved") or {}
@@ -372,20 +376,18 @@ def restore_state(directory: str, step: int, steps, fresh=frozenset(), checked: 
                        else (), checked=checked)
     t = dict(r.train) if train_t else {}
     shardings = steps.logical_shardings
-    if "step" in fresh:
-        t["step"] = jax.device_put(np.int32(0), shardings.step)
-    if "loss_scale" in fresh:
-        t["loss_scale"] = jax.device_put(initial_loss_scale(steps.cfg.precision), shardings.loss_scale)
-    if "rng" in fresh:
-        t["rng"] = jax.device_put(jax.random.key_data(seed_keys(steps.cfg.train.seed)[1]), shardings.rng)
+    new = steps.new_run_parts() if fresh & {"step", "loss_scale", "rng"} else {}
+    for k in ("step", "loss_scale", "rng"):
+        if k in fresh:
+            t[k] = jax.device_put(new[k], getattr(shardings, k))
     if "fp8" in fresh and targets.fp8 is not None:
         t["fp8"] = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), targets.fp8)
     if "opt_state" in fresh:
         applied = int(t["step"]) - int(t["loss_scale"].skipped)  # optax counts the updates applied
         t["opt_state"] = jax.jit(lambda p: _counting_from(steps.optimizer.init(p), applied),
                                  out_shardings=shardings.opt_state)(r.params)
-    state = TrainState(step=t["step"], params=r.params, opt_state=t["opt_state"], rng=t["rng"],
-                       loss_scale=t["loss_scale"], fp8=t.get("fp8"))
+    state = targets.replace(step=t["step"], params=r.params, opt_state=t["opt_state"], rng=t["rng"],
+                            loss_scale=t["loss_scale"], fp8=t.get("fp8"))
     return steps.state_from_logical(state), meta, fresh
 
 

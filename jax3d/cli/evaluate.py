@@ -1,4 +1,4 @@
-"""`launch/evaluate.py`: loss and perplexity of a checkpoint over a data set (jax3d.evaluate does the work)."""
+"""`launch/evaluate.py`: loss and perplexity of a checkpoint over a data set (jax3d.train.evaluate does the work)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, add_model_parallel_flags, run_command
 from jax3d.config import ConfigError
 from jax3d.data.indexed import DataError
-from jax3d.evaluate import SPLITS, evaluate_checkpoint
+from jax3d.train.evaluate import SPLITS, evaluate_checkpoint
 
 
 def main(argv=None) -> int:

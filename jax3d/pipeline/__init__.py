@@ -13,7 +13,7 @@ _EXPORTS = {
     "bubble_fraction": "schedules", "live_activations": "schedules", "make_schedule": "schedules",
     "simulate": "schedules", "validate": "schedules",
 }
-_MODULES = ("passes", "program", "residuals", "toy", "loop", "layout", "schedules")
+_MODULES = ("passes", "program", "residuals", "loop", "layout", "schedules")
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, _MODULES)

@@ -75,6 +75,15 @@ def make_layout(num_layers: int, stages: int, virtual_stages: int = 1,
     return LayerLayout(p, v, num_layers, rows)
 
 
+def state_layout(pipeline, num_layers: int) -> LayerLayout | None:
+    """The layout a train state stores its `num_layers` layers in under `pipeline` (a PipelineSpec), or None
+    when that is logical order (no pipeline, or one whose layout is the identity)."""
+    if not pipeline.pipelined:
+        return None
+    layout = make_layout(num_layers, pipeline.stages, pipeline.virtual_stages, pipeline.layer_counts)
+    return None if layout.is_identity else layout
+
+
 def to_pipeline_order(stacked, layout: LayerLayout):
     """Permute (and pad with zero rows) a stacked-layer pytree from logical order to pipeline order.
 

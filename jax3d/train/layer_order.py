@@ -25,17 +25,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax3d.parallel.pipeline_spec import PipelineSpec
-from jax3d.pipeline.layout import LayerLayout, from_pipeline_order, make_layout, to_pipeline_order
-
-
-def state_layout(pipeline: PipelineSpec, num_layers: int) -> LayerLayout | None:
-    """The layout the train state stores its `num_layers` layers in under `pipeline`, or None when that
-    is logical order (no pipeline, or one whose layout is the identity)."""
-    if not pipeline.pipelined:
-        return None
-    layout = make_layout(num_layers, pipeline.stages, pipeline.virtual_stages, pipeline.layer_counts)
-    return None if layout.is_identity else layout
+from jax3d.pipeline.layout import LayerLayout, from_pipeline_order, to_pipeline_order
 
 
 def _stack_flags(params):
@@ -51,14 +41,6 @@ class LayerOrder:
 
     def __init__(self, layout: LayerLayout | None, optimizer: optax.GradientTransformation):
         self.layout, self.optimizer = layout, optimizer
-
-    @classmethod
-    def of(cls, cfg, stages: int) -> "LayerOrder":
-        """The order of a state of `cfg` on `stages` pipeline stages (whatever the data size: it decides
-        the micro-batches, not where the layers go)."""
-        from jax3d.train.optimizer import make_optimizer
-        layout = state_layout(PipelineSpec.of(cfg, stages, data=1), cfg.model.num_layers)
-        return cls(layout, make_optimizer(cfg.optim, cfg.train.train_iters))
 
     @property
     def logical(self) -> bool:

@@ -215,6 +215,7 @@ def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, chec
                        "state and its logical-order copy at once,", STATE_FIXES)
     state, consumed = None, 0
     if checkpointer is not None:
+        checkpointer.to_logical = steps.logical_state  # saves hold logical layer order (layer_order.py)
         state, consumed = checkpointer.restore(steps, saved)
     start = int(state.step) if state is not None else 0
     end = final  # past start: a finished run returned above

@@ -25,7 +25,7 @@ from jax3d.parallel.plan import Plan
 from jax3d.pipeline import make_schedule
 from jax3d.pipeline.loop import pipeline_value_and_grad
 from jax3d.pipeline.schedules import summary
-from jax3d.train.layer_order import state_layout
+from jax3d.pipeline.layout import state_layout
 
 
 def data_dim(spec) -> int:

@@ -14,6 +14,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -26,7 +27,8 @@ from jax3d.parallel import (ShardingRules, cast_for_compute, constrain_tree, nam
 from jax3d.parallel.mesh import MeshConfig, with_auto_axes
 from jax3d.parallel.plan import Plan
 from jax3d.train.fp8 import Recipe, compiler_options, history_specs
-from jax3d.train.layer_order import LayerOrder, state_layout
+from jax3d.pipeline.layout import state_layout
+from jax3d.train.layer_order import LayerOrder
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
 from jax3d.train.state import TrainState, initial_loss_scale, seed_keys, update_loss_scale
@@ -92,6 +94,12 @@ class Steps:
         """The conversion to logical order that saves and restores run, compiled from abstract shapes;
         its memory analysis is their peak. Only for a state not in logical order."""
         return self._to_logical.lower(abstract_state(self)).compile()
+
+    def new_run_parts(self) -> dict:
+        """What a new run starts its step, loss scale and RNG at (`init_state` with `--seed`): a restore
+        starts the parts it doesn't read (--finetune, --no-load-rng, ...) from these."""
+        return {"step": np.int32(0), "loss_scale": initial_loss_scale(self.cfg.precision),
+                "rng": jax.random.key_data(seed_keys(self.cfg.train.seed)[1])}
 
     def state_from_logical(self, state: TrainState) -> TrainState:
         """A logical-order train state in the state's order (donates its argument)."""
