@@ -6,6 +6,8 @@ import os
 from jax3d.cli.train_flags import HelpFormatter, build_parser
 from tests.helpers import ROOT
 
+PKG = os.path.join(ROOT, "jax3d")
+
 
 def _module_name(path: str, root: str) -> str:
     rel = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
