@@ -71,7 +71,7 @@ def uninterrupted(tmp_path_factory, cfg, mesh_cfg, mesh, name):
     d = str(tmp_path_factory.mktemp(name))
     cfg = cfg.replace(train={"save": d, "save_interval": 10})
     steps = build_steps(cfg, mesh_cfg, mesh)
-    ck = Checkpointer(cfg)
+    ck = Checkpointer(cfg, to_logical=steps.logical_state)
     losses, state = train(steps, steps.init_state(cfg.train.seed), 0, 20, ck)
     ck.wait()
     return {"dir": d, "losses": losses, "params": jax.device_get(state.params), "cfg": cfg}
