@@ -14,6 +14,7 @@ import re
 
 from jax3d.cli.deepspeed import apply_deepspeed_json, check_accumulation, deepspeed_dests, read_deepspeed_json
 from jax3d.cli.megatron_flags import ACCEPTED, ACT, FLAGS, MOE_GROUP, REFUSED, Flag
+from jax3d.cli.common import is_number
 from jax3d.config import Config, ConfigError
 
 
@@ -262,16 +263,8 @@ def apply_aliases(a) -> None:
         setattr(a, dst, v)
         setattr(a, src, None)
     if a.aml_data_download_path:
-        a.data_path = [p if _is_number(p) else f"{a.aml_data_download_path}/{p}" for p in a.data_path]
+        a.data_path = [p if is_number(p) else f"{a.aml_data_download_path}/{p}" for p in a.data_path]
         a.aml_data_download_path = None
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return True
 
 
 def _profile_steps(a) -> tuple[int, ...]:

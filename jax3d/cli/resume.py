@@ -14,6 +14,7 @@ import os
 from jax3d.checkpoint.checkpointer import FREE_MODEL_FIELDS, check_model_compatible
 from jax3d.checkpoint.read import list_steps, read_meta, resolve_step
 from jax3d.checkpoint.record import file_fingerprint, idx_fingerprint
+from jax3d.cli.common import is_number
 from jax3d.config import (TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, ModelConfig, OptimConfig, as_tuple,
                           config_from_dict)
 
@@ -180,21 +181,13 @@ def _adopt_data(d: DataConfig, saved: DataConfig, meta: dict, load_dir: str, giv
 
 
 def _shown(data_path) -> list[str]:
-    return [p if _is_number(p) else os.path.relpath(p) for p in data_path]
+    return [p if is_number(p) else os.path.relpath(p) for p in data_path]
 
 
 def _paths_shown(paths: dict) -> str:
     """{path field: paths} as flags (`--train-data-path a --valid-data-path b`), or the bundled corpus."""
     return " ".join(f"--{f.replace('_', '-')} {' '.join(_shown(p))}" for f, p in paths.items() if p) or \
         "the bundled corpus"
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
 
 
 def _refuse(load_dir: str, this: str, recorded: str) -> None:
