@@ -1,0 +1,53 @@
+"""Which Pallas kernels a run uses, with which settings: decided once, by the plan, and handed to the model.
+
+The kernels are not partitioned over a mesh, so they run where the step runs on one GPU; elsewhere every layer
+runs its plain JAX function. Benchmarks ask for other settings, or leave a kernel out to measure it, by resolving
+another policy (`KernelPolicy.resolve(..., tunings=..., off=...)`), never by a context or a patch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax3d.kernels import DECODE_KERNELS, KERNELS, module
+
+
+def kernel_of(tuning) -> str:
+    """The kernel's name ("fused_gelu") that a Tuning belongs to."""
+    return type(tuning).__module__.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """The kernels that run, each with its Tuning, and the platform the run traces for; hashable, so Flax
+    modules can hold it as a field."""
+
+    tunings: tuple[tuple[str, object], ...] = ()
+    platform: str = "cpu"
+
+    @classmethod
+    def resolve(cls, platform: str, num_devices: int, *, tunings=(), off=()) -> "KernelPolicy":
+        """The policy of a run on `num_devices` devices of `platform` ("cpu", "gpu", ...): every kernel at its
+        DEFAULT on one GPU, none elsewhere; `tunings` replace defaults, `off` names kernels left out.
+        Raises ValueError naming an unknown kernel."""
+        unknown = sorted(set(off) - set(KERNELS + DECODE_KERNELS))
+        if unknown:
+            raise ValueError(f"no kernel {', '.join(unknown)}; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
+        if platform != "gpu" or num_devices != 1:
+            return cls((), platform)
+        chosen = {name: module(name).DEFAULT for name in KERNELS + DECODE_KERNELS}
+        chosen.update({kernel_of(t): t for t in tunings})
+        for name in off:
+            chosen.pop(name, None)
+        return cls(tuple(sorted(chosen.items())), platform)
+
+    @classmethod
+    def none(cls, platform: str = "cpu") -> "KernelPolicy":
+        """No kernel: every layer's plain JAX function."""
+        return cls((), platform)
+
+    def tuning(self, name: str):
+        """The Tuning kernel `name` runs with, or None where it does not run."""
+        return dict(self.tunings).get(name)
+
+    def uses(self, name: str) -> bool:
+        return self.tuning(name) is not None
