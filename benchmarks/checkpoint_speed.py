@@ -37,8 +37,8 @@ def main():
     import numpy as np
 
     from jax3d.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from jax3d.parallel.mesh import MeshConfig
     from jax3d.checkpoint.checkpointer import Checkpointer
+    from jax3d.parallel.plan import resolve
     from jax3d.train.step import build_steps
 
     model = ModelConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50304,
@@ -48,8 +48,8 @@ def main():
         d, s, m = layout
         cfg = Config(model=model, parallel=ParallelConfig(tensor_parallel=m, pipeline_parallel=s, zero_stage=zero),
                      train=TrainConfig(micro_batch_size=1, global_batch_size=8 * d, save=a.dir))
-        mesh_cfg = MeshConfig(d, s, m)
-        return cfg, build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
+        plan = resolve(cfg, d * s * m)
+        return plan.cfg, build_steps(plan)
 
     shutil.rmtree(a.dir, ignore_errors=True)
     cfg, steps = steps_for(a.layout, a.zero)

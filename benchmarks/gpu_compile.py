@@ -111,7 +111,7 @@ def step(a, topology) -> None:
     plan = resolve(config_for(run), 1)
     mesh = topologies.make_mesh(topology, (1, 1, 1), ("data", "stage", "model"))
     with kernel_settings(run):
-        steps = build_steps(plan.cfg, plan.mesh, mesh)
+        steps = build_steps(plan, mesh)
         lowered = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes()))
         compiled = lowered.compile(compiler_options=_options(a.opt) or None)
     print(json.dumps({"step": run.label(), "peak_gib": round(step_peak_bytes(compiled) / 2**30, 2),

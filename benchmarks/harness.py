@@ -217,13 +217,11 @@ def build(run: Run):
 
 
 def _steps_for(cfg, num_devices: int):
-    import jax
-
     from jax3d.parallel.plan import resolve
     from jax3d.train.step import build_steps
 
     plan = resolve(cfg, num_devices)
-    return build_steps(plan.cfg, plan.mesh, plan.mesh.build(jax.devices()[:num_devices]))
+    return build_steps(plan)
 
 
 def host_shortfall(need: int, at_least: bool = False) -> str | None:

@@ -80,7 +80,7 @@ def step_fingerprint(shape: str = "1.3b-b16", ablate: tuple[str, ...] = (), laye
                                                   lambda rules: rules.single_device()))
         stack.enter_context(kernel_settings(run))
         plan = resolve(cfg, 1)
-        steps = build_steps(plan.cfg, plan.mesh, plan.mesh.build(jax.devices()[:1]))
+        steps = build_steps(plan)
         with jax.set_mesh(steps.mesh):
             return _sha1(steps.train_step.fn.trace(abstract_state(steps),
                                                    abstract_batch(steps, steps.model.sample_shapes())).jaxpr)

@@ -80,7 +80,7 @@ def _gpt_step_hlo(stages, m, schedule, virtual, counts=()):
                                          virtual_stages=virtual, pipeline_layout=tuple(counts)),
                  train=TrainConfig(micro_batch_size=2, global_batch_size=2 * m))
     plan = resolve(cfg, stages)
-    steps = build_steps(plan.cfg, plan.mesh, plan.mesh.build())
+    steps = build_steps(plan, plan.mesh.build())
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          steps.abstract_state, steps.state_shardings)
     batch = abstract_batch(steps, steps.model.sample_shapes())

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
                              train=TrainConfig(micro_batch_size=a.micro_batch_size,
                                                global_batch_size=a.micro_batch_size * m * data))
                 plan = resolve(cfg, data * stage * model)
-                r = dry_run(plan.cfg, plan.mesh, plan.mesh.build())
+                r = dry_run(plan, plan.mesh.build())
                 print(json.dumps({"mesh": a.mesh, "schedule": schedule, "microbatches": r["micro_batches"],
                                   "zero": zero, "recompute": a.recompute,
                                   **{f"{k}_mib": round(r[k] / 2**20, 1)

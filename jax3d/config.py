@@ -159,7 +159,7 @@ class ParallelConfig:
     data_parallel: int = 0  # 0: devices / (tp * pp)
     zero_stage: int | None = 0  # None: ZeRO-1 when there is data parallelism, else 0
     sequence_parallel: bool = False
-    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1
+    pipeline_schedule: str | None = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1; None: resolve picks
     virtual_stages: int = 1
     layers_per_virtual_stage: int = 0  # when set, resolve derives virtual_stages from it
     pipeline_layout: tuple[int, ...] = ()  # layers per stage, when they don't divide evenly
@@ -194,7 +194,7 @@ class OptimConfig:
     lr_warmup_tokens: int = 0
     lr_decay_tokens: int = 0
     # What one update counts for such a schedule: (global batch, sequence length[, ramp start, increment, ramp
-    # samples]), from the train and model config (jax3d.train.counts.settle).
+    # samples]), from the train and model config (jax3d.counts.settle).
     counted_batch: tuple[int, ...] = ()
 
 
@@ -297,7 +297,7 @@ class TrainConfig:
     no_load_rng: bool = False
     no_save_optim: bool = False
     no_save_rng: bool = False
-    # Megatron's counts of a run (jax3d.train.counts): its length in samples (0: train_iters counts it), a stop
+    # Megatron's counts of a run (jax3d.counts): its length in samples (0: train_iters counts it), a stop
     # in tokens, and the global batch's ramp (start, increment, samples).
     train_samples: int = 0
     train_tokens: int = 0
@@ -348,6 +348,15 @@ def config_from_dict(d: dict) -> Config:
     return Config(model=build(ModelConfig, d.get("model")), parallel=build(ParallelConfig, d.get("parallel")),
                   optim=build(OptimConfig, d.get("optim")), precision=build(PrecisionConfig, d.get("precision")),
                   data=build(DataConfig, d.get("data")), train=build(TrainConfig, d.get("train")))
+
+
+def is_number(s: str) -> bool:
+    """Whether a command-line word is a number (a blend weight in --data-path), not a path."""
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
 
 
 def as_tuple(v):

@@ -16,6 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jax3d.parallel.mesh import emulate_cpu_devices  # noqa: E402  (imports no JAX backend)
+from jax3d.parallel.plan import Plan
 
 
 def crash(directory):
@@ -30,7 +31,7 @@ def crash(directory):
     cfg, mesh_cfg, mesh = tiny_config(model_kw=dict(num_layers=4, hidden_size=512, num_attention_heads=8,
                                                     vocab_size=32768, seq_length=16), micro=1, global_batch=1)
     cfg = cfg.replace(train={"save": directory, "save_interval": 1})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(0)
     ck = Checkpointer(cfg)
     ck.save(1, state, {"consumed_samples": 1}, wait=True)
@@ -53,7 +54,7 @@ def multiproc(port, pid, load, save, out):
 
     cfg, mesh_cfg, mesh = layout(2, 1, 4, zero=1)
     cfg = cfg.replace(train={"load": load, "ckpt_step": 10, "save": save, "save_interval": 10})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     ck = Checkpointer(cfg)
     state, consumed = ck.restore(steps)
     assert int(state.step) == 10 and consumed == 10 * cfg.train.global_batch_size

@@ -104,3 +104,11 @@ def subprocess_env(drop=("XLA_FLAGS",)) -> dict:
             env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = ROOT
     return env
+
+
+def as_plan(resolved: tuple) -> tuple:
+    """(the Plan of a resolved (Config, MeshConfig), the jax Mesh): `tiny_config`'s triple as `build_steps` takes it."""
+    from jax3d.parallel.plan import Plan
+
+    cfg, mesh_cfg, mesh = resolved
+    return Plan(cfg, mesh_cfg), mesh

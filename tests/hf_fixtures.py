@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models for the import / export / generation tests (transformers and torch)."""
 import torch
 import transformers
+from jax3d.parallel.plan import Plan
 
 TEXT = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"] * 50  # to train tokenizers on
 
@@ -68,7 +69,7 @@ def jax3d_checkpoint_with_tokenizer(path, model_type, seed=0):
     assert tok.vocab_size % 128, tok.vocab_size  # or there would be no padding rows to cut
     cfg, mesh_cfg, mesh = tiny_config(model_kw=dict(**model_kw, vocab_size=padded(tok.vocab_size, 128)))
     cfg = cfg.replace(train={"save": str(path / "ckpt")}, data={"tokenizer_type": tok_type, **files})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(seed)
     # Random biases and norms too, so that a misplaced tensor shows.
     params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape), state.params)

@@ -5,6 +5,7 @@ import pytest
 
 from jax3d.train.step import build_steps
 from tests.helpers import tiny_config
+from jax3d.parallel.plan import Plan
 
 SEQ, VOCAB, BATCH, STEPS = 16, 256, 8, 10
 
@@ -27,7 +28,7 @@ def train_bert(data, stage, model, schedule="1f1b", zero=0, virtual=1, sequence_
                                       sequence_parallel=sequence_parallel,
                                       model_kw=dict(num_layers=4, model_type="bert", seq_length=SEQ, vocab_size=VOCAB,
                                                     hidden_dropout=dropout, attention_dropout=dropout))
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(1)
     out = []
     for i in range(num_steps):

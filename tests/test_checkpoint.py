@@ -17,6 +17,8 @@ from jax3d.checkpoint.checkpointer import Checkpointer, TrainingInterrupted
 from jax3d.checkpoint.read import list_steps, read_meta
 from jax3d.train.step import build_steps
 from tests.helpers import ROOT, free_port, subprocess_env, tiny_config
+from jax3d.parallel.plan import Plan
+from tests.helpers import as_plan
 
 GB = 16
 WORKER = os.path.join(ROOT, "tests", "checkpoint_worker.py")
@@ -70,7 +72,7 @@ def uninterrupted(tmp_path_factory, cfg, mesh_cfg, mesh, name):
     """20 steps straight, saving step 10 asynchronously while steps 11-20 run (they donate the state)."""
     d = str(tmp_path_factory.mktemp(name))
     cfg = cfg.replace(train={"save": d, "save_interval": 10})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     ck = Checkpointer(cfg, to_logical=steps.logical_state)
     losses, state = train(steps, steps.init_state(cfg.train.seed), 0, 20, ck)
     ck.wait()
@@ -79,7 +81,7 @@ def uninterrupted(tmp_path_factory, cfg, mesh_cfg, mesh, name):
 
 def resume(ref, cfg, mesh_cfg, mesh, step=10):
     cfg = cfg.replace(train={"load": ref["dir"], "ckpt_step": step})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state, consumed = Checkpointer(cfg).restore(steps)
     assert int(state.step) == step and consumed == step * GB
     assert jax.tree.structure(state) == jax.tree.structure(steps.abstract_state)
@@ -147,7 +149,7 @@ def test_two_process_restore_and_save(gpt_ref, tmp_path):
     with open(os.path.join(save, "20", "jax3d_files.json")) as f:
         assert sorted([*sums[0], *sums[1]]) == sorted(json.load(f)) and sums[0] and sums[1]
     cfg, mesh_cfg, mesh = layout(8, 1, 1)
-    steps = build_steps(cfg.replace(train={"load": save}), mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg.replace(train={"load": save}), mesh_cfg), mesh)
     state, consumed = Checkpointer(steps.cfg).restore(steps)
     assert int(state.step) == 20 and consumed == 20 * GB
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),
@@ -179,7 +181,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     cfg, mesh_cfg, mesh = tiny_config(model_kw=dict(num_layers=4, hidden_size=512, num_attention_heads=8,
                                                     vocab_size=32768, seq_length=16), micro=1, global_batch=1)
     cfg = cfg.replace(train={"load": d, "save": d, "save_interval": 1})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     ck = Checkpointer(cfg)
     state, consumed = ck.restore(steps)
     assert int(state.step) == 0 and consumed == 1  # step 1's save held the state of step 0
@@ -195,7 +197,7 @@ def small_ckpt(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("small"))
     cfg, mesh_cfg, mesh = layout(8, 1, 1)
     cfg = cfg.replace(train={"save": d, "save_interval": 1})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     ck = Checkpointer(cfg)
     train(steps, steps.init_state(0), 0, 2, ck)
     ck.wait()
@@ -210,19 +212,19 @@ def test_model_config_mismatch_names_the_field(small_ckpt):
     cfg, mesh_cfg, mesh, _ = small_ckpt
     d = cfg.train.save
     other = layout(8, 1, 1, model_kw=dict(hidden_size=128))
-    steps = build_steps(*other)
+    steps = build_steps(*as_plan(other))
     with pytest.raises(ConfigError, match="--hidden-size 64 but this run has --hidden-size 128"):
         _restore(other[0], steps, load=d)
     other = layout(8, 1, 1, model_kw=dict(vocab_size=512))
     with pytest.raises(ConfigError, match="--vocab-size 256 .*--vocab-size 512"):
-        _restore(other[0], build_steps(*other), load=d)
+        _restore(other[0], build_steps(*as_plan(other)), load=d)
 
 
 def test_a_preset_that_differs_from_the_checkpoint_is_named_before_the_layout_check(small_ckpt):
     """--load with --preset gpt-125m: the preset's layer count is what differs (the run blamed the
     checkpoint's --max-position-embeddings, a flag never given, for a layout that could not fit)."""
     from jax3d.cli.train_flags import build_parser, config_from_args
-    from jax3d.cli.resume import adopt_saved_model
+    from jax3d.train.resume import adopt_saved_model
 
     d = small_ckpt[0].train.save
     argv = ["--load", d, "--preset", "gpt-125m"]
@@ -237,7 +239,7 @@ def test_a_preset_that_differs_from_the_checkpoint_is_named_before_the_layout_ch
 def test_free_fields_may_differ(small_ckpt):
     cfg, _, _, _ = small_ckpt
     other = layout(8, 1, 1, model_kw=dict(hidden_dropout=0.0, recompute="full", scan_layers=True))
-    state, consumed = _restore(other[0], build_steps(*other), load=cfg.train.save)
+    state, consumed = _restore(other[0], build_steps(*as_plan(other)), load=cfg.train.save)
     assert int(state.step) == 2 and consumed == 2 * GB
 
 
@@ -400,7 +402,7 @@ def test_finished_run_stops_before_compiling(small_ckpt, monkeypatch, capsys):
     cfg, mesh_cfg, mesh, _ = small_ckpt
     monkeypatch.setattr(loop, "build_steps", lambda *a: pytest.fail("a finished run built its step"))
     done = cfg.replace(train={"load": cfg.train.save, "train_iters": 2})
-    assert loop.train(done, mesh_cfg, mesh, None, checkpointer=Checkpointer(done)) == {}
+    assert loop.train(Plan(done, mesh_cfg), mesh, None, checkpointer=Checkpointer(done)) == {}
     assert "nothing to do: the checkpoint is already at step 2 of 2" in capsys.readouterr().err
 
 
@@ -414,7 +416,7 @@ def test_fresh_run_refuses_a_save_dir_with_checkpoints(small_ckpt, monkeypatch):
     monkeypatch.setattr(loop, "build_steps", lambda *a: pytest.fail("a refused run built its step"))
     for other in (cfg.replace(train={"load": ""}), cfg.replace(train={"load": str(d) + "-elsewhere"})):
         with pytest.raises(ConfigError, match=f"--save {d} already holds checkpoints .* pass --load {d}"):
-            loop.train(other, mesh_cfg, mesh, None, checkpointer=Checkpointer(other))
+            loop.train(Plan(other, mesh_cfg), mesh, None, checkpointer=Checkpointer(other))
     assert list_steps(d) == [1, 2]
     Checkpointer(cfg.replace(train={"load": d})).check_save_dir()  # continuing the run is fine
 
@@ -525,7 +527,7 @@ def test_a_step_folder_given_as_load_names_the_flags_to_pass(small_ckpt):
 def test_the_fields_load_adopts_are_those_no_given_flag_sets():
     """What errors then blame on the checkpoint, also where its value equals the flag's default (a layout
     error named --num-layers 2, the default, as if the user had typed it)."""
-    from jax3d.cli.resume import adopted_fields
+    from jax3d.train.resume import adopted_fields
 
     everything = adopted_fields({"load"})
     assert {"num_layers", "hidden_size", "vocab_size", "activation"} <= everything

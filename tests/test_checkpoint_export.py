@@ -14,6 +14,7 @@ from jax3d.checkpoint.export import export, read_safetensors
 from jax3d.checkpoint.checkpointer import Checkpointer
 from jax3d.train.step import build_steps
 from tests.helpers import ROOT, subprocess_env, tiny_config
+from jax3d.parallel.plan import Plan
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def sharded_ckpt(tmp_path_factory):
     cfg, mesh_cfg, mesh = tiny_config(data=2, model=4, zero=3, micro=2, global_batch=4,
                                       model_kw=dict(model_type="bert"))
     cfg = cfg.replace(train={"save": d})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(3)
     ck = Checkpointer(cfg)
     ck.save(5, state, {"consumed_samples": 20}, wait=True)

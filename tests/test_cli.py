@@ -226,7 +226,7 @@ def test_dry_run_reports_the_peak_the_memory_guard_checks(tmp_path, monkeypatch,
 
 
 def test_fields_adopted_from_the_checkpoint_are_blamed_on_it(tmp_path, monkeypatch, capsys):
-    from jax3d.cli import resume as checkpoint
+    from jax3d.train import resume as checkpoint
 
     monkeypatch.setattr(checkpoint, "adopt_saved_model", lambda cfg, *a: (cfg.replace(model={"vocab_size": 128}), {"vocab_size"}))
     assert main([*BASE, "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path)]) == 2

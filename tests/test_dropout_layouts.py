@@ -9,6 +9,7 @@ import pytest
 from jax3d import dropout_keys
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, tiny_config
+from jax3d.parallel.plan import Plan
 
 GB, STEPS = 8, 3
 
@@ -17,7 +18,7 @@ def _losses(data, stage, model, micro=1, dropout=0.1, **parallel):
     cfg, mesh_cfg, mesh = tiny_config(data=data, stage=stage, model=model, micro=micro, global_batch=GB,
                                       model_kw=dict(num_layers=4, hidden_dropout=dropout, attention_dropout=dropout),
                                       **parallel)
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(3)
     text = random_text(GB * STEPS, cfg.model.seq_length, cfg.model.vocab_size, seed=5)
     losses = []

@@ -21,6 +21,7 @@ from tests.helpers import tiny_config
 from tests.test_checkpoint import GB
 from tests.test_checkpoint import host_batch as random_batch
 from tests.test_llama_layouts import LLAMA, counting_batch
+from jax3d.parallel.plan import Plan
 
 FP8 = {"fp8": "hybrid", "fp8_amax_history_len": 4, "fp8_amax_compute_algo": "max"}
 # Layouts that sum in another order differ in the last fp32 bit; FP8 rounds some of those values to neighbouring
@@ -56,7 +57,7 @@ def counting_batches():
 
 def curve(cfg, mesh_cfg, mesh, steps=10):
     """(losses, the logical FP8 history after the first step, after the last)."""
-    s = build_steps(cfg, mesh_cfg, mesh)
+    s = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = s.init_state(cfg.train.seed)
     first, state = test_checkpoint.train(s, state, 0, 1)
     after_one = jax.device_get(s.logical_state(state).fp8)
@@ -117,7 +118,7 @@ def test_fp8_steps_track_the_plain_steps(model_kw, recompute, monkeypatch):
     for precision in ({}, FP8):
         cfg, mesh_cfg, mesh = tiny_config(data=8, micro=2, global_batch=GB,
                                           model_kw={**model_kw, "recompute": recompute})
-        s = build_steps(cfg.replace(precision=precision, optim={"lr": 3e-3}), mesh_cfg, mesh)
+        s = build_steps(Plan(cfg.replace(precision=precision, optim={"lr": 3e-3}), mesh_cfg), mesh)
         curves[bool(precision)], _ = test_checkpoint.train(s, s.init_state(0), 0, 5)
     np.testing.assert_allclose(curves[True], curves[False], rtol=0, atol=2e-2)
 
@@ -151,7 +152,7 @@ def run_and_save(tmp_path_factory, cfg, mesh_cfg, mesh, name):
     """20 steps, saving step 10: the losses, and the logical state's params and FP8 history at steps 10 and 20."""
     d = str(tmp_path_factory.mktemp(name))
     cfg = cfg.replace(train={"save": d, "save_interval": 10})
-    s = build_steps(cfg, mesh_cfg, mesh)
+    s = build_steps(Plan(cfg, mesh_cfg), mesh)
     ck = Checkpointer(cfg, to_logical=s.logical_state)
     l1, state = test_checkpoint.train(s, s.init_state(cfg.train.seed), 0, 10, ck)
     ck.wait()
@@ -165,7 +166,7 @@ def run_and_save(tmp_path_factory, cfg, mesh_cfg, mesh, name):
 def restored(ref, cfg, mesh_cfg, mesh):
     """(the steps, the state restored from step 10 of `ref` onto this layout)."""
     cfg = cfg.replace(train={"load": ref["dir"], "ckpt_step": 10})
-    s = build_steps(cfg, mesh_cfg, mesh)
+    s = build_steps(Plan(cfg, mesh_cfg), mesh)
     state, _ = Checkpointer(cfg).restore(s)
     return s, state
 
@@ -232,7 +233,7 @@ def test_the_step_lowered_for_cuda_has_fp8_gemms(model_kw):
 
     def lowered(precision):
         cfg, mesh_cfg, mesh = tiny_config(model_kw={**model_kw, "num_layers": layers})
-        s = build_steps(cfg.replace(precision=precision), mesh_cfg, mesh)
+        s = build_steps(Plan(cfg.replace(precision=precision), mesh_cfg), mesh)
         batch = abstract_batch(s, s.model.sample_shapes())
         with jax.set_mesh(s.mesh):
             return s.train_step.fn.trace(abstract_state(s), batch).lower(lowering_platforms=("cuda",))
@@ -260,7 +261,7 @@ def test_the_fp8_step_compiles_with_its_xla_options_unless_xla_flags_set_them(mo
 
     def steps(precision):
         cfg, mesh_cfg, mesh = tiny_config(model_kw={"num_layers": 1})
-        s = build_steps(cfg.replace(precision=precision), mesh_cfg, mesh)
+        s = build_steps(Plan(cfg.replace(precision=precision), mesh_cfg), mesh)
         return s, abstract_state(s), abstract_batch(s, s.model.sample_shapes())
 
     s, state, batch = steps({"dtype": "bfloat16"})

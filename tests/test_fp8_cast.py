@@ -10,6 +10,7 @@ import pytest
 from jax3d.kernels import fp8_cast, pallas_gpu
 from jax3d.models import fp8
 from jax3d.parallel import ShardingRules
+from jax3d.parallel.plan import Plan
 
 F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
@@ -155,7 +156,7 @@ def test_a_train_step_on_the_kernel_gives_the_einsum_paths_losses(llama, recompu
     losses = {}
     for name, tunings, off in (("einsum", (), ("fp8_cast",)), ("kernel", (fp8_cast.Tuning(rows=16, cols=16),), ())):
         with pallas_gpu.kernel_settings(*tunings, off=off):
-            s = build_steps(cfg, mesh_cfg, mesh)
+            s = build_steps(Plan(cfg, mesh_cfg), mesh)
             losses[name] = test_checkpoint.train(s, s.init_state(0), 0, 4)[0]
         assert bool(calls) == (name == "kernel"), name
     np.testing.assert_allclose(losses["kernel"], losses["einsum"], rtol=1e-5)

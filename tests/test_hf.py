@@ -18,6 +18,7 @@ from jax3d.cli.convert_hf import main as convert_main  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.config import config_from_dict  # noqa: E402
 from tests.hf_fixtures import causal_lm_gap, tiny_bert, tiny_gpt2  # noqa: E402
+from jax3d.parallel.plan import Plan  # noqa: E402
 
 TOL = 1e-4
 
@@ -149,7 +150,7 @@ def test_trained_at_222_exported_matches_transformers(tmp_path):
 
     cfg, mesh_cfg, mesh = tiny_config(data=2, stage=2, model=2, micro=2, global_batch=8)
     cfg = cfg.replace(train={"save": str(tmp_path / "ckpt")}, optim={"lr": 3e-3})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(0)
     m = cfg.model
     for i in range(20):
@@ -340,7 +341,7 @@ def test_jax3d_bert_exports_to_megatron_bert(tmp_path):
     cfg, mesh_cfg, mesh = tiny_config(data=2, model=4, micro=2, global_batch=4,
                                       model_kw=dict(model_type="bert", num_layers=3))
     cfg = cfg.replace(train={"save": str(tmp_path / "ckpt")})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(5)
     # Random biases and norms too, so a misplaced tensor shows.
     params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(a.size), a.shape), state.params)

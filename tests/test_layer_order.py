@@ -13,6 +13,8 @@ from jax3d.pipeline import make_schedule, program
 from jax3d.checkpoint.checkpointer import Checkpointer
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
 from tests.helpers import random_text, tiny_config
+from jax3d.parallel.plan import Plan
+from tests.helpers import as_plan
 
 GB = 8
 
@@ -57,7 +59,7 @@ def assert_equal(a, b):
 def plain_and_interleaved():
     """The (2, 2, 2) ZeRO-1 steps for 1F1B and for interleaved (v = 2), built and compiled once for the
     module: checkpoint paths live in the Checkpointer's config, not in the step."""
-    return build_steps(*layout(2, 2, 2)), build_steps(*layout(2, 2, 2, "interleaved", 2))
+    return build_steps(*as_plan(layout(2, 2, 2))), build_steps(*as_plan(layout(2, 2, 2, "interleaved", 2)))
 
 
 def test_interleaved_run_equals_non_interleaved(plain_and_interleaved):
@@ -80,8 +82,8 @@ def test_uneven_padding_rows_stay_zero():
     """(1, 2, 1) with 3 + 1 layers: the state's stack is 3 rows a stage, sharded on `stage`; the two
     padding rows and their AdamW moments stay exactly zero under weight decay and clipping, and the run
     equals the even 2 + 2 split."""
-    ref = build_steps(*layout(1, 2, 1, zero=0))
-    uneven = build_steps(*layout(1, 2, 1, counts=(3, 1), zero=0))
+    ref = build_steps(*as_plan(layout(1, 2, 1, zero=0)))
+    uneven = build_steps(*as_plan(layout(1, 2, 1, counts=(3, 1), zero=0)))
     assert uneven.cfg.optim.weight_decay > 0 and uneven.cfg.optim.clip_grad > 0
     assert uneven.state_shardings.params["blocks"]["mlp"]["up_kernel"].spec[0] == "stage"
     ref_l, ref_n, ref_s = run(ref, ref.init_state(0), 0, 4)
@@ -135,7 +137,7 @@ def test_checkpoints_restore_across_layer_orders(plain_and_interleaved, tmp_path
 
 
 def _outside_loop(cfg, mesh_cfg, mesh):
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     text = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())
                                   ).compile().as_text()
     par = cfg.parallel
@@ -183,7 +185,7 @@ def test_uneven_logical_copy_takes_no_more_memory_than_the_state(tmp_path, mesh,
     device holds no more of it than of the state; its checkpoint restores onto the 2 + 3 split bit for
     bit."""
     cfg = layout(*mesh, counts=(3, 2), zero=zero, layers=5)
-    uneven = build_steps(*cfg)
+    uneven = build_steps(*as_plan(cfg))
     state = uneven.init_state(0)
     logical = uneven.logical_state(state)
 
@@ -200,7 +202,7 @@ def test_uneven_logical_copy_takes_no_more_memory_than_the_state(tmp_path, mesh,
     ck.maybe_save(1, state, {"consumed_samples": GB}, force=True)
     ck.close()
     other_cfg = layout(*mesh, counts=(2, 3), zero=zero, layers=5)
-    other = build_steps(*other_cfg)
+    other = build_steps(*as_plan(other_cfg))
     with warnings.catch_warnings(record=True) as caught:  # XLA's "donated buffers were not usable"
         warnings.simplefilter("always")
         back, _ = Checkpointer(other_cfg[0].replace(train={"load": str(tmp_path), "ckpt_step": 1})).restore(other)
@@ -214,8 +216,8 @@ def test_uneven_eval_holds_a_share_of_the_stack_and_matches_one_stage():
     equals the same parameters' on one stage."""
     import re
 
-    uneven = build_steps(*layout(1, 2, 1, counts=(3, 2), zero=0, layers=5))
-    one = build_steps(*layout(1, 1, 1, zero=0, layers=5))
+    uneven = build_steps(*as_plan(layout(1, 2, 1, counts=(3, 2), zero=0, layers=5)))
+    one = build_steps(*as_plan(layout(1, 1, 1, zero=0, layers=5)))
     state = uneven.init_state(0)
     b = batch(uneven, 0)
     hlo = uneven.eval_step.lower(state.params, b).compile().as_text()

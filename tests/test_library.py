@@ -8,6 +8,7 @@ import pytest
 from jax3d.config import ConfigError
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, tiny_config
+from jax3d.parallel.plan import Plan
 
 
 def _losses(steps, cfg, n=3, seq=None):
@@ -24,15 +25,15 @@ def _losses(steps, cfg, n=3, seq=None):
 def test_a_make_mesh_mesh_trains_like_the_built_one():
     cfg, mesh_cfg, mesh = tiny_config(data=2, stage=2, model=2, micro=1, global_batch=16)
     explicit = jax.make_mesh((2, 2, 2), ("data", "stage", "model"))  # it failed a sharding assertion
-    np.testing.assert_allclose(_losses(build_steps(cfg, mesh_cfg, explicit), cfg),
-                               _losses(build_steps(cfg, mesh_cfg, mesh), cfg), rtol=1e-6)
+    np.testing.assert_allclose(_losses(build_steps(Plan(cfg, mesh_cfg), explicit), cfg),
+                               _losses(build_steps(Plan(cfg, mesh_cfg), mesh), cfg), rtol=1e-6)
 
 
 def test_other_axis_names_and_a_misshapen_batch_are_refused():
     cfg, mesh_cfg, mesh = tiny_config(data=8, micro=1, global_batch=16)
     with pytest.raises(ConfigError, match=r"the mesh's axes are \('dp', 'pp', 'tp'\); training needs jax3d's"):
-        build_steps(cfg, mesh_cfg, jax.make_mesh((8, 1, 1), ("dp", "pp", "tp")))
-    steps = build_steps(cfg, mesh_cfg, mesh)
+        build_steps(Plan(cfg, mesh_cfg), jax.make_mesh((8, 1, 1), ("dp", "pp", "tp")))
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     seq = cfg.model.seq_length
     with pytest.raises(ConfigError, match=rf"batch\['text'\] has shape \(2, 8, {seq}\); this gpt step takes "
                                           rf"\(micro-batches, rows, {seq + 1}\)"):

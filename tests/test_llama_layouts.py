@@ -9,6 +9,7 @@ from jax3d.parallel.plan import resolve
 from tests import test_checkpoint
 from tests.helpers import tiny_config, tiny_model
 from tests.test_checkpoint import GB, resume, uninterrupted
+from jax3d.parallel.plan import Plan
 
 LLAMA = dict(num_layers=4, normalization="rmsnorm", swiglu=True, num_key_value_heads=4, add_bias_linear=False,
              use_rotary_position_embeddings=True, rope_theta=500000.0, untie_embeddings_and_output_weights=True)
@@ -93,6 +94,6 @@ def test_fp16_without_dropout_tracks_fp32_on_the_cpu(model_kw):
         cfg, mesh_cfg, mesh = tiny_config(data=8, micro=2, global_batch=GB,
                                           model_kw={**model_kw, "num_layers": 2, "hidden_dropout": 0.0,
                                                     "attention_dropout": 0.0})
-        s = test_checkpoint.build_steps(cfg.replace(precision={"dtype": dtype, "loss_scale": scale}), mesh_cfg, mesh)
+        s = test_checkpoint.build_steps(Plan(cfg.replace(precision={"dtype": dtype, "loss_scale": scale}), mesh_cfg), mesh)
         curves[dtype], _ = test_checkpoint.train(s, s.init_state(0), 0, 5)
     np.testing.assert_allclose(curves["float16"], curves["float32"], rtol=0, atol=2e-2)

@@ -13,6 +13,7 @@ from jax3d.models import documents
 from jax3d.models.transformer import unbox
 from jax3d.train.step import build_steps
 from tests.helpers import ROOT, tiny_config, tiny_model, with_random
+from jax3d.parallel.plan import Plan
 
 EOD = 1
 DOCS = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True, eod_token_id=EOD)
@@ -138,7 +139,7 @@ def _train(data, stage, model, model_kw, steps_=4):
     cfg, mesh_cfg, mesh = tiny_config(data=data, stage=stage, model=model, micro=2, global_batch=16,
                                       model_kw=model_kw, sequence_parallel=sp)
     cfg = cfg.replace(optim={"lr": 3e-3, "min_lr": 3e-4})
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(cfg.train.seed)
     losses = []
     for i in range(steps_):

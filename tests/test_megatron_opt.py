@@ -13,9 +13,11 @@ import pytest
 from jax3d.cli.train import main
 from jax3d.cli.train_flags import build_parser, config_from_args
 from jax3d.config import ConfigError, OptimConfig
-from jax3d.train.counts import settle
+from jax3d.counts import settle
 from jax3d.train.optimizer import decay_mask, lr_schedule, make_optimizer, weight_decay_schedule
 from tests.helpers import tiny_config
+from jax3d.parallel.plan import Plan
+from tests.helpers import as_plan
 
 
 def _cfg(*argv):
@@ -123,7 +125,7 @@ def test_the_warmup_fraction_is_that_share_of_the_decay_as_in_megatron(argv, dec
 def _one_step(cfg, mesh_cfg, mesh, batch, reference: bool):
     from jax3d.train.step import build_steps
 
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(0)
     # logical order, scale 1: what the direct computation counts
     grads = jax.device_get(steps.loss_and_grads(state.params, batch)[1]) if reference else None
@@ -155,7 +157,7 @@ def test_params_norm_and_zeros_in_grad_are_megatrons_and_the_same_on_every_layou
         assert got[layout]["num_zeros_in_grad"] == got[(1, 1, 1)]["num_zeros_in_grad"], layout
         assert float(got[layout]["params_norm"]) == pytest.approx(float(got[(1, 1, 1)]["params_norm"]), rel=1e-6)
     from jax3d.train.step import abstract_batch, abstract_state, build_steps
-    steps = build_steps(*_tiny((1, 1, 1), **{**kw, "log": False}))
+    steps = build_steps(*as_plan(_tiny((1, 1, 1), **{**kw, "log": False})))
     with jax.set_mesh(steps.mesh):  # traced, not compiled: what the step returns when they are not asked for
         _, metrics = jax.eval_shape(steps.train_step.fn, abstract_state(steps),
                                     abstract_batch(steps, steps.model.sample_shapes()))
@@ -246,7 +248,7 @@ def test_a_run_on_separate_train_and_valid_data_reads_them_and_resumes_on_them(c
 def test_a_longer_resumed_run_keeps_the_checkpoints_weight_decay_schedule():
     """A resumed run, longer than the first, keeps the checkpoint's weight-decay schedule and its length, as Megatron
     keeps a checkpoint's."""
-    from jax3d.cli.resume import adopt_saved_run
+    from jax3d.train.resume import adopt_saved_run
     from jax3d.cli.train_flags import given_flags
 
     wd = ["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.0", "--end-weight-decay", "0.2"]

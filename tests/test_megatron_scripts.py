@@ -14,7 +14,7 @@ from jax3d.cli import megatron
 from jax3d.cli.train import main
 from jax3d.cli.train_flags import build_parser, config_from_args
 from jax3d.config import ConfigError
-from jax3d.train.counts import BatchCounts
+from jax3d.counts import BatchCounts
 from tests.helpers import ROOT
 
 DATA = os.path.join(ROOT, "tests", "data", "megatron_ds_scripts")

@@ -6,6 +6,7 @@ import pytest
 
 from jax3d.config import ConfigError
 from jax3d.train import memory
+from jax3d.parallel.plan import Plan
 
 GIB = 2**30
 
@@ -107,7 +108,7 @@ def test_the_guard_stops_a_resumed_run_before_its_checkpoint_is_read(monkeypatch
     cfg, mesh_cfg, mesh = tiny_config(data=8)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1)
     with pytest.raises(ConfigError, match="emulated devices"):
-        train(cfg, mesh_cfg, mesh, inputs=None, progress=False, checkpointer=Checkpointer())
+        train(Plan(cfg, mesh_cfg), mesh, inputs=None, progress=False, checkpointer=Checkpointer())
     assert restored == []
 
 
@@ -135,18 +136,18 @@ def test_the_guard_also_checks_the_checkpoint_copy_of_a_pipeline_ordered_state(m
 
     cfg, mesh_cfg, mesh = tiny_config(stage=2, zero=0, micro=1, global_batch=8, pipeline_schedule="interleaved",
                                       virtual_stages=2, model_kw={"num_layers": 4})
-    steps = step_mod.build_steps(cfg, mesh_cfg, mesh)
+    steps = step_mod.build_steps(Plan(cfg, mesh_cfg), mesh)
     step_peak = memory.step_peak_bytes(steps.train_step.lower(
         step_mod.abstract_state(steps), step_mod.abstract_batch(steps, steps.model.sample_shapes())).compile())
     copy_peak = memory.step_peak_bytes(steps.compiled_logical_copy())
     assert copy_peak > step_peak
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 8 * (step_peak + copy_peak) // 2)
     with pytest.raises(ConfigError) as e:
-        train(cfg, mesh_cfg, mesh, inputs=None, progress=False, checkpointer=Checkpointer())
+        train(Plan(cfg, mesh_cfg), mesh, inputs=None, progress=False, checkpointer=Checkpointer())
     msg = str(e.value)
     assert msg.startswith("saving or restoring a checkpoint") and "--zero-stage 3" in msg and "\n" not in msg
     from jax3d.train.dry_run import dry_run  # --dry-run reports both figures the guard checks
-    report = dry_run(cfg, mesh_cfg, mesh)
+    report = dry_run(Plan(cfg, mesh_cfg), mesh)
     assert (report["peak"], report["checkpoint_copy_peak"]) == (step_peak, copy_peak)
 
 

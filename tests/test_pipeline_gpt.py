@@ -9,6 +9,7 @@ import pytest
 
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, rel_err, tiny_config
+from jax3d.parallel.plan import Plan
 
 GB = 8
 
@@ -25,7 +26,7 @@ def _loss_and_grads(data, stage, model, schedule="1f1b", zero=0, virtual=1, drop
                                       sequence_parallel=sequence_parallel,
                                       model_kw=dict(num_layers=layers, hidden_dropout=dropout,
                                                     attention_dropout=dropout, recompute=recompute))
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(3)
     text = random_text(GB, cfg.model.seq_length, cfg.model.vocab_size, seed=5)
     batch = {"text": jax.device_put(text.reshape(steps.accum_steps, -1, text.shape[-1]), steps.batch_sharding())}

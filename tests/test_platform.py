@@ -10,6 +10,7 @@ from jax3d.models.layers import attention_impl
 from jax3d.parallel.rules import traced_platform
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, tiny_config
+from jax3d.parallel.plan import Plan
 
 
 def _platforms():
@@ -54,7 +55,7 @@ def test_cpu_mesh_on_a_gpu_machine_takes_the_cpu_paths():
     mesh = mesh_cfg.build(jax.devices("cpu")[:1])
     with jax.set_mesh(mesh):
         assert attention_impl(cfg.model, jnp.bfloat16) == "xla"
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = steps.init_state(0)
     batch = {"text": np.asarray(random_text(2, cfg.model.seq_length, cfg.model.vocab_size))[None]}
     hlo = steps.train_step.lower(state, batch).compile().as_text()

@@ -13,7 +13,8 @@ import pytest
 from jax3d.cli.train_flags import build_parser, config_from_args
 from jax3d.models.presets import get_preset, preset_names
 from jax3d.parallel.plan import resolve
-from jax3d.cli.train import header, main
+from jax3d.cli.train import main
+from jax3d.train.run import header
 from jax3d.train.dry_run import per_device_bytes
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
@@ -29,7 +30,7 @@ def test_preset_traces_and_header_counts_the_real_tree(name):
     argv = ["--preset", name, "--vocab-size", str(get_preset(name)[0].vocab_size), "--micro-batch-size", "1",
             "--global-batch-size", "8", *LAYOUT]
     plan = resolve(config_from_args(build_parser().parse_args(argv)), 8)
-    steps = build_steps(plan.cfg, plan.mesh, plan.mesh.build())
+    steps = build_steps(plan)
     state = abstract_state(steps)
     count = sum(math.prod(a.shape) for a in jax.tree.leaves(state.params))
     size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"  # the real tree's count, rounded

@@ -190,7 +190,7 @@ def _restore(ck, **train):
     cfg = config_from_args(build_parser().parse_args(argv))
     cfg = cfg.replace(train=train)
     plan = resolve(cfg, jax.device_count(), 400, checkpoint=ck)
-    steps = build_steps(plan.cfg, plan.mesh, plan.mesh.build())
+    steps = build_steps(plan)
     return Checkpointer(plan.cfg).restore(steps)[0]
 
 

@@ -6,11 +6,12 @@ import pytest
 from jax3d.train.dry_run import dry_run
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, tiny_config
+from jax3d.parallel.plan import Plan
 
 
 def _train(zero, steps=10, data=8, model=1):
     cfg, mesh_cfg, mesh = tiny_config(data=data, model=model, zero=zero, micro=1, global_batch=16)
-    s = build_steps(cfg, mesh_cfg, mesh)
+    s = build_steps(Plan(cfg, mesh_cfg), mesh)
     state = s.init_state(1)
     losses = []
     for i in range(steps):
@@ -43,7 +44,7 @@ def test_dry_run_bytes_follow_zero_stage():
     for zero in (0, 1, 3):
         cfg, mesh_cfg, mesh = tiny_config(data=8, zero=zero, micro=1, global_batch=8,
                                           model_kw=dict(hidden_size=256, vocab_size=2048, num_layers=2))
-        reports[zero] = dry_run(cfg, mesh_cfg, mesh)
+        reports[zero] = dry_run(Plan(cfg, mesh_cfg), mesh)
     z0, z1, z3 = reports[0], reports[1], reports[3]
     assert abs(z1["opt_state"] / (z0["opt_state"] / 8) - 1) < 0.05
     assert abs(z3["opt_state"] / (z0["opt_state"] / 8) - 1) < 0.05
@@ -59,7 +60,7 @@ def test_dry_run_zero_under_pipelining_shards_grads_and_params():
     for zero in (1, 2, 3):
         cfg, mesh_cfg, mesh = tiny_config(data=4, stage=2, zero=zero, micro=1, global_batch=8,
                                           model_kw=dict(hidden_size=256, vocab_size=2048, num_layers=4))
-        reports[zero] = dry_run(cfg, mesh_cfg, mesh)
+        reports[zero] = dry_run(Plan(cfg, mesh_cfg), mesh)
     z1, z2, z3 = reports[1], reports[2], reports[3]
     assert z2["grads"] <= z1["grads"] / 2 and z3["params"] <= z2["params"] / 2
     assert z1["peak"] - z2["peak"] >= (z1["grads"] - z2["grads"]) / 2

@@ -174,7 +174,8 @@ class Checkpointer:
                                            checked=self._checked == (self.load_dir, step))
         if self.save_dir and _same_dir(self.save_dir, self.load_dir):
             self._resumed_from = step
-        notes = ["fine-tuning from step 0 with a fresh optimizer"] if tr.finetune else [
+        params_only = not (meta.get("saved") or {}).get("train", True)  # an import: nothing else was saved
+        notes = ["fine-tuning from step 0 with a fresh optimizer"] if tr.finetune else [] if params_only else [
             f"{what} started anew ({f'--no-load-{word}' if asked else f'it was saved with --no-save-{word}'})"
             for part, what, word, asked in (("opt_state", "Adam moments", "optim", tr.no_load_optim),
                                             ("rng", "RNG", "rng", tr.no_load_rng)) if part in fresh]
@@ -191,18 +192,36 @@ class Checkpointer:
                                  async_save=self.async_save)
         return self._mgr
 
-    def _meta(self, step: int, loader_state: dict, mesh) -> dict:
+    def _meta(self, step: int, loader_state: dict, mesh, saved: dict) -> dict:
         import jax3d
         self.tokenizer = kept_in(self.save_dir, self.tokenizer)
         return {"format": "jax3d", "format_version": FORMAT_VERSION, "jax3d_version": jax3d.__version__,
                 "step": int(step), "loader": {k: int(v) for k, v in loader_state.items()},
                 "config": self.cfg.to_dict(), "tokenizer": self.tokenizer, "data": self.data,
-                "saved": {"optim": not self.cfg.train.no_save_optim, "rng": not self.cfg.train.no_save_rng},
+                "saved": saved,
                 "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))) if mesh is not None else {},
                 "process_count": jax.process_count(), "time": time.time()}
 
     def save(self, step: int, state, loader_state: dict, *, wait: bool = False) -> None:
         """Writes checkpoint `step` (asynchronously unless `wait`); the previous write is finished first."""
+        mesh = _mesh_of(state.params)
+        state = self._logical(state, mesh)
+        tr = self.cfg.train
+        train_part = {"step": state.step, "loss_scale": state.loss_scale,
+                      **({} if tr.no_save_optim else {"opt_state": state.opt_state}),
+                      **({} if tr.no_save_rng else {"rng": state.rng}),
+                      **({} if state.fp8 is None else {"fp8": state.fp8})}
+        self._write(step, state.params, train_part, loader_state, mesh,
+                    {"optim": not tr.no_save_optim, "rng": not tr.no_save_rng}, wait)
+
+    def save_params(self, step: int, params) -> None:
+        """Writes checkpoint `step` of parameters alone (in logical layer order), and waits: an import's. A run
+        that loads it starts its step, optimizer state, RNG and loss scale as a new run does (`restore_state`)."""
+        self._write(step, params, None, {"consumed_samples": 0}, _mesh_of(params),
+                    {"optim": False, "rng": False, "train": False}, wait=True)
+
+    def _write(self, step: int, params, train_part: dict | None, loader_state: dict, mesh, saved: dict,
+               wait: bool) -> None:
         ocp = orbax_checkpoint()
         mgr = self.manager()
         t0 = time.perf_counter()
@@ -220,16 +239,10 @@ class Checkpointer:
             _log(f"jax3d: replacing checkpoints {stale} in {self.save_dir} from an earlier run")
             for s in stale:
                 mgr.delete(s)
-        mesh = _mesh_of(state)
-        state = self._logical(state, mesh)
-        tr = self.cfg.train
-        train_part = {"step": state.step, "loss_scale": state.loss_scale,
-                      **({} if tr.no_save_optim else {"opt_state": state.opt_state}),
-                      **({} if tr.no_save_rng else {"rng": state.rng}),
-                      **({} if state.fp8 is None else {"fp8": state.fp8})}
-        args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
-                                  train=ocp.args.StandardSave(train_part),
-                                  meta=ocp.args.JsonSave(self._meta(step, loader_state, mesh)))
+        items = {"params": ocp.args.StandardSave(params),
+                 **({} if train_part is None else {"train": ocp.args.StandardSave(train_part)}),
+                 "meta": ocp.args.JsonSave(self._meta(step, loader_state, mesh, saved))}
+        args = ocp.args.Composite(**items)
         mgr.save(step, args=args, force=True)
         self._writing = (step, t0)
         if wait:
@@ -365,6 +378,8 @@ def restore_state(directory: str, step: int, steps, fresh=frozenset(), checked: 
     check_model_compatible(meta["config"]["model"], steps.cfg.model, f"{directory} step {step}")
     saved = meta.get("saved") or {}
     fresh = set(fresh) | {k for k, key in (("opt_state", "optim"), ("rng", "rng")) if not saved.get(key, True)}
+    if not saved.get("train", True):  # parameters alone (an import): everything else starts as a new run's
+        fresh |= {"step", "opt_state", "rng", "loss_scale", "fp8"}
     targets = with_shardings(steps.abstract_logical_state, steps.logical_shardings)
     parts = ("step", "opt_state", "rng", "loss_scale") + (("fp8",) if targets.fp8 is not None else ())
     if targets.fp8 is not None and not _same_fp8_history(meta["config"].get("precision", {}), steps.cfg.precision):
@@ -414,8 +429,8 @@ def _sum_files(directory: str, step: int) -> None:
               file=sys.stderr, flush=True)
 
 
-def _mesh_of(state):
-    for leaf in jax.tree.leaves(state.params):
+def _mesh_of(params):
+    for leaf in jax.tree.leaves(params):
         mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
         if mesh is not None:
             return mesh

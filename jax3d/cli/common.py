@@ -47,15 +47,6 @@ def _bad_input_or_bug(e: Exception, bad_input) -> int:
     raise e
 
 
-def is_number(s: str) -> bool:
-    """Whether a command-line word is a number (a blend weight in --data-path), not a path."""
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return True
-
-
 class OneLineParser(argparse.ArgumentParser):
     """Reports a bad flag in one sentence and exits 2, without argparse's usage dump (--help has it)."""
 

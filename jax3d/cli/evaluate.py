@@ -49,7 +49,7 @@ def _main(argv) -> int:
     from jax3d.cli.train import setup_devices
     setup_devices(a)
     if not a.data_path and not a.text_file:  # the checkpoint's own data, where it is now
-        from jax3d.cli.resume import checkpoint_data_path
+        from jax3d.train.resume import checkpoint_data_path
         a.data_path, whole = checkpoint_data_path(a.load, a.ckpt_step, a.split_name)
         if whole and a.split is None:  # a split trained on data of its own: all of it
             a.split = whole

@@ -14,8 +14,7 @@ import re
 
 from jax3d.cli.deepspeed import apply_deepspeed_json, check_accumulation, deepspeed_dests, read_deepspeed_json
 from jax3d.cli.megatron_flags import ACCEPTED, ACT, FLAGS, MOE_GROUP, REFUSED, Flag
-from jax3d.cli.common import is_number
-from jax3d.config import Config, ConfigError
+from jax3d.config import Config, ConfigError, is_number
 
 
 def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
@@ -278,26 +277,21 @@ def _profile_steps(a) -> tuple[int, ...]:
 
 
 def _counted(a, cfg: Config) -> Config:
-    """The run counted in samples and tokens (jax3d.train.counts): Megatron decays a sample-counted run over its
-    --train-samples unless --lr-decay-samples says otherwise."""
-    from jax3d.train.counts import settle
-
-    cfg = cfg.replace(
+    """The run counted in samples and tokens (jax3d.counts; the plan settles them into steps): Megatron decays a
+    sample-counted run over its --train-samples unless --lr-decay-samples says otherwise."""
+    return cfg.replace(
         train={"train_samples": a.train_samples or 0, "train_tokens": a.train_tokens or 0,
                "rampup_batch_size": tuple(a.rampup_batch_size or ())},
         optim={"lr_warmup_samples": a.lr_warmup_samples, "lr_warmup_tokens": a.lr_warmup_tokens or 0,
                "lr_decay_samples": a.lr_decay_samples or a.train_samples or 0, "lr_decay_tokens": a.lr_decay_tokens or 0})
-    return settle(cfg)
 
 
 def after_plan(a, cfg: Config, data_parallel: int) -> Config:
-    """`cfg` settled on the run's final batch and sequence sizes (a resumed run may take its checkpoint's), with
-    DeepSpeed's batch rule checked against the data-parallel size."""
-    from jax3d.train.counts import settle
-
+    """`cfg` (a plan's, settled on the run's final batch and sequence sizes), with DeepSpeed's batch rule checked
+    against the data-parallel size."""
     if a.deepspeed and a.deepspeed_config:
         check_accumulation(read_deepspeed_json(a.deepspeed_config), cfg, data_parallel)
-    return settle(cfg, data_parallel)
+    return cfg
 
 
 _SCHEDULE_DESTS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_samples",

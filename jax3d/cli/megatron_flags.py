@@ -94,7 +94,7 @@ def _path():
 
 
 FLAGS: tuple[Flag, ...] = (
-    # Run length and learning-rate schedule, counted as Megatron counts them (jax3d.train.counts).
+    # Run length and learning-rate schedule, counted as Megatron counts them (jax3d.counts).
     _act("--train-samples", "train on this many samples, in whole global batches (instead of --train-iters) "
          "(default: none)", "run length in samples: steps = samples / global batch, the ramp's steps counted one by "
          "one", _RUN, type=int, default=None, metavar="N"),

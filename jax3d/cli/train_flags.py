@@ -251,7 +251,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         layout = layer_counts(a.pipeline_model_parallel_layout, "--pipeline-model-parallel-layout")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    schedule = a.pipeline_schedule or ("interleaved" if a.num_layers_per_virtual_pipeline_stage else "1f1b")
+    schedule = a.pipeline_schedule  # None: the plan picks (jax3d.parallel.pipeline_spec.default_schedule)
     parallel = ParallelConfig(tensor_parallel=a.tensor_model_parallel_size,
                               pipeline_parallel=a.pipeline_model_parallel_size, zero_stage=a.zero_stage,
                               sequence_parallel=a.sequence_parallel, pipeline_schedule=schedule,

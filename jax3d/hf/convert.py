@@ -167,10 +167,10 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
 
     import jax
 
-    from jax3d.parallel.mesh import MeshConfig
     from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.checkpoint.tokenizer import NO_TOKENIZER
-    from jax3d.train.step import build_steps
+    from jax3d.models import build_model
+    from jax3d.parallel.plan import resolve
 
     tok_kw, tok_files = _tokenizer_of(hf_dir, cfg_m.model_type)
     tokenizer = None
@@ -182,20 +182,20 @@ def import_hf(hf_dir: str, save: str, *, divisible_by: int = 128, seed: int = 0)
     tok_kw = {k: (os.path.join(tok_dir, v) if k in TOKENIZER_FILE_KEYS else v) for k, v in tok_kw.items()}
     cfg = Config(model=cfg_m, data=DataConfig(**tok_kw),
                  train=TrainConfig(micro_batch_size=1, global_batch_size=1, train_iters=1, save=save, seed=seed))
-    mesh_cfg = MeshConfig(1, 1, 1)
-    steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[:1]))
-    state = steps.init_state(seed)
-    # A fresh init supplies the heads an HF class may lack (BertForMaskedLM has no sentence-order head).
-    params = from_hf(tensors, cfg_m, jax.tree.map(lambda a: np.array(a, np.float32),
-                                                  jax.device_get(steps.logical_params(state.params))))
-    state = state.replace(params=steps.state_params(jax.device_put(params, steps.logical_shardings.params)))
+    plan = resolve(cfg, 1)  # one device; the checkpoint records `cfg` as imported, its open fields open
+    # A fresh init supplies the heads an HF class may lack (BertForMaskedLM has no sentence-order head); its key
+    # is the one a training run of `seed` initializes its parameters with (its train state's `seed_keys`).
+    init_key = jax.random.split(jax.random.key(seed))[0]
+    fresh = jax.jit(build_model(cfg_m, plan.rules).init)(init_key)
+    params = from_hf(tensors, cfg_m, jax.tree.map(lambda a: np.array(a, np.float32), jax.device_get(fresh)))
+    on_one = jax.sharding.NamedSharding(plan.mesh.build(jax.devices()[:1]), jax.sharding.PartitionSpec())
     os.makedirs(tok_dir, exist_ok=True)
     for p in tok_files:
         shutil.copy(os.path.join(hf_dir, p), os.path.join(tok_dir, p))
     ck = Checkpointer(cfg, tokenizer=tokenizer, async_save=False)
     if not tok_kw:  # or generation would fall back to the bundled corpus's tokenizer, another vocabulary
         ck.tokenizer = {**ck.tokenizer, "note": NO_TOKENIZER}
-    ck.save(0, state, {"consumed_samples": 0}, wait=True)
+    ck.save_params(0, jax.device_put(params, on_one))
     ck.close()
     return {"save": save, "architecture": hf.get("architectures", [hf.get("model_type")])[0],
             "model": cfg_m.model_type, "parameters": int(sum(a.size for a in jax.tree.leaves(params))),

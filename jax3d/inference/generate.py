@@ -25,11 +25,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax3d.config import ConfigError, ModelConfig
-from jax3d.parallel.mesh import with_auto_axes
-from jax3d.parallel.plan import without_fp8
+from jax3d.parallel.mesh import DATA, MODEL, with_auto_axes
+from jax3d.parallel.plan import generation_plan, without_fp8
 from jax3d.models import build_model, decode_rows, quantized
 from jax3d.models.cached_attention import CACHE_AXES, visible
-from jax3d.parallel import ShardingRules, named_shardings, tree_specs
+from jax3d.parallel import named_shardings, tree_specs
 from jax3d.xla_options import unless_in_xla_flags
 
 PROMPT_BUCKET = 16
@@ -125,15 +125,15 @@ class Generator:
     in `dtype` (at batch 1 on a GPU stored column by column: `as_rows`)."""
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
-                 eod: int | None = None, chunk: int = CHUNK, cache_dtype=None, weight_dtype=None):
+                 eod: int | None = None, chunk: int = CHUNK, cache_dtype=None, weight_dtype=None, rules=None):
         if cfg.model_type != "gpt":
             raise ConfigError(f"generation needs a GPT checkpoint, but this one is a {cfg.model_type}; "
                               "pass a checkpoint trained with --model gpt")
         if max_len > cfg.max_position_embeddings:
             raise ConfigError(f"prompt plus --max-new-tokens is {max_len} tokens, longer than the model's "
                               f"{cfg.max_position_embeddings} positions; shorten the prompt or ask for fewer tokens")
-        mesh = with_auto_axes(mesh, ("data", "model"), "generation")
-        rows = dict(mesh.shape).get("data", 1)
+        mesh = with_auto_axes(mesh, (DATA, MODEL), "generation")
+        rows = dict(mesh.shape).get(DATA, 1)
         if batch % rows:
             raise ConfigError(f"a batch of {batch} does not split over the mesh's {rows} data devices; pass a "
                               f"batch that is a multiple of {rows}, or a mesh with data = 1")
@@ -158,7 +158,8 @@ class Generator:
             raise ConfigError(f"jax3d's fp8 {' and '.join(fp8)} ({flags}) {verb} built for GPUs with FP8 (compute "
                               f"capability 8.9 or later: Ada, Hopper) and this {devices[0].device_kind} has "
                               f"{old_gpu}; drop {flags}")
-        self.rules = ShardingRules.create(False)
+        # The plan's table (generator_for passes it); a mesh handed in directly gets the plan of its own size.
+        self.rules = rules if rules is not None else generation_plan(cfg, mesh.shape[MODEL]).rules
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size
         specs = tree_specs(self.rules, self.model.logical_axes())
@@ -462,14 +463,9 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
                   cache_dtype=None, weight_dtype=None) -> Generator:
     """A Generator sized for these token prompts, `batch` of them at a time (0: all), tensor parallel over the
     first `tp` devices. `checkpoint` is the --load directory `cfg` came from, for errors to name."""
-    from jax3d.config import Config, ParallelConfig, TrainConfig
-    from jax3d.parallel.plan import resolve
-
     if tp < 1 or tp > jax.device_count():
         raise ConfigError(f"--tensor-model-parallel-size {tp} must be between 1 and the {jax.device_count()} devices")
-    mesh_cfg = resolve(Config(model=cfg, parallel=ParallelConfig(tensor_parallel=tp),
-                              train=TrainConfig(micro_batch_size=1, global_batch_size=1)), tp,
-                       checkpoint=checkpoint, from_checkpoint=[f.name for f in dataclasses.fields(cfg)]).mesh
+    plan = generation_plan(cfg, tp, checkpoint=checkpoint)
     if any(not p for p in prompts):
         raise ConfigError("a prompt tokenizes to nothing; give every prompt some text")
     longest = max(len(p) for p in prompts)
@@ -479,7 +475,8 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
     size = getattr(tokenizer, "vocab_size", 0)
     if size and not cfg.unpadded_vocab_size and size < cfg.vocab_size:  # a train.py run: the rest is padding
         cfg = dataclasses.replace(cfg, unpadded_vocab_size=size)
-    return Generator(cfg, params, mesh_cfg.build(jax.devices()[:tp]), batch=min(batch or len(prompts), len(prompts)),
+    return Generator(cfg, params, plan.mesh.build(jax.devices()[:tp]), rules=plan.rules,
+                     batch=min(batch or len(prompts), len(prompts)),
                      dtype=dtype, cache_dtype=cache_dtype, weight_dtype=weight_dtype,
                      max_len=min(cfg.max_position_embeddings, longest + max_new_tokens + PROMPT_BUCKET),
                      eod=getattr(tokenizer, "eod", None))

@@ -10,7 +10,16 @@ from jax3d.parallel.pipeline_spec import (CHUNKS_NOT_INTERLEAVED, FEW_MICROBATCH
                                           UNEVEN_MICROBATCHES, broken_rules, fewest_microbatches,
                                           takes_virtual_stages)
 
-AXES = ("data", "stage", "model")
+# The mesh's axis names: the only place they are spelled. Code elsewhere names them through these.
+DATA, STAGE, MODEL = "data", "stage", "model"
+AXES = (DATA, STAGE, MODEL)
+
+
+def batch_spec():
+    """Where a global batch (micro-batches, rows, ...) lives: its rows split over `data`."""
+    from jax.sharding import PartitionSpec as P
+
+    return P(None, DATA)
 
 
 def emulate_cpu_devices(n: int) -> None:

@@ -19,6 +19,12 @@ UNEVEN_MICROBATCHES = "the interleaved schedule with micro-batches that the stag
 CHUNKS_NOT_INTERLEAVED = "virtual stages other than 1 without the interleaved schedule"
 
 
+def default_schedule(layers_per_virtual_stage: int) -> str:
+    """The schedule of a run that names none: interleaved where it asks for virtual stages by their layers
+    (--num-layers-per-virtual-pipeline-stage), else 1F1B."""
+    return INTERLEAVED if layers_per_virtual_stage else "1f1b"
+
+
 def takes_virtual_stages(schedule: str) -> bool:
     """Whether `schedule` runs more than one model chunk on each stage."""
     return schedule == INTERLEAVED

@@ -7,9 +7,11 @@ when there is data parallelism, and `vocab_size` 0 is the tokenizer's vocabulary
 up on CPU devices. `resolve` fills them in and checks every rule once, reporting all that fail in one message. Training,
 `--dry-run`, evaluation and export all start from it.
 
-The `Plan` it returns carries what the rest of jax3d acts on as named facts: `plan.zero` (what ZeRO shards
-over `data`) and `plan.pipeline` (schedule, stages, virtual stages, micro-batches). Code outside
-jax3d/parallel/ reads those and never decides from `zero_stage` or the schedule's name itself.
+The `Plan` it returns is the whole run's layout, resolved once and handed on: the settled config (its counts in
+samples and tokens, jax3d.counts, included), the mesh, the sharding rules, the batch's spec, `plan.zero` (what
+ZeRO shards over `data`), `plan.pipeline` (schedule, stages, virtual stages, micro-batches) and the kernel policy.
+Training, evaluation, generation, HF import and the benchmarks all start from it; code outside jax3d/parallel/
+reads its facts and never decides from `zero_stage` or the schedule's name itself, nor builds them again.
 """
 from __future__ import annotations
 
@@ -19,11 +21,15 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import jax
+from jax.sharding import PartitionSpec as P
 
-from jax3d.config import Config, ConfigError
-from jax3d.parallel.mesh import MeshConfig, layout_errors
-from jax3d.parallel.pipeline_spec import PipelineSpec
-from jax3d.parallel.zero import ZeroPlan
+from jax3d.config import Config, ConfigError, ModelConfig
+from jax3d.counts import settle
+from jax3d.kernels.policy import KernelPolicy
+from jax3d.parallel.mesh import MeshConfig, batch_spec, layout_errors
+from jax3d.parallel.pipeline_spec import PipelineSpec, default_schedule
+from jax3d.parallel.rules import ShardingRules
+from jax3d.parallel.zero import ZeroPlan, default_zero_stage
 
 # (tensor, pipeline) sizes an automatic layout tries, most parallel first: (2, 2, 2) on 8 devices.
 AUTO_LAYOUTS = ((2, 2), (2, 1), (1, 2), (1, 1))
@@ -35,21 +41,34 @@ SCAN_LAYERS_FROM = 32
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated configuration and the mesh it runs on, why that layout was chosen, and the facts derived from
-    them that the train step, the state's shardings and the pipeline loop read.
+    """A validated, settled configuration and the mesh it runs on, why that layout was chosen, the kernels it
+    runs, and the facts derived from them that the model, the train step, the state's shardings, the data
+    loader and the pipeline loop read.
 
-    `resolve` builds it; `Plan(cfg, mesh)` of a pair it returned gives the same facts (`build_steps` does that).
+    `resolve` builds it. `Plan(cfg, mesh)` of a pair it returned gives the same facts; `plan.replace(cfg=...)` is
+    the plan of a changed config (its facts derived again, nothing settled or checked again).
     """
 
     cfg: Config
     mesh: MeshConfig
     layout_note: str = "as given"  # e.g. "chosen automatically: the most parallel layout that fits"
+    kernels: KernelPolicy = field(default_factory=KernelPolicy.none)  # resolve: from the platform and mesh size
     zero: ZeroPlan = field(init=False)
     pipeline: PipelineSpec = field(init=False)
+    rules: ShardingRules = field(init=False)  # logical axes -> mesh axes; built here only
+    batch_spec: P = field(init=False)  # a global batch's (micro-batches, rows, ...) placement
+    # LEAD (precision policy): precision: PrecisionPolicy = field(init=False), set below from
+    # PrecisionPolicy.of(self.cfg.precision, devices) once jax3d/parallel/precision.py is merged.
 
     def __post_init__(self):
         object.__setattr__(self, "zero", ZeroPlan.of(self.cfg.parallel.zero_stage, self.mesh.data))
         object.__setattr__(self, "pipeline", PipelineSpec.of(self.cfg, self.mesh.stage, self.mesh.data))
+        object.__setattr__(self, "rules", ShardingRules.create(self.cfg.parallel.sequence_parallel))
+        object.__setattr__(self, "batch_spec", batch_spec())
+
+    def replace(self, **changes) -> "Plan":
+        """This plan with `changes` (cfg, mesh, layout_note, kernels), its facts derived again."""
+        return dataclasses.replace(self, **changes)
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -105,20 +124,27 @@ def _blame_checkpoint(message: str, model, fields: Collection[str], load_dir: st
 
 
 def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *,
-            checkpoint: str = "", from_checkpoint: Collection[str] = ()) -> Plan:
-    """The runnable `Config` and `MeshConfig` for `num_devices`, auto fields filled in, every rule checked.
+            checkpoint: str = "", from_checkpoint: Collection[str] = (), platform: str = "",
+            kernels: KernelPolicy | None = None) -> Plan:
+    """The run's Plan on `num_devices` devices: auto fields filled in, the counts settled (jax3d.counts), every
+    rule checked, the kernels chosen.
 
     `tokenizer_vocab` is the tokenizer's vocabulary size; it is needed when `cfg.model.vocab_size` is 0.
     `from_checkpoint` names the model fields taken from the checkpoint in the --load directory `checkpoint`,
     so that a rule one of them breaks blames the checkpoint rather than a flag the user never gave.
+    `platform` is that of the devices the plan is for (default: JAX's first device's); `kernels` replaces the
+    policy resolved for them (a benchmark's tunings or ablations).
     Raises ConfigError naming every violated rule.
     """
     try:
-        return _resolve(cfg, num_devices, tokenizer_vocab, checkpoint if "vocab_size" in from_checkpoint else "")
+        plan = _resolve(cfg, num_devices, tokenizer_vocab, checkpoint if "vocab_size" in from_checkpoint else "")
     except ConfigError as e:
         if not checkpoint:
             raise
         raise ConfigError(_blame_checkpoint(str(e), cfg.model, from_checkpoint, checkpoint)) from None
+    if kernels is None:
+        kernels = KernelPolicy.resolve(platform or jax.devices()[0].platform, plan.mesh.size)
+    return plan.replace(kernels=kernels)
 
 
 # The least CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
@@ -154,6 +180,8 @@ def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_f
     if cfg.model.scan_layers is None:
         deep = cfg.model.num_layers >= SCAN_LAYERS_FROM
         cfg = cfg.replace(model={"scan_layers": deep and jax.default_backend() == "cpu"})
+    if cfg.parallel.pipeline_schedule is None:
+        cfg = cfg.replace(parallel={"pipeline_schedule": default_schedule(cfg.parallel.layers_per_virtual_stage)})
     par = cfg.parallel
     auto_layout = par.tensor_parallel is None and par.pipeline_parallel is None
     if auto_layout:
@@ -180,9 +208,20 @@ def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_f
         note = "as given"
     mesh = MeshConfig.from_parallel(cfg.parallel, num_devices)
     if cfg.parallel.zero_stage is None:
-        cfg = cfg.replace(parallel={"zero_stage": 1 if mesh.data > 1 else 0})
+        cfg = cfg.replace(parallel={"zero_stage": default_zero_stage(mesh.data)})
     mesh.validate(cfg.model, cfg.parallel, cfg.train)
-    return Plan(cfg, mesh, note)
+    # The run's counts in samples and tokens, on its final batch, sequence and data-parallel sizes: here, once.
+    return Plan(settle(cfg, mesh.data), mesh, note)
+
+
+def generation_plan(model: ModelConfig, tp: int, *, checkpoint: str = "") -> Plan:
+    """The plan of generating with `model` (a checkpoint's, from the --load directory `checkpoint`) tensor parallel
+    over `tp` devices: one sequence at a time, as far as the layout rules are concerned."""
+    from jax3d.config import ParallelConfig, TrainConfig
+
+    return resolve(Config(model=model, parallel=ParallelConfig(tensor_parallel=tp),
+                          train=TrainConfig(micro_batch_size=1, global_batch_size=1)), tp,
+                   checkpoint=checkpoint, from_checkpoint=[f.name for f in dataclasses.fields(model)])
 
 
 def evaluation_mesh(num_devices: int, num_layers: int, tp: int, pp: int, dp: int = 0) -> MeshConfig:

@@ -29,6 +29,11 @@ class ZeroPlan:
         return cls(optimizer_state=stage >= 1, gradients=stage >= 2, parameters=stage >= 3)
 
 
+def default_zero_stage(data: int) -> int:
+    """The ZeRO stage of a run that leaves it open: ZeRO-1 when there is data parallelism, else none."""
+    return 1 if data > 1 else 0
+
+
 def add_data_axis(spec: P, shape: tuple[int, ...], data_size: int, axis: str = "data") -> P:
     """Puts `axis` on the first unsharded dim that `data_size` divides; leaves the spec if none does."""
     if data_size <= 1:

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jax3d.config import Config
-from jax3d.parallel.mesh import MeshConfig
 from jax3d.parallel import named_shardings
+from jax3d.parallel.mesh import AXES
+from jax3d.parallel.plan import Plan
 from jax3d.train.metrics import model_flops_per_token
 from jax3d.train.memory import allocator_offer, step_peak_bytes
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
@@ -28,13 +28,15 @@ def per_device_bytes(abstract_tree, shardings) -> int:
     return total
 
 
-def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
+def dry_run(plan: Plan, mesh=None) -> dict:
     """Per-device bytes of params, opt_state, grads, temp and peak, and the step's FLOPs.
 
-    `cfg` is compiled as given, so that it reports what the real run compiles from the same
+    The plan is compiled as given, so that it reports what the real run compiles from the same
     `jax3d.parallel.plan.resolve` output (whether the layers are scanned included).
     """
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    cfg, mesh_cfg = plan.cfg, plan.mesh
+    steps = build_steps(plan, mesh)
+    mesh = steps.mesh
     state = abstract_state(steps)
     batch = abstract_batch(steps, steps.model.sample_shapes())
     t0 = time.perf_counter()
@@ -54,7 +56,7 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     peak = step_peak_bytes(compiled)  # the figure the train loop's memory guard checks
     report = {
         "model": cfg.model.model_type, "num_params": steps.model.num_params(),
-        "mesh": {"data": mesh_cfg.data, "stage": mesh_cfg.stage, "model": mesh_cfg.model},
+        "mesh": dict(zip(AXES, (mesh_cfg.data, mesh_cfg.stage, mesh_cfg.model))),
         "zero_stage": cfg.parallel.zero_stage, "dtype": cfg.precision.dtype,
         **({"fp8": cfg.precision.fp8} if cfg.precision.fp8 else {}),
         "micro_batches": steps.accum_steps, "scan_layers": cfg.model.scan_layers,

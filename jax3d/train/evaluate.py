@@ -178,6 +178,7 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     what fp8 weights cost the model on this data."""
     from jax3d.parallel import with_shardings
     from jax3d.parallel.pipeline_spec import fewest_microbatches
+    from jax3d.parallel.mesh import AXES
     from jax3d.parallel.plan import evaluation_mesh, resolve
     from jax3d.config import config_from_dict
     from jax3d.checkpoint.read import restore_arrays, saved_step_meta
@@ -193,15 +194,15 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                  precision=PrecisionConfig(dtype=dtype), data=saved.data,
                  train=TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=global_batch,
                                    seed=saved.train.seed if seed is None else seed))
-    mesh_cfg = resolve(cfg, layout.size, checkpoint=load,
-                       from_checkpoint=[f.name for f in dataclasses.fields(saved.model)]).mesh
+    plan = resolve(cfg, layout.size, checkpoint=load, from_checkpoint=[f.name for f in dataclasses.fields(saved.model)])
+    cfg = plan.cfg
     if tokenizer is None:
         from jax3d.checkpoint.tokenizer import checkpoint_tokenizer
         tokenizer = checkpoint_tokenizer(meta)
     split = saved.data.split if split is None else split  # by default the samples training validated on
     validated = saved.train.eval_iters * saved.train.global_batch_size if which == "valid" else 0
     dataset, count = build_dataset(cfg, tokenizer, data_paths, text_file, split, which, num_samples, validated)
-    steps = build_steps(cfg, mesh_cfg, mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
+    steps = build_steps(plan)
     targets = with_shardings(steps.abstract_logical_state.params, steps.logical_shardings.params)
     params = restore_arrays(load, step, {"params": targets}).params
     if quantization == "fp8":
@@ -210,6 +211,6 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
                          out_shardings=steps.logical_shardings.params)(params)
     params = steps.state_params(params)
     out = evaluate_params(steps, params, dataset, count, progress)
-    out.update(step=int(meta["step"]), layout={"data": layout.data, "stage": pp, "model": tp},
+    out.update(step=int(meta["step"]), layout=dict(zip(AXES, (layout.data, pp, tp))),
                **({"quantization": quantization} if quantization != "none" else {}))
     return out

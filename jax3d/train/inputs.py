@@ -20,7 +20,7 @@ class Inputs:
 def with_default_tokenizer(cfg: Config) -> Config:
     """`cfg` with the `--tokenizer-type` its tokenizer files imply where `--data-path` is given without one
     (`default_tokenizer_type`: Megatron's GPT2BPETokenizer for a GPT or Llama, BertWordPieceLowerCase for a
-    BERT). A run with `--load` takes the checkpoint's tokenizer before this (jax3d.cli.resume)."""
+    BERT). A run with `--load` takes the checkpoint's tokenizer before this (jax3d.train.resume)."""
     from jax3d.data.tokenizers import default_tokenizer_type
 
     d = cfg.data

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 
 from jax3d.config import Config, ConfigError
-from jax3d.parallel.mesh import MeshConfig
-from jax3d.train.counts import BatchCounts, last_step, settle
+from jax3d.counts import BatchCounts, last_step
+from jax3d.parallel.plan import Plan
 from jax3d.train.metrics import MetricsWriter, memory_gb, model_flops_per_token, optimizer_state_norms, peak_tflops
 from jax3d.train.memory import (STATE_FIXES, check_fits, check_placed, device_capacity, is_out_of_memory,
                                 largest_fitting, ran_out, step_peak_bytes)
@@ -139,19 +139,18 @@ def _kill_switch(path: str) -> bool:
     return seen
 
 
-def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = True, checkpointer=None,
-          memory_check: bool = True) -> dict:
-    """Runs `cfg.train.train_iters` steps (or until `--train-tokens`, `--exit-interval` or
-    `--exit-duration-in-mins`); returns the last logged record.
+def train(plan: Plan, mesh, inputs, *, progress: bool = True, checkpointer=None, memory_check: bool = True) -> dict:
+    """Runs the plan's `cfg.train.train_iters` steps (or until `--train-tokens`, `--exit-interval` or
+    `--exit-duration-in-mins`) on `mesh` (None: the plan's); returns the last logged record.
 
     With `memory_check`, a step whose compiled peak exceeds the local devices' memory raises DeviceOutOfMemory (a
     ConfigError) before the state is allocated, naming a micro-batch that fits. A step that runs out of device
     memory all the same raises it too, once the run's buffers are freed, with the same advice.
     """
-    cfg = settle(cfg, mesh_cfg.data)  # the run's counts in samples and tokens (jax3d.train.counts)
+    mesh = mesh if mesh is not None else plan.mesh.build(jax.devices()[: plan.mesh.size])
     compiled = {}
     try:
-        return _train(cfg, mesh_cfg, mesh, inputs, progress, checkpointer, memory_check, compiled)
+        return _train(plan, mesh, inputs, progress, checkpointer, memory_check, compiled)
     except jax.errors.JaxRuntimeError as e:
         if not is_out_of_memory(e) or "step" not in compiled:
             raise
@@ -159,7 +158,7 @@ def train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, *, progress: bool = T
     # The advice is for the next run, which has the whole pool (this process may still hold some of it).
     peak = step_peak_bytes(compiled["step"])
     have = min(device_capacity() or peak, peak - 1)  # what ran out: a step that fits needs less than its peak
-    raise ran_out("the run", peak, _smaller_micro_batch(cfg, mesh_cfg, mesh, have))
+    raise ran_out("the run", peak, _smaller_micro_batch(plan, mesh, have))
 
 
 def _micro_batches_below(cfg: Config, data: int) -> list[int]:
@@ -169,22 +168,23 @@ def _micro_batches_below(cfg: Config, data: int) -> list[int]:
     return [b for b in range(1, cfg.train.micro_batch_size) if per_replica % b == 0]
 
 
-def _smaller_micro_batch(cfg: Config, mesh_cfg: MeshConfig, mesh, have: int):
+def _smaller_micro_batch(plan: Plan, mesh, have: int):
     """`largest_fitting`'s (micro-batch, peak) for this run's step at a smaller micro-batch, compiled from abstract
     shapes; None when none fits or the batch ramps up (the ramp's sizes would need their own)."""
+    cfg = plan.cfg
     if cfg.train.rampup_batch_size:
         return None
 
     def peak_at(micro: int) -> int:
-        steps = build_steps(cfg.replace(train={"micro_batch_size": micro}), mesh_cfg, mesh)
+        steps = build_steps(plan.replace(cfg=cfg.replace(train={"micro_batch_size": micro})), mesh)
         return step_peak_bytes(steps.train_step.lower(
             abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile())
-    return largest_fitting(_micro_batches_below(cfg, mesh_cfg.data), peak_at, have)
+    return largest_fitting(_micro_batches_below(cfg, plan.mesh.data), peak_at, have)
 
 
-def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, checkpointer, memory_check: bool,
-           compiled: dict) -> dict:
+def _train(plan: Plan, mesh, inputs, progress: bool, checkpointer, memory_check: bool, compiled: dict) -> dict:
     started = time.time()
+    cfg = plan.cfg
     tr = cfg.train
     chief = jax.process_index() == 0
     final = last_step(cfg)
@@ -194,7 +194,7 @@ def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, chec
     if saved is not None and not tr.finetune and saved >= final:
         print(f"jax3d: nothing to do: the checkpoint is already at step {saved} of {final}", file=sys.stderr)
         return {}
-    steps = build_steps(cfg, mesh_cfg, mesh)
+    steps = build_steps(plan, mesh)
     # Compiled from abstract shapes before any state is allocated or restored, so a step that cannot fit
     # stops here, before a checkpoint is read into memory the step then has no room beside.
     t0 = time.perf_counter()
@@ -207,7 +207,7 @@ def _train(cfg: Config, mesh_cfg: MeshConfig, mesh, inputs, progress: bool, chec
         print(f"jax3d: compiled the train step in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     compiled["step"] = train_step
     if memory_check:
-        check_fits(train_step, smaller=lambda have: _smaller_micro_batch(cfg, mesh_cfg, mesh, have))
+        check_fits(train_step, smaller=lambda have: _smaller_micro_batch(plan, mesh, have))
         if checkpointer is not None and not steps.order.logical:
             # A save or restore holds the state and its logical-order copy at once (layer_order.py); with
             # small activations that is more than the step itself needs.

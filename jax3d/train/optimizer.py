@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 
 from jax3d.config import ConfigError, OptimConfig
-from jax3d.train.counts import BatchCounts
+from jax3d.counts import BatchCounts
 
 
 def lr_schedule(optim: OptimConfig, train_iters: int):
@@ -17,7 +17,7 @@ def lr_schedule(optim: OptimConfig, train_iters: int):
     in samples or tokens, as Megatron counts it then: its warm-up and decay lengths are samples
     (`lr_*_samples`, or `lr_*_iters` global batches), a token count (`lr_warmup_tokens`, `lr_decay_tokens`)
     overrides either, and the position is the samples (times the sequence length, the tokens) consumed before
-    the update, from `optim.counted_batch` (jax3d.train.counts.settle sets it). `lr_warmup_fraction`, where
+    the update, from `optim.counted_batch` (jax3d.counts.settle sets it). `lr_warmup_fraction`, where
     set, makes the warm-up that share of the decay, in its unit.
     """
     if optim.lr_decay_style not in ("cosine", "linear", "constant"):
@@ -26,7 +26,7 @@ def lr_schedule(optim: OptimConfig, train_iters: int):
     if not optim.counted_batch:
         if counted:
             raise ConfigError("a learning-rate schedule counted in samples or tokens needs OptimConfig.counted_batch; "
-                              "pass the config through jax3d.train.counts.settle")
+                              "pass the config through jax3d.counts.settle")
         return _iteration_lr(optim, train_iters)
     samples, batch = _samples_consumed(optim)
     decay = optim.lr_decay_samples or (optim.lr_decay_iters or train_iters) * batch

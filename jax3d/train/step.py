@@ -22,8 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jax3d import dropout_keys
 from jax3d.config import Config, ConfigError
 from jax3d.models import build_model, fp8
-from jax3d.parallel import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
-                            tree_specs, with_shardings)
+from jax3d.parallel import cast_for_compute, constrain_tree, named_shardings, state_specs, tree_specs, with_shardings
 from jax3d.parallel.mesh import MeshConfig, with_auto_axes
 from jax3d.parallel.plan import Plan
 from jax3d.train.fp8 import Recipe, compiler_options, history_specs
@@ -163,14 +162,13 @@ def loss_metrics(obj, aux, norms) -> dict:
     return out
 
 
-def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
-    """Builds the model, the state shardings (ZeRO applied) and the jitted steps for `mesh`, from a `cfg` and
-    `mesh_cfg` that jax3d.parallel.plan.resolve returned."""
-    mesh = with_auto_axes(mesh)
-    plan = Plan(cfg, mesh_cfg)
+def build_steps(plan: Plan, mesh=None) -> Steps:
+    """Builds the model, the state shardings (ZeRO applied) and the jitted steps of `plan` (what
+    jax3d.parallel.plan.resolve returned), on `mesh` (default: the plan's mesh on the first devices)."""
+    cfg, mesh_cfg, rules = plan.cfg, plan.mesh, plan.rules
+    mesh = with_auto_axes(mesh if mesh is not None else mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
     # The state's layer stack always divides over the stages: in logical order it has L rows, which an
     # even split divides, and an uneven or interleaved layout stores the stack padded in pipeline order.
-    rules = ShardingRules.create(cfg.parallel.sequence_parallel)
     model = build_model(cfg.model, rules)
     # With FP8 the train step runs its own copy of the model, whose GEMMs take scales; the state's parameters,
     # their init, evaluation and `loss_and_grads` are the plain model's.
@@ -200,7 +198,7 @@ def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
     state_spec = TrainState(step=P(), params=specs["params"], opt_state=opt_specs, rng=P(), loss_scale=ls_specs,
                             fp8=None if recipe is None else history_specs(scales_specs))
     state_shardings = named_shardings(mesh, state_spec)
-    batch_spec = P(None, "data")
+    batch_spec = plan.batch_spec
     batch_sharding = NamedSharding(mesh, batch_spec)
     repl = NamedSharding(mesh, P())
 

@@ -14,9 +14,8 @@ import os
 from jax3d.checkpoint.checkpointer import FREE_MODEL_FIELDS, check_model_compatible
 from jax3d.checkpoint.read import list_steps, read_meta, resolve_step
 from jax3d.checkpoint.record import file_fingerprint, idx_fingerprint
-from jax3d.cli.common import is_number
 from jax3d.config import (TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, ModelConfig, OptimConfig, as_tuple,
-                          config_from_dict)
+                          config_from_dict, is_number)
 
 # The data flags a resumed run adopts or checks (argparse dests, which are DataConfig's field names). The path
 # flags go together: one given names the run's data, and none of the others is taken from the checkpoint.
