@@ -82,15 +82,24 @@ def test_out_of_range_values_are_refused_not_replaced(argv, message, monkeypatch
 
 def test_virtual_stages_select_the_interleaved_schedule():
     """As in Megatron, --num-layers-per-virtual-pipeline-stage alone means the interleaved schedule; a
-    schedule given beside it is kept (and refused by the layout check when it is not interleaved)."""
+    schedule given beside it is kept (and refused by the layout check when it is not interleaved). The
+    command line leaves the choice open; the plan makes it."""
     from jax3d.cli.train_flags import build_parser, config_from_args
+    from jax3d.parallel.plan import resolve
+
+    def config(*argv):
+        return config_from_args(build_parser().parse_args(["--pipeline-model-parallel-size", "2",
+                                                           "--tensor-model-parallel-size", "1", *argv]))
 
     def schedule(*argv):
-        return config_from_args(build_parser().parse_args(list(argv))).parallel.pipeline_schedule
+        cfg = config(*argv)
+        assert cfg.parallel.pipeline_schedule is None
+        return resolve(cfg, 2, 256).cfg.parallel.pipeline_schedule
 
     assert schedule() == "1f1b"
     assert schedule("--num-layers-per-virtual-pipeline-stage", "1") == "interleaved"
-    assert schedule("--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "gpipe") == "gpipe"
+    given = config("--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "gpipe")
+    assert given.parallel.pipeline_schedule == "gpipe"
 
 
 def _run(tmp_path, name, *extra):

@@ -112,3 +112,75 @@ def test_deep_stacks_are_scanned_on_cpus_only(monkeypatch):
     assert resolve(_cfg(num_layers=SCAN_LAYERS_FROM), 8).cfg.model.scan_layers is False
     monkeypatch.setattr("jax.default_backend", lambda: "cpu")
     assert resolve(_cfg(num_layers=SCAN_LAYERS_FROM), 8).cfg.model.scan_layers is True
+
+
+def test_a_plan_carries_the_facts_every_consumer_reads():
+    """The rules, the batch spec, ZeRO, the pipeline and the kernels come with the plan; a changed config's plan
+    derives them again."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax3d.kernels.policy import KernelPolicy
+    from jax3d.parallel.rules import ShardingRules
+
+    plan = resolve(_cfg(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True, zero_stage=None), 8)
+    assert plan.rules == ShardingRules.create(sequence_parallel=True) and plan.rules.splits("act_seq")
+    assert plan.batch_spec == P(None, "data")
+    assert (plan.cfg.parallel.zero_stage, plan.zero.optimizer_state, plan.pipeline.microbatches) == (1, True, 4)
+    assert plan.kernels == KernelPolicy.resolve("cpu", 8) == KernelPolicy.none()
+    other = plan.replace(cfg=plan.cfg.replace(parallel={"sequence_parallel": False}, train={"micro_batch_size": 2}))
+    assert not other.rules.splits("act_seq") and other.pipeline.microbatches == 2 and other.kernels == plan.kernels
+
+
+def test_the_plan_picks_the_schedule_a_run_leaves_open():
+    assert resolve(_cfg(pipeline_parallel=2, pipeline_schedule=None), 2).cfg.parallel.pipeline_schedule == "1f1b"
+    picked = resolve(_cfg(pipeline_parallel=2, pipeline_schedule=None, layers_per_virtual_stage=1), 2).cfg.parallel
+    assert (picked.pipeline_schedule, picked.virtual_stages) == ("interleaved", 2)
+
+
+def _counting(monkeypatch) -> dict:
+    """Wraps `resolve` and `settle` (where the plan calls them, and where any other caller would import them)
+    with counters."""
+    from jax3d import counts
+    from jax3d.parallel import plan as plan_mod
+
+    calls = {"resolve": 0, "settle": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        return wrapper
+
+    monkeypatch.setattr(plan_mod, "resolve", counted("resolve", plan_mod.resolve))
+    settle = counted("settle", counts.settle)
+    monkeypatch.setattr(plan_mod, "settle", settle)
+    monkeypatch.setattr(counts, "settle", settle)
+    return calls
+
+
+def test_a_run_and_the_entries_after_it_resolve_and_settle_once_each(tmp_path, monkeypatch, capsys):
+    """A train.py run counted in samples (in process, --save), then evaluation and generation of its checkpoint:
+    each resolves its plan once and settles its counts once, and hands the plan on."""
+    from jax3d.cli.train import main
+    from jax3d.inference.generate import generator_for, load_gpt_checkpoint
+    from jax3d.train.evaluate import evaluate_checkpoint
+
+    ckpt = str(tmp_path / "ckpt")
+    calls = _counting(monkeypatch)
+    assert main(["--preset", "gpt-tiny", "--num-layers", "2", "--seq-length", "32", "--train-samples", "32",
+                 "--global-batch-size", "16", "--micro-batch-size", "2", "--lr-decay-samples", "32",
+                 "--eval-interval", "0", "--no-progress", "--save", ckpt]) == 0
+    assert calls == {"resolve": 1, "settle": 1}
+    assert '"step": 2' in capsys.readouterr().out  # --train-samples 32 of 16 a batch: settled into 2 steps
+
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 20)
+    calls.update(resolve=0, settle=0)
+    evaluate_checkpoint(ckpt, text_file=str(text), micro_batch_size=1, progress=False)
+    assert calls == {"resolve": 1, "settle": 1}
+
+    calls.update(resolve=0, settle=0)
+    cfg, params, tok = load_gpt_checkpoint(ckpt)
+    gen = generator_for(cfg, params, tok, [tok.tokenize("def f(")], 4)
+    assert len(gen.generate([tok.tokenize("def f(")], 4)[0]) == 4
+    assert calls == {"resolve": 1, "settle": 1}
