@@ -215,3 +215,77 @@ def test_the_kernel_registry_lists_each_kernel_module_once():
         module = kernels.module(name)
         assert module is importlib.import_module(f"jax3d.kernels.{name}")
         assert isinstance(module.DEFAULT, module.Tuning) and callable(module.supported), name
+
+
+# Mesh-axis names are spelled in jax3d/parallel only (jax3d.parallel.mesh: DATA, STAGE, MODEL). A literal counts as
+# an axis name where it places or reduces over an axis: in a PartitionSpec, a sharding or mesh, a collective or
+# its axis argument, a mesh's `.shape[...]`, an `*axis*` parameter's default or a `*AXES*`/`*MANUAL*` constant.
+# Dict keys and config or JSON records that merely spell "data" or "model" are not.
+_AXIS_NAMES = {"data", "stage", "model"}
+_AXIS_CALLS = {"P", "PartitionSpec", "NamedSharding", "Mesh", "make_mesh", "shard_map", "with_auto_axes", "psum",
+               "pmax", "pmin", "pmean", "all_gather", "psum_scatter", "ppermute", "all_to_all", "axis_index",
+               "axis_size", "pshuffle", "pbroadcast"}
+
+
+def _literals(node) -> list:
+    """The axis-name string constants in `node`, through tuples, lists and conditional expressions."""
+    if isinstance(node, ast.Constant) and node.value in _AXIS_NAMES:
+        return [node]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [c for e in node.elts for c in _literals(e)]
+    if isinstance(node, ast.IfExp):
+        return _literals(node.body) + _literals(node.orelse)
+    if isinstance(node, ast.Starred):
+        return _literals(node.value)
+    return []
+
+
+def axis_literals(source: str) -> list[int]:
+    """Lines of `source` that use a literal mesh-axis name as one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in _AXIS_CALLS:
+                found += _literals(ast.Tuple(elts=list(node.args)))
+            found += [c for k in node.keywords if k.arg and "axis" in k.arg or k.arg in ("in_specs", "out_specs")
+                      for c in _literals(k.value)]
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            found += _literals(node.slice)
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and any(
+                isinstance(c, ast.Attribute) and c.attr == "shape" for c in node.comparators):
+            found += _literals(node.left)  # "stage" in mesh.shape
+        elif isinstance(node, ast.arguments):
+            named = node.posonlyargs + node.args
+            pairs = list(zip(named[len(named) - len(node.defaults):], node.defaults))
+            pairs += [(a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+            found += [c for a, d in pairs if "axis" in a.arg or "axes" in a.arg for c in _literals(d)]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            if any(n.isupper() and ("AXES" in n or "AXIS" in n or "MANUAL" in n) for n in names):
+                found += _literals(node.value)
+    return sorted({c.lineno for c in found})
+
+
+def test_the_axis_name_rule_sees_each_use_and_no_record():
+    uses = ('P(None, "data")', 'P(("data", "model"))', 'lax.psum(x, "stage")', 'lax.axis_index("data")',
+            'jax.lax.all_gather(a, "data", axis=d)', 'mesh.shape["stage"]', '"stage" in mesh.shape',
+            'NamedSharding(mesh, P("model" if tp else None))', 'f(x, axis_name="data")',
+            'def load(mesh, data_axis: str = "data"): pass', '_MANUAL = ("stage", "data")')
+    records = ('{"data": 1, "model": cfg.model_type}', 'meta["config"]["model"]', 'cfg.get("data")',
+               'parser.add_argument_group("model")', 'x = ("model", 2)', 'k != "stage"')
+    assert [axis_literals(src) for src in uses] == [[1]] * len(uses)
+    assert [axis_literals(src) for src in records] == [[]] * len(records)
+
+
+def test_mesh_axis_names_are_spelled_only_in_jax3d_parallel():
+    found = []
+    for d, _, files in os.walk(PKG):
+        for f in files:
+            path = os.path.join(d, f)
+            rel = os.path.relpath(path, ROOT)
+            if f.endswith(".py") and not rel.startswith(os.path.join("jax3d", "parallel", "")):
+                found += [f"{rel}:{n}" for n in axis_literals(open(path).read())]
+    assert found == []
+    assert axis_literals(open(os.path.join(PKG, "parallel", "zero.py")).read())  # it sees them where they are

@@ -32,6 +32,7 @@ import numpy as np
 
 from jax3d.config import Config, ConfigError, ModelConfig, as_tuple
 from jax3d.parallel import with_shardings
+from jax3d.parallel.mesh import STAGE
 from jax3d.parallel.pipeline_spec import PipelineSpec
 from jax3d.pipeline.layout import state_layout
 from jax3d.checkpoint.files import check_files, record_checksums, record_files
@@ -279,7 +280,7 @@ class Checkpointer:
         """The state in logical layer order, as checkpoints hold it (the state itself when it is)."""
         if self.to_logical is not None:
             return self.to_logical(state)
-        stages = int(mesh.shape["stage"]) if mesh is not None and "stage" in mesh.shape else 1
+        stages = int(mesh.shape[STAGE]) if mesh is not None and STAGE in mesh.shape else 1
         if state_layout(PipelineSpec.of(self.cfg, stages, data=1), self.cfg.model.num_layers) is not None:
             raise ValueError("this train state keeps its layers in pipeline order; pass "
                              "Checkpointer(..., to_logical=steps.logical_state) to save it in logical order")

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax3d.data.indexed import DataError
+from jax3d.parallel.mesh import DATA
 
 
 
@@ -27,7 +28,7 @@ class BatchLoader:
 
     def __init__(self, dataset, global_batch_size: int, accum_steps: int = 1, mesh=None, *,
                  sharding: NamedSharding | None = None, start_sample: int = 0, prefetch: int = 2,
-                 data_axis: str = "data"):
+                 data_axis: str = DATA):
         if global_batch_size % accum_steps:
             raise DataError(f"--global-batch-size {global_batch_size} is not divisible by the "
                             f"{accum_steps} gradient accumulation steps.")

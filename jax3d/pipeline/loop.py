@@ -30,13 +30,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax3d import dropout_keys
+from jax3d.parallel.mesh import DATA, STAGE
 from jax3d.pipeline import program as prog_mod
 from jax3d.pipeline import passes
 from jax3d.pipeline.layout import (PipelineError, dropout_key, from_pipeline_order, layer_keys,
                                    make_layout, to_pipeline_order)
 from jax3d.pipeline.schedules import B, F, W, Schedule, ScheduleError, validate
 
-_MANUAL = ("stage", "data")
+_MANUAL = (STAGE, DATA)
 
 
 def _vary(x):
@@ -111,7 +112,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     Returns (loss_sum, aux_sums, grads_stacked, grads_shared): sums over all micro-batches and data
     shards (divide by the token count yourself); grads_stacked in the order stacked_params came in.
     """
-    p = mesh.shape["stage"]
+    p = mesh.shape[STAGE]
     v = schedule.virtual_stages
     m = _leading(microbatches, "microbatches")
     if schedule.stages != p or schedule.microbatches != m:
@@ -121,7 +122,7 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     if gather_stacked and not shard_grads:
         raise PipelineError("gather_stacked returns the stacked params' gradients sharded over `data`; pass "
                             "shard_grads=True with it")
-    dp = mesh.shape["data"]
+    dp = mesh.shape[DATA]
     for a in jax.tree.leaves(microbatches):
         if a.ndim < 2 or a.shape[1] % dp:
             raise PipelineError(
@@ -164,13 +165,13 @@ def pipeline_value_and_grad(first_fn, stage_fn, last_fn, stacked_params, shared_
     body = functools.partial(_stage_loop, first_fn, stage_fn, last_fn, program, k, layout.padded,
                              use_rng, dp > 1 and not per_sample, p, grad_dtype, layout.num_layers,
                              (st_dims, sh_dims), gather_stacked, place_x or (lambda x: x), stats)
-    st_specs = jax.tree.map(lambda d: _spec(d, "stage"), st_dims)
+    st_specs = jax.tree.map(lambda d: _spec(d, STAGE), st_dims)
     sh_specs = jax.tree.map(lambda d: _spec(d, None), sh_dims)
     run = jax.shard_map(
         body, mesh=mesh, axis_names=set(_MANUAL),
-        in_specs=(st_specs if gather_stacked else P("stage"), P(), P(None, "data"), P(None, "stage"),
-                  P(), P("stage"), P(None, "data") if per_sample else P()),
-        out_specs=(P(), P(), st_specs if shard_grads else P("stage"), sh_specs if shard_grads else P()))
+        in_specs=(st_specs if gather_stacked else P(STAGE), P(), P(None, DATA), P(None, STAGE),
+                  P(), P(STAGE), P(None, DATA) if per_sample else P()),
+        out_specs=(P(), P(), st_specs if shard_grads else P(STAGE), sh_specs if shard_grads else P()))
     loss, aux, g_stacked, g_shared = run(stacked_params, shared_params, microbatches,
                                          jnp.asarray(program.table), jnp.asarray(program.sends),
                                          jnp.asarray(layout.rows), rng)
@@ -197,7 +198,7 @@ def _spec(d, lead):
     """PartitionSpec with `lead` on dim 0 and `data` on dim d (d < 0: none)."""
     if d < 0:
         return P(lead) if lead else P()
-    parts = [lead] + [None] * (d - 1) + ["data"] if d > 0 else ["data"]
+    parts = [lead] + [None] * (d - 1) + [DATA] if d > 0 else [DATA]
     return P(*parts)
 
 
@@ -209,7 +210,7 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
     stacked, shared = _vary_tree(stacked), _vary_tree(shared)
     rows = layer_rows[0]  # (v, k) logical layer per position of this stage, -1 = padding
     if use_rng and fold_data:
-        rng = jax.random.fold_in(rng, lax.axis_index("data") + 1_000_003)  # keeps data=1 keys equal
+        rng = jax.random.fold_in(rng, lax.axis_index(DATA) + 1_000_003)  # keeps data=1 keys equal
 
     program_split = any(b[0] == W for b in program.branches)
 
@@ -222,7 +223,7 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
     def gather(wj):
         # ZeRO-3: one layer's weights, gathered over `data` just before it runs (B gathers again:
         # weights are never stored as residuals)
-        return jax.tree.map(lambda a, d: a if d < 0 else lax.all_gather(a, "data", axis=d, tiled=True),
+        return jax.tree.map(lambda a, d: a if d < 0 else lax.all_gather(a, DATA, axis=d, tiled=True),
                             wj, st_dims)
 
     def run_chunk(wc, x, mb, i, c):
@@ -267,7 +268,7 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
     def acc_zeros(a, d, arrives_sharded=False):
         shape = list(a.shape)
         if d >= 0 and not arrives_sharded:
-            shape[d] //= lax.axis_size("data")
+            shape[d] //= lax.axis_size(DATA)
         return jnp.zeros(shape, grad_dtype or a.dtype)
 
     acc0 = (_vary_tree(jax.tree.map(lambda a, d: acc_zeros(a, d, gather_stacked), stacked, st_dims)),
@@ -277,7 +278,7 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
 
     def scatter(g, d):
         """A micro-batch's grad, reduced over `data` into this shard's part of a ZeRO-2 accumulator."""
-        return g if d < 0 else lax.psum_scatter(g, "data", scatter_dimension=d, tiled=True)
+        return g if d < 0 else lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True)
 
     def add_shared(gs, dsh):
         return jax.tree.map(lambda g, d, dim: g if d.dtype == jax.dtypes.float0
@@ -365,7 +366,7 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
 
     def send(flag, x, perm):
         # the table knows statically whether any stage sends in this direction at this tick
-        return lax.cond(flag, lambda x: lax.ppermute(x, "stage", perm), lambda x: x, x)
+        return lax.cond(flag, lambda x: lax.ppermute(x, STAGE, perm), lambda x: x, x)
 
     def keep(carry, *_):
         return _vary_tree(carry), zero_x
@@ -402,9 +403,9 @@ def _stage_loop(first_fn, stage_fn, last_fn, program, k, padded, use_rng, fold_d
 
     bufs0 = (act_buf, grad_buf, res_bufs, cut_bufs)
     (_, (gw, gs, loss, aux)), _ = lax.scan(tick, (bufs0, acc0), (table, sends))
-    gw = jax.tree.map(lambda g, d, stat: lax.pmax(g, "data") if stat else lax.psum(g, "data") if d < 0 else g,
+    gw = jax.tree.map(lambda g, d, stat: lax.pmax(g, DATA) if stat else lax.psum(g, DATA) if d < 0 else g,
                       gw, st_dims, stats)
-    gs = jax.tree.map(lambda g, d: lax.psum(g, _MANUAL if d < 0 else "stage"), gs, sh_dims)
+    gs = jax.tree.map(lambda g, d: lax.psum(g, _MANUAL if d < 0 else STAGE), gs, sh_dims)
     loss = lax.psum(loss, _MANUAL)
     aux = jax.tree.map(lambda a: lax.psum(a, _MANUAL), aux)
     return loss, aux, gw, gs

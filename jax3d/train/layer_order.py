@@ -25,6 +25,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax3d.parallel.mesh import STAGE
 from jax3d.pipeline.layout import LayerLayout, from_pipeline_order, to_pipeline_order
 
 
@@ -101,8 +102,8 @@ class LayerOrder:
         entries = list(logical) + [None] * (len(shape) - len(logical))
         for i in range(1, len(shape)):
             axes = entries[i] if isinstance(entries[i], tuple) else () if entries[i] is None else (entries[i],)
-            if shape[i] % (math.prod(mesh.shape[x] for x in axes) * mesh.shape["stage"]) == 0:
-                entries[i] = (*axes, "stage")
+            if shape[i] % (math.prod(mesh.shape[x] for x in axes) * mesh.shape[STAGE]) == 0:
+                entries[i] = (*axes, STAGE)
                 return P(*entries)
         return logical
 

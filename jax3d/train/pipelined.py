@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax3d.models import fp8
 from jax3d.parallel import cast_for_compute, constrain_tree
+from jax3d.parallel.mesh import DATA
 from jax3d.parallel.pipeline_spec import PipelineSpec
 from jax3d.parallel.plan import Plan
 from jax3d.pipeline import make_schedule
@@ -31,7 +32,7 @@ from jax3d.pipeline.layout import state_layout
 def data_dim(spec) -> int:
     """The dim a PartitionSpec shards over `data`, or -1."""
     for d, part in enumerate(spec):
-        if part == "data" or (isinstance(part, tuple) and "data" in part):
+        if part == DATA or (isinstance(part, tuple) and DATA in part):
             return d
     return -1
 
