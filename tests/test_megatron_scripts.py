@@ -14,7 +14,7 @@ from jax3d.cli import megatron
 from jax3d.cli.train import main
 from jax3d.cli.train_flags import build_parser, config_from_args
 from jax3d.config import ConfigError
-from jax3d.counts import BatchCounts
+from jax3d.counts import BatchCounts, settle
 from tests.helpers import ROOT
 
 DATA = os.path.join(ROOT, "tests", "data", "megatron_ds_scripts")
@@ -160,7 +160,7 @@ def test_the_125m_scripts_token_counted_warmup_and_decay_give_megatrons_rates(tm
     The rate of the update after k steps is Megatron's at k x 256 samples and k x 256 x 2048 tokens."""
     from jax3d.train.optimizer import lr_schedule
 
-    cfg = config_from_args(build_parser().parse_args(script_args("ds_pretrain_gpt_125M", tmp_path)))
+    cfg = settle(config_from_args(build_parser().parse_args(script_args("ds_pretrain_gpt_125M", tmp_path))))
     assert (cfg.optim.lr_warmup_tokens, cfg.optim.lr_decay_tokens) == (3_000_000_000, 300_000_000_000)
     assert cfg.train.train_iters == 292968750 // 256  # from --train-samples; --train-tokens stops it at half
     schedule = lr_schedule(cfg.optim, cfg.train.train_iters)
@@ -352,15 +352,15 @@ def test_deepspeeds_accumulation_rule_is_checked_once_the_data_parallel_size_is_
 ])
 def test_what_megatron_refuses_is_refused_in_one_sentence(argv, message):
     with pytest.raises(ConfigError, match=message):
-        cfg = _cfg(*argv)
+        cfg = settle(_cfg(*argv))  # the counts, as the plan settles them
         from jax3d.train.optimizer import lr_schedule
         lr_schedule(cfg.optim, cfg.train.train_iters)
 
 
 def test_switches_that_act_set_what_they_name():
-    cfg = _cfg("--enable-zbh1-pipeline", "--no-pipeline-parallel", "--exit-duration-in-mins", "30",
-               "--tensorboard-dir", "tb", "--log-timers-to-tensorboard", "--train-samples", "320",
-               "--global-batch-size", "32", "--lr-warmup-samples", "64")
+    cfg = settle(_cfg("--enable-zbh1-pipeline", "--no-pipeline-parallel", "--exit-duration-in-mins", "30",
+                      "--tensorboard-dir", "tb", "--log-timers-to-tensorboard", "--train-samples", "320",
+                      "--global-batch-size", "32", "--lr-warmup-samples", "64"))
     assert (cfg.parallel.pipeline_schedule, cfg.parallel.pipeline_parallel) == ("zb-h1", 1)
     assert (cfg.train.exit_duration_in_mins, cfg.train.tensorboard_dir, cfg.train.tensorboard_log) == \
         (30.0, "tb", ("timers",))
