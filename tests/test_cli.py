@@ -88,7 +88,7 @@ def test_virtual_stages_select_the_interleaved_schedule():
     from jax3d.parallel.plan import resolve
 
     def config(*argv):
-        return config_from_args(build_parser().parse_args(["--pipeline-model-parallel-size", "2",
+        return config_from_args(build_parser().parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                                                            "--tensor-model-parallel-size", "1", *argv]))
 
     def schedule(*argv):

@@ -30,10 +30,8 @@ FORMATS = ("safetensors", "orbax")
 def abstract_params(model_cfg):
     """Global shapes of the parameter tree of `model_cfg` (no arrays are created)."""
     from jax3d.models import build_model
-    from jax3d.parallel import ShardingRules
 
-    model = build_model(model_cfg, ShardingRules.create(False))
-    return jax.eval_shape(model.init, jax.random.key(0))
+    return jax.eval_shape(build_model(model_cfg).init, jax.random.key(0))  # shapes: no mesh, no sharding rules
 
 
 def load_params(load_dir: str, step: int = -1, device=None):
