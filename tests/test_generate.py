@@ -126,14 +126,14 @@ def test_an_fp8_cache_is_refused_on_a_gpu_without_fp8(imported, monkeypatch):
     take the cache."""
     from types import SimpleNamespace
 
-    from jax3d.inference import generate
-    from jax3d.parallel.plan import without_fp8
+    from jax3d.parallel import precision
+    from jax3d.parallel.precision import without_fp8
 
     a100 = SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")
     h100 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100")
     assert (without_fp8([a100]), without_fp8([h100]), without_fp8(jax.devices()[:1])) == ("8.0", "", "")
     _, params, cfg = imported
-    monkeypatch.setattr(generate, "without_fp8", lambda devices: without_fp8([a100]))
+    monkeypatch.setattr(precision, "without_fp8", lambda devices: without_fp8([a100]))
     with pytest.raises(ConfigError, match=r"^jax3d's fp8 KV cache \(--kv-cache-dtype fp8\) is built for GPUs with "
                                           r"FP8 \(compute capability 8.9 or later: Ada, Hopper\) and this cpu has "
                                           r"8.0; drop --kv-cache-dtype fp8$"):

@@ -14,6 +14,7 @@ from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, Parallel
 from jax3d.data.tokenizers import TOKENIZER_TYPES
 from jax3d.models.presets import get_preset, preset_names
 from jax3d.parallel.plan import AUTO_LAYOUTS, SCAN_LAYERS_FROM
+from jax3d.parallel.precision import LossScaling, dtype_of_flags
 from jax3d.pipeline.schedules import SCHEDULES
 
 
@@ -264,7 +265,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         lr_decay_iters=a.lr_decay_iters, lr_decay_style=a.lr_decay_style,
                         weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
                         adam_beta2=a.adam_beta2, adam_eps=a.adam_eps)
-    precision = PrecisionConfig(dtype="bfloat16" if a.bf16 else "float16" if a.fp16 else "float32",
+    precision = PrecisionConfig(dtype=dtype_of_flags(a.bf16, a.fp16),
                                 loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
                                 loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
                                 min_loss_scale=a.min_loss_scale)
@@ -283,7 +284,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     _refuse_bad_values(a, model, optim, train)
     if a.exit_after_skipped_iters:
         from jax3d.train.skipped import check_limit
-        check_limit(a.exit_after_skipped_iters, precision)
+        check_limit(a.exit_after_skipped_iters, LossScaling.of(precision))
     tok_flags = [f for f, v in (("--tokenizer-type", a.tokenizer_type), ("--vocab-file", a.vocab_file),
                                 ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file),
                                 ("--tokenizer-model", a.tokenizer_model)) if v]

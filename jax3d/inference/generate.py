@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.parallel.mesh import with_auto_axes
-from jax3d.parallel.plan import without_fp8
+from jax3d.parallel.precision import generation_device_error
 from jax3d.models import build_model, decode_rows, quantized
 from jax3d.models.cached_attention import CACHE_AXES, visible
 from jax3d.parallel import ShardingRules, named_shardings, tree_specs
@@ -149,15 +149,9 @@ class Generator:
         if self.weight_dtype not in (None, jnp.dtype(quantized.E4M3)):
             raise ConfigError(f"weights can be kept in fp8 (float8_e4m3fn) for generation, not {self.weight_dtype}")
         devices = list(mesh.devices.flat)
-        fp8 = {what: flag for what, flag, on in (
-            ("KV cache", "--kv-cache-dtype fp8", self.cache_dtype.itemsize == 1),
-            ("weights", "--quantization fp8", self.weight_dtype is not None)) if on}
-        old_gpu = without_fp8(devices) if fp8 else ""
-        if old_gpu:  # the decode kernel's fp8 conversions are Triton's, which wants FP8 hardware; XLA's are untried
-            flags, verb = " and ".join(fp8.values()), "is" if list(fp8) == ["KV cache"] else "are"
-            raise ConfigError(f"jax3d's fp8 {' and '.join(fp8)} ({flags}) {verb} built for GPUs with FP8 (compute "
-                              f"capability 8.9 or later: Ada, Hopper) and this {devices[0].device_kind} has "
-                              f"{old_gpu}; drop {flags}")
+        refused = generation_device_error(self.cache_dtype.itemsize == 1, self.weight_dtype is not None, devices)
+        if refused:
+            raise ConfigError(refused)
         self.rules = ShardingRules.create(False)
         self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size

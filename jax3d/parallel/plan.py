@@ -23,6 +23,7 @@ import jax
 from jax3d.config import Config, ConfigError
 from jax3d.parallel.mesh import MeshConfig, layout_errors
 from jax3d.parallel.pipeline_spec import PipelineSpec
+from jax3d.parallel.precision import PrecisionPolicy
 from jax3d.parallel.zero import ZeroPlan
 
 # (tensor, pipeline) sizes an automatic layout tries, most parallel first: (2, 2, 2) on 8 devices.
@@ -121,36 +122,8 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *
         raise ConfigError(_blame_checkpoint(str(e), cfg.model, from_checkpoint, checkpoint)) from None
 
 
-# The least CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
-FP8_COMPUTE_CAPABILITY = (8, 9)
-
-
-def without_fp8(devices) -> str:
-    """The compute capability of `devices`' GPUs where they lack FP8 (below 8.9), else "": FP8 GPUs, CPUs (which
-    emulate the f8 types, for tests) and GPUs other than CUDA's (ROCm names its architecture: XLA decides)."""
-    if not devices or devices[0].platform != "gpu":
-        return ""
-    cc = str(getattr(devices[0], "compute_capability", ""))
-    try:
-        have = tuple(int(p) for p in cc.split(".")[:2])
-    except ValueError:
-        return ""
-    return "" if have >= FP8_COMPUTE_CAPABILITY else cc
-
-
-def fp8_device_error(precision, devices) -> str:
-    """Why FP8 can't run on `devices` (GPUs without FP8 tensor cores), or "". CPUs emulate the f8 types (tests)."""
-    cc = without_fp8(devices) if precision.fp8 else ""
-    if not cc:
-        return ""
-    return (f"--fp8-{precision.fp8} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper) and this "
-            f"{devices[0].device_kind} has {cc}; drop the --fp8-* flags")
-
-
 def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_from_checkpoint: str) -> Plan:
-    refused = fp8_device_error(cfg.precision, jax.devices())  # "" when FP8 is off
-    if refused:
-        raise ConfigError(refused)
+    PrecisionPolicy.of(cfg.precision, jax.devices())  # ConfigError where the devices can't run it (FP8)
     if cfg.model.scan_layers is None:
         deep = cfg.model.num_layers >= SCAN_LAYERS_FROM
         cfg = cfg.replace(model={"scan_layers": deep and jax.default_backend() == "cpu"})

@@ -55,8 +55,8 @@ def dry_run(cfg: Config, mesh_cfg: MeshConfig, mesh) -> dict:
     report = {
         "model": cfg.model.model_type, "num_params": steps.model.num_params(),
         "mesh": {"data": mesh_cfg.data, "stage": mesh_cfg.stage, "model": mesh_cfg.model},
-        "zero_stage": cfg.parallel.zero_stage, "dtype": cfg.precision.dtype,
-        **({"fp8": cfg.precision.fp8} if cfg.precision.fp8 else {}),
+        "zero_stage": cfg.parallel.zero_stage, "dtype": steps.precision.dtype,
+        **({"fp8": steps.precision.fp8.format} if steps.precision.fp8 else {}),
         "micro_batches": steps.accum_steps, "scan_layers": cfg.model.scan_layers,
         "params": params, "opt_state": opt, "grads": grads, "temp": temp, "peak": peak,
         "arguments": args,
