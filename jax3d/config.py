@@ -200,7 +200,8 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Compute dtype; fp32 master weights always. fp16 adds dynamic loss scaling."""
+    """Compute dtype; fp32 master weights always. fp16 adds dynamic loss scaling. The flags as given: what they
+    decide (dtypes, loss-scale rule, FP8 recipe) is jax3d.parallel.precision.PrecisionPolicy's."""
 
     dtype: str = "float32"  # float32 | bfloat16 | float16
     loss_scale: float = 0.0  # 0: dynamic (fp16 only)
@@ -208,7 +209,7 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     hysteresis: int = 2
-    # FP8 GEMMs with delayed scaling (jax3d.train.fp8), Megatron-DeepSpeed's flags and defaults.
+    # FP8 GEMMs with delayed scaling (jax3d.parallel.precision.Recipe), Megatron-DeepSpeed's flags and defaults.
     fp8: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3
     fp8_margin: int = 0  # scales leave 2**margin of headroom
     fp8_interval: int = 1  # steps between scale updates (only 1 is built)
