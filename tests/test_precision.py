@@ -94,6 +94,7 @@ def test_the_policy_decides_what_the_code_decided(env):
         off = bool(p.fp8) and env.get("XLA_FLAGS") == "--xla_gpu_autotune_level=0"
         assert bool(policy.autotuning_note) == off
         assert policy.cache_dtype == jnp.dtype(_OLD_DTYPES[p.dtype]) and policy.weight_dtype is None
+        assert hash(policy) == hash(PrecisionPolicy.of(p, env=env))  # a frozen plan can hold it
 
 
 def test_the_loss_scale_follows_the_old_rule_step_by_step():

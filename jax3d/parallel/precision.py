@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +160,7 @@ class PrecisionPolicy:
     compute_dtype: object
     loss_scaling: LossScaling
     fp8: Recipe | None
-    compiler_options: dict
+    compiler_options: dict = field(hash=False)  # a dict, as jax.jit takes it; the policy still hashes
     cache_dtype: object
     weight_dtype: object = None
     autotuning_note: str = ""  # a line for the run header when XLA_FLAGS keeps XLA from picking FP8 GEMMs

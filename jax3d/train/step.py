@@ -34,6 +34,7 @@ from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
 from jax3d.train.state import TrainState, initial_loss_scale, seed_keys, update_loss_scale
 
+
 def _where_tree(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
