@@ -22,9 +22,9 @@ class Preset(NamedTuple):
 
 @dataclass(frozen=True)
 class Flag:
-    """One command-line flag of a family's group: argparse's `add_argument(*names, **kwargs)`. Its dest is a
-    ModelConfig field that the flag overrides when given (`field`); a flag the command line reads by a rule of
-    its own (Megatron's default of `--num-key-value-heads`) has `field=False`."""
+    """One command-line flag of a family's group: its names and the keywords jax3d.cli's parser declares it with.
+    Its dest is a ModelConfig field that the flag overrides when given (`field`); a flag the command line reads by
+    a rule of its own (Megatron's default of `--num-key-value-heads`) has `field=False`."""
 
     names: tuple[str, ...]
     kwargs: Mapping
