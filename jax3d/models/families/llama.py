@@ -76,7 +76,8 @@ def _fields(hf: dict, arch: str) -> dict:
         raise ConfigError(f"config.json rope_scaling type {kind!r} is not built in jax3d, which reproduces "
                           "llama3 and linear rope scaling (or none)")
     pos = size(hf, "max_position_embeddings")
-    fields = dict(model_type="gpt", num_layers=size(hf, "num_hidden_layers"), ffn_hidden_size=size(hf, "intermediate_size"),
+    fields = dict(model_type="gpt", num_layers=size(hf, "num_hidden_layers"),
+                  ffn_hidden_size=size(hf, "intermediate_size"),
                   num_key_value_heads=0 if kv == n else kv, max_position_embeddings=pos, seq_length=min(pos, 4096),
                   layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), hidden_dropout=0.0,
                   attention_dropout=hf.get("attention_dropout", 0.0), init_method_std=hf.get("initializer_range", 0.02),
