@@ -1,5 +1,6 @@
 """GPT and BERT on shared, logically-annotated Flax layers."""
-from jax3d.config import ConfigError, ModelConfig
+from jax3d.config import ModelConfig
+from jax3d.models.families import model_class
 from jax3d.models.gpt import GPT
 from jax3d.models.layers import MLP, Attention, Block, Embedding, LayerNorm
 from jax3d.models.presets import get_preset, preset_names
@@ -7,14 +8,10 @@ from jax3d.models.transformer import TransformerLM
 
 
 def build_model(cfg: ModelConfig, rules=None) -> TransformerLM:
-    """The GPT or BERT that `cfg.model_type` names. `rules` (a ShardingRules) places its activations on
-    the mesh in context; None: no constraints, plain single-device code."""
-    if cfg.model_type == "gpt":
-        return GPT(cfg, rules)
-    if cfg.model_type == "bert":
-        from jax3d.models.bert import BERT
-        return BERT(cfg, rules)
-    raise ConfigError(f"--model {cfg.model_type!r} must be gpt or bert")
+    """The model class of `cfg.model_type`'s family (jax3d.models.families): GPT (Llama included) or BERT.
+    `rules` (a ShardingRules) places its activations on the mesh in context; None: no constraints, plain
+    single-device code."""
+    return model_class(cfg.model_type)(cfg, rules)
 
 
 __all__ = ["GPT", "Block", "Attention", "MLP", "Embedding", "LayerNorm", "TransformerLM", "build_model",
