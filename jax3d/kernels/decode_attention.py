@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params, on_one_gpu
-from jax3d.parallel.rules import ShardingRules
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +62,10 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(k_bksh, rules: ShardingRules, tuning: Tuning | None) -> bool:
-    """Whether `decode_attention` takes this cache: on one GPU, the slots in whole blocks, a power-of-two head
-    size (never with `tuning` None: the kernel is off, pallas_gpu.kernel_settings)."""
+def supported(k_bksh, tuning: Tuning = DEFAULT) -> bool:
+    """Whether `decode_attention` takes this cache: the slots in whole blocks, a power-of-two head size."""
     slots, h = k_bksh.shape[2], k_bksh.shape[3]
-    return tuning is not None and on_one_gpu(rules) and slots % tuning.block == 0 and h & (h - 1) == 0
+    return slots % tuning.block == 0 and h & (h - 1) == 0
 
 
 def visible(slot, start, query):
@@ -183,3 +182,23 @@ def decode_attention(qkv_bckh, k_bksh, v_bksh, start_b, index, tuning: Tuning = 
     )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), qkv_bckh, k_bksh, v_bksh)
     ctx = sums[0] if parts == 1 else _combined(*sums, qkv_bckh.dtype)
     return ctx, k_bksh, v_bksh
+
+
+def reference(qkv_bckh, k_bksh, v_bksh, start_b, index):
+    """What `decode_attention` computes, in plain JAX: (context (batch, heads, head_dim), k cache, v cache)."""
+    c = qkv_bckh.shape[1]
+    group = c - 2
+    b, _, kv, h = qkv_bckh.shape
+    q_bnh = jnp.swapaxes(qkv_bckh[:, :group], 1, 2).reshape(b, kv * group, h)
+    put = lambda cache, new_bkh: jax.lax.dynamic_update_slice_in_dim(
+        cache, stored(new_bkh, cache.dtype)[:, :, None], index, axis=2)
+    k_bksh, v_bksh = put(k_bksh, qkv_bckh[:, group]), put(v_bksh, qkv_bckh[:, group + 1])
+    k, v = (jnp.repeat(a, group, axis=1).astype(jnp.float32) for a in (k_bksh, v_bksh))
+    s = jnp.einsum("bnh,bnsh->bns", q_bnh.astype(jnp.float32), k) / math.sqrt(h)
+    slot = jnp.arange(k.shape[2])[None, None]
+    s = jnp.where(visible(slot, start_b[:, None, None], index), s, -jnp.inf)
+    ctx = jnp.einsum("bns,bnsh->bnh", jax.nn.softmax(s, -1), v).astype(qkv_bckh.dtype)
+    return ctx, k_bksh, v_bksh
+
+
+register("decode_attention", Tuning, DEFAULT, supported, decode_attention, reference)

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
-from jax3d.parallel.rules import ShardingRules
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,9 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(shape: tuple[int, int], rules: ShardingRules, tuning: Tuning | None) -> bool:
-    """Whether `cast_transpose` takes a 2-D operand of `shape`: on one GPU, in whole tiles (never with `tuning`
-    None: the kernel is off)."""
-    return (tuning is not None and on_one_gpu(rules) and shape[0] % tuning.rows == 0
-            and shape[1] % tuning.cols == 0)
+def supported(shape: tuple[int, int], tuning: Tuning = DEFAULT) -> bool:
+    """Whether `cast_transpose` takes a 2-D operand of `shape`: in whole tiles."""
+    return shape[0] % tuning.rows == 0 and shape[1] % tuning.cols == 0
 
 
 def largest(f8) -> float:
@@ -112,3 +110,6 @@ def cast_transpose(a_tk, scale, f8, tuning: Tuning = Tuning(), interpret: bool =
         name="fp8_cast_transpose",
     )(jnp.reshape(1.0 / scale.astype(jnp.float32), (1,)), a_tk)
     return q, qt, jnp.max(amax)
+
+
+register("fp8_cast", Tuning, DEFAULT, supported, cast_transpose, reference)

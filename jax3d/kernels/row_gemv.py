@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jax3d.models import quantized
-from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params
 from jax3d.models.quantized import Quantized
-from jax3d.parallel.rules import ShardingRules
 
 F32 = jnp.float32
 ACTIVATIONS = ("gelu_tanh", "swiglu")  # swiglu: the weight's outputs are (gate, up), each half of them
@@ -101,12 +101,10 @@ class Norm:
     eps: float = dataclasses.field(metadata=dict(static=True))
 
 
-def supported(size: int, w, rules: ShardingRules, tuning: Tuning | None, activation=None) -> bool:
-    """Whether `row_gemv` takes this product: on one GPU, one row of `size` elements of a Quantized `w` (never
-    with `tuning` None: the kernel is off, pallas_gpu.kernel_settings), a contracted dim and an output count its
-    blocks divide."""
-    if (tuning is None or not isinstance(w, Quantized) or activation not in (None, *ACTIVATIONS)
-            or not on_one_gpu(rules)):
+def supported(size: int, w, tuning: Tuning = DEFAULT, activation=None) -> bool:
+    """Whether `row_gemv` takes this product: one row of `size` elements of a Quantized `w`, a contracted dim
+    and an output count its blocks divide."""
+    if not isinstance(w, Quantized) or activation not in (None, *ACTIVATIONS):
         return False
     k, n, _ = _sizes(w, activation)
     return size == k and tuning.block_for(k) > 0 and tuning.rows_for(n, w.values.dtype.itemsize) > 0
@@ -244,3 +242,6 @@ def row_gemv_reference(x, w: Quantized, norm: Norm | None = None, bias=None, act
         y = layers._ACTIVATIONS[activation](y)
     y = y.reshape(-1)
     return y if residual is None else residual.reshape(-1) + y
+
+
+register("row_gemv", Tuning, DEFAULT, supported, row_gemv, row_gemv_reference)

@@ -1,19 +1,23 @@
 """GPT and BERT on shared, logically-annotated Flax layers."""
 from jax3d.config import ConfigError, ModelConfig
+from jax3d.kernels.policy import KernelPolicy
 from jax3d.models.gpt import GPT
 from jax3d.models.layers import MLP, Attention, Block, Embedding, LayerNorm
 from jax3d.models.presets import get_preset, preset_names
 from jax3d.models.transformer import TransformerLM
 
 
-def build_model(cfg: ModelConfig, rules=None) -> TransformerLM:
+def build_model(cfg: ModelConfig, rules=None, *, kernels: KernelPolicy = KernelPolicy.none(),
+                fp8: str = "") -> TransformerLM:
     """The GPT or BERT that `cfg.model_type` names. `rules` (a ShardingRules) places its activations on
-    the mesh in context; None: no constraints, plain single-device code."""
+    the mesh in context; None: no constraints, plain single-device code. `kernels` (the run's KernelPolicy) and
+    `fp8` (an FP8 recipe's format: the train step's copy of the model, whose GEMMs take scales) choose its
+    blocks' parts (jax3d.models.spec)."""
     if cfg.model_type == "gpt":
-        return GPT(cfg, rules)
+        return GPT(cfg, rules, kernels=kernels, fp8=fp8)
     if cfg.model_type == "bert":
         from jax3d.models.bert import BERT
-        return BERT(cfg, rules)
+        return BERT(cfg, rules, kernels=kernels, fp8=fp8)
     raise ConfigError(f"--model {cfg.model_type!r} must be gpt or bert")
 
 
