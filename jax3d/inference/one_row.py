@@ -5,19 +5,17 @@ multiply and a sum. At gpt-1.3b the attention's out-projection (2048 x 2048) com
 that writes the whole weight-sized product, then a sum of 16 blocks that reads it back. With the row
 repeated twice (a broadcast, which XLA fuses into the GEMM's operand) the dot is a matrix product, goes to a
 GEMM and reads the weight once; the first row of its output is the answer. Decode at batch 1 went from 542 to
-644 tokens/s on one H100 (docs/decode.md). It wraps the attention's out-projection and the GEMMs that go through
-jax3d.models.fp8.einsum; below the bound are gpt-1.3b's out-projection and Llama-3.2-1B's QKV and
-out-projections (compiled for an H100 without one; only gpt-1.3b was timed). Training and batched decode have
-more rows and are untouched. jax3d's Generator at batch 1 on a GPU now keeps its weights as rows instead, whose
-one-row products are reductions (jax3d.inference.generate.as_rows), so this serves a one-row call of the model
-made outside it.
+faster on one H100 (docs/decode.md, docs/performance.md). The decode spec on a GPU (cached_attention.decode_spec)
+runs the attention's out-projection and the blocks' GEMMs through it; below the bound are gpt-1.3b's
+out-projection and Llama-3.2-1B's QKV and out-projections. Batched decode has more rows and is untouched.
+jax3d's Generator at batch 1 on a GPU keeps its weights as rows, whose one-row products are reductions
+(jax3d.inference.generate.as_rows), which this leaves as they are.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from jax3d.models import quantized
-from jax3d.parallel.rules import traced_platform
 
 
 # XLA's bound: a vector-matrix dot with fewer elements in its operands together becomes a multiply and a sum
@@ -26,11 +24,11 @@ REWRITTEN_BELOW = 10_000_000
 
 def gemm(dot, x_bt, w):
     """`dot(x_bt, w)` for an `x_bt` of (batch, seq, ...) whose result is (batch, seq, ...); with one row
-    (batch * seq == 1) and operands below XLA's bound, on a GPU, computed on the row repeated twice. Above the
-    bound XLA keeps the one row's dot a GEMM itself; the CPU has no such rewrite, and the second row cost decode
-    at batch 1 6% there (the tiny shape). A Quantized weight's one row is a reduction of jax3d's own
+    (batch * seq == 1) and operands below XLA's bound, computed on the row repeated twice. For GPUs: above the
+    bound XLA keeps the one row's dot a GEMM itself, and the CPU has no such rewrite (there the second row slowed
+    decode: the decode spec uses this on GPUs only). A Quantized weight's one row is a reduction of jax3d's own
     (jax3d.models.quantized.dot), so it keeps its one row."""
     if (x_bt.shape[0] * x_bt.shape[1] != 1 or x_bt.size + w.size >= REWRITTEN_BELOW
-            or traced_platform() != "gpu" or isinstance(w, quantized.Quantized)):
+            or isinstance(w, quantized.Quantized)):
         return dot(x_bt, w)
     return dot(jnp.broadcast_to(x_bt, (1, 2) + x_bt.shape[2:]), w)[:, :1]

@@ -3,14 +3,14 @@ attention kernel: what layers.Block computes for one token with a KV cache, in s
 (a GPT's; rotary positions add XLA's own between the QKV and the attention).
 
 Generation stores the weights as rows at batch 1 on a GPU (jax3d.inference.generate.as_rows) or in fp8; either
-way they are Quantized, which `row_gemv` reads. The step is:
+way they are Quantized, which `row_gemv` reads. Whether the kernels run is the run's KernelPolicy. The step is:
 
     x = row_gemv(ctx(row_gemv(x, qkv, ln_attn, qkv_bias)), out, out_bias, residual x)
     x = row_gemv(row_gemv(x, up, ln_mlp, up_bias, activation), down, down_bias, residual x)
 
 where ctx is decode_attention over the cache (which also writes the step's key and value into it). A block
-this does not take (`applies`) runs layers.Block as before, and so does every block with the row_gemv kernel
-turned off (pallas_gpu.kernel_settings(off=["row_gemv"])).
+this does not take (`applies`) runs layers.Block with the decode spec (cached_attention.decode_spec), and so does
+every block with the row_gemv kernel left out of the policy (`KernelPolicy.resolve(..., off=["row_gemv"])`).
 """
 from __future__ import annotations
 
@@ -18,47 +18,47 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.config import ModelConfig
-from jax3d.kernels import decode_attention, pallas_gpu, row_gemv
-from jax3d.models import cached_attention, rope
-from jax3d.models.layers import activation_of, split_qkv
+from jax3d.inference import cached_attention
+from jax3d.kernels import decode_attention, row_gemv
+from jax3d.kernels.policy import KernelPolicy
+from jax3d.models import rope
 from jax3d.models.quantized import Quantized
-from jax3d.parallel.rules import ShardingRules
+from jax3d.models.spec import activation_of, split_qkv
 
 WEIGHTS = (("attn", "qkv_kernel"), ("attn", "out_kernel"), ("mlp", "up_kernel"), ("mlp", "down_kernel"))
 
 
-def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, rules: ShardingRules) -> bool:
-    """Whether `block` computes this decode step of layers.Block: one token of one row on one GPU, a pre-LN
-    block without training's FP8, its GEMM weights Quantized, an activation the kernel has, and a cache the
-    decode attention kernel takes (with the rows' first slots), norms that store their scales (not
-    --apply-layernorm-1p's offsets from 1); and only with the row_gemv kernel on, as it is by default
-    (row_gemv.DEFAULT; pallas_gpu.kernel_settings(off=["row_gemv"]) turns it off)."""
-    tuning = pallas_gpu.tuning(row_gemv)
-    if (tuning is None or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm or cfg.fp8
+def applies(cfg: ModelConfig, params: dict, x_btd, cache: dict, kernels: KernelPolicy) -> bool:
+    """Whether `block` computes this decode step of layers.Block: one token of one row, with the row_gemv and
+    decode attention kernels in the policy `kernels` (one GPU's), a pre-LN block, its GEMM weights Quantized, an
+    activation the kernel has, and a cache the decode attention kernel takes (with the rows' first slots), norms
+    that store their scales (not --apply-layernorm-1p's offsets from 1)."""
+    if (not kernels.uses("row_gemv") or x_btd.shape[:2] != (1, 1) or "start" not in cache or cfg.post_layernorm
             or cfg.one_plus_norms
             or activation_of(cfg) not in row_gemv.ACTIVATIONS
             or not all(isinstance(params[a][w], Quantized) for a, w in WEIGHTS)):
         return False
-    if not decode_attention.supported(cache["k"], rules, pallas_gpu.tuning(decode_attention)):
+    if not kernels.takes("decode_attention", cache["k"]):
         return False
     d, a, m = cfg.hidden_size, params["attn"], params["mlp"]
-    return (row_gemv.supported(d, a["qkv_kernel"], rules, tuning)
-            and row_gemv.supported(cfg.num_attention_heads * cfg.head_dim, a["out_kernel"], rules, tuning)
-            and row_gemv.supported(d, m["up_kernel"], rules, tuning, activation_of(cfg))
-            and row_gemv.supported(cfg.ffn_hidden_size, m["down_kernel"], rules, tuning))
+    return (kernels.takes("row_gemv", d, a["qkv_kernel"])
+            and kernels.takes("row_gemv", cfg.num_attention_heads * cfg.head_dim, a["out_kernel"])
+            and row_gemv.supported(d, m["up_kernel"], kernels.tuning("row_gemv"), activation_of(cfg))
+            and kernels.takes("row_gemv", cfg.ffn_hidden_size, m["down_kernel"]))
 
 
 def _norm(cfg: ModelConfig, p: dict) -> row_gemv.Norm:
     return row_gemv.Norm(p["scale"], None if cfg.normalization == "rmsnorm" else p["bias"], cfg.layernorm_epsilon)
 
 
-def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None, interpret: bool = False):
+def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None, kernels: KernelPolicy | None = None,
+          interpret: bool = False):
     """(x (1, 1, embed), {'k', 'v'}) after the block `params` (one layer's, as layers.Block names them) for
     one token `x_btd`: layers.Block's decode step (`applies`), the key and value written into `cache` ({'k',
-    'v', 'index', 'start'}, updated in place where donated). `interpret=True` runs the kernels in Pallas'
-    interpreter, on any backend (for tests)."""
-    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.DEFAULT
-    attention_tuning = pallas_gpu.tuning(decode_attention) or decode_attention.DEFAULT
+    'v', 'index', 'start'}, updated in place where donated), with the kernels' Tunings of `kernels` (None: their
+    defaults). `interpret=True` runs the kernels in Pallas' interpreter, on any backend (for tests)."""
+    tuning = (kernels and kernels.tuning("row_gemv")) or row_gemv.DEFAULT
+    attention_tuning = (kernels and kernels.tuning("decode_attention")) or decode_attention.DEFAULT
     a, m = params["attn"], params["mlp"]
     g = cfg.num_attention_heads // cfg.kv_heads
     x = x_btd.reshape(-1)
@@ -83,17 +83,18 @@ def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None,
     return x.reshape(x_btd.shape), {"k": k_cache, "v": v_cache}
 
 
-def head_applies(cfg: ModelConfig, table, x_btd, rules: ShardingRules) -> bool:
-    """Whether `head` computes the LM head of this step: one token of one row on one GPU, the output `table`
-    Quantized (the row_gemv kernel on), a final norm that stores its scale (not --apply-layernorm-1p's offset)."""
-    tuning = pallas_gpu.tuning(row_gemv)
+def head_applies(cfg: ModelConfig, table, x_btd, kernels: KernelPolicy) -> bool:
+    """Whether `head` computes the LM head of this step: one token of one row, the row_gemv kernel in the policy
+    `kernels`, the output `table` Quantized, a final norm that stores its scale (not --apply-layernorm-1p's
+    offset)."""
     return (x_btd.shape[:2] == (1, 1) and not cfg.one_plus_norms
-            and row_gemv.supported(cfg.hidden_size, table, rules, tuning))
+            and kernels.takes("row_gemv", cfg.hidden_size, table))
 
 
-def head(cfg: ModelConfig, final_norm: dict, table, x_btd, interpret: bool = False):
+def head(cfg: ModelConfig, final_norm: dict, table, x_btd, kernels: KernelPolicy | None = None,
+         interpret: bool = False):
     """fp32 logits (1, 1, vocab) of one token `x_btd` after the final norm and the output `table` (the
     model's final_logits), in one row_gemv kernel (`head_applies`)."""
-    tuning = pallas_gpu.tuning(row_gemv) or row_gemv.DEFAULT
+    tuning = (kernels and kernels.tuning("row_gemv")) or row_gemv.DEFAULT
     logits = row_gemv.row_gemv(x_btd.reshape(-1), table, _norm(cfg, final_norm), tuning=tuning, interpret=interpret)
     return logits.astype(jnp.float32).reshape(1, 1, -1)
