@@ -132,7 +132,7 @@ def _main(argv) -> int:
     import jax.numpy as jnp
 
     from jax3d.inference.generate import generator_for, load_gpt_checkpoint
-    from jax3d.models.cached_attention import cache_dtype
+    from jax3d.inference.cached_attention import cache_dtype
     from jax3d.models.quantized import weight_dtype
     from jax3d.inference.text import Completions
 

@@ -1,6 +1,6 @@
 """A decode step's attention over the KV cache as one Pallas (Triton) kernel that reads only the filled slots.
 
-XLA's attention for one query row (jax3d.models.cached_attention) reads every slot of the cache, filled or
+XLA's attention for one query row (jax3d.inference.cached_attention) reads every slot of the cache, filled or
 not, in a few kernels (scores, softmax, context). At batch 32 of 128 + 256 tokens the cache is 2.4 GB of
 bf16 against 2.6 GB of weights, and the filled part averages two thirds of it. Here one program per (row,
 query head) walks the row's slots in blocks from its first token's block to the block of the slot being

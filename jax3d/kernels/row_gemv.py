@@ -1,6 +1,6 @@
 """A product of one row with a weight stored as rows (jax3d.models.quantized.Quantized), with the layer norm
 before it and the bias, activation and residual add after it, as one Pallas (Triton) kernel: generation's
-decode at batch 1 on one GPU (jax3d.models.decode_rows).
+decode at batch 1 on one GPU (jax3d.inference.decode_rows).
 
 At batch 1 a decode step is a chain of small dependent kernels. Compiled for an H100 without one, XLA ran each
 GPT block as 11: the layer norm, the QKV reduction, its bias, the attention, the parts' combination, the
