@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax3d.config import ModelConfig
 from jax3d.inference import cached_attention
-from jax3d.kernels import decode_attention, row_gemv
+from jax3d.kernels import decode_attention, kernel, row_gemv
 from jax3d.kernels.policy import KernelPolicy
 from jax3d.models import rope
 from jax3d.models.quantized import Quantized
@@ -64,7 +64,7 @@ def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None,
     x = x_btd.reshape(-1)
     kw = dict(tuning=tuning, interpret=interpret)
     with jax.named_scope("attention"):
-        qkv = row_gemv.row_gemv(x, a["qkv_kernel"], _norm(cfg, params["ln_attn"]), bias=a.get("qkv_bias"), **kw)
+        qkv = kernel("row_gemv").run(x, a["qkv_kernel"], _norm(cfg, params["ln_attn"]), bias=a.get("qkv_bias"), **kw)
         qkv = qkv.reshape(1, 1, g + 2, cfg.kv_heads, cfg.head_dim)
         if cfg.use_rotary_position_embeddings:
             positions_bt = rope.positions_for(x_btd) if positions_bt is None else positions_bt
@@ -72,14 +72,14 @@ def block(cfg: ModelConfig, params: dict, x_btd, cache: dict, positions_bt=None,
             inv_freq = rope.inverse_frequencies(cfg)
             qkv = cached_attention.join_qkv(rope.apply_rope(q, positions_bt, inv_freq),
                                             rope.apply_rope(k, positions_bt, inv_freq), v)
-        ctx, k_cache, v_cache = decode_attention.decode_attention(
+        ctx, k_cache, v_cache = kernel("decode_attention").run(
             qkv[:, 0], cache["k"], cache["v"], cache["start"], cache["index"], tuning=attention_tuning,
             interpret=interpret)
-        x = row_gemv.row_gemv(ctx, a["out_kernel"], bias=a.get("out_bias"), residual=x, **kw)
+        x = kernel("row_gemv").run(ctx, a["out_kernel"], bias=a.get("out_bias"), residual=x, **kw)
     with jax.named_scope("mlp"):
-        h = row_gemv.row_gemv(x, m["up_kernel"], _norm(cfg, params["ln_mlp"]), bias=m.get("up_bias"),
+        h = kernel("row_gemv").run(x, m["up_kernel"], _norm(cfg, params["ln_mlp"]), bias=m.get("up_bias"),
                               activation=activation_of(cfg), **kw)
-        x = row_gemv.row_gemv(h, m["down_kernel"], bias=m.get("down_bias"), residual=x, **kw)
+        x = kernel("row_gemv").run(h, m["down_kernel"], bias=m.get("down_bias"), residual=x, **kw)
     return x.reshape(x_btd.shape), {"k": k_cache, "v": v_cache}
 
 
@@ -96,5 +96,5 @@ def head(cfg: ModelConfig, final_norm: dict, table, x_btd, kernels: KernelPolicy
     """fp32 logits (1, 1, vocab) of one token `x_btd` after the final norm and the output `table` (the
     model's final_logits), in one row_gemv kernel (`head_applies`)."""
     tuning = (kernels and kernels.tuning("row_gemv")) or row_gemv.DEFAULT
-    logits = row_gemv.row_gemv(x_btd.reshape(-1), table, _norm(cfg, final_norm), tuning=tuning, interpret=interpret)
+    logits = kernel("row_gemv").run(x_btd.reshape(-1), table, _norm(cfg, final_norm), tuning=tuning, interpret=interpret)
     return logits.astype(jnp.float32).reshape(1, 1, -1)

@@ -225,9 +225,9 @@ def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=No
 
 
 def row_gemv_reference(x, w: Quantized, norm: Norm | None = None, bias=None, activation=None, residual=None):
-    """`row_gemv` as the unfused path computes it, from its own functions (layers.layer_norm,
-    quantized.dot, layers' activations): what the kernel is tested against."""
-    from jax3d.models import layers  # Flax's modules: for the reference only, not the kernel's import
+    """`row_gemv` as the unfused path computes it, from its own functions (spec.layer_norm, quantized.dot, the
+    spec's activations): what the kernel is tested against."""
+    from jax3d.models import spec as layers  # the model's parts: for the reference only, not the kernel's import
 
     contracted = len(w.contracted)
     if norm is not None:
