@@ -1,12 +1,11 @@
 """GEMMs of a single row (generation's decode at batch 1) with the row repeated twice.
 
 A vector-matrix dot whose operands hold fewer than 10M elements is rewritten by XLA's GPU compiler into a
-multiply and a sum. At gpt-1.3b the attention's out-projection (2048 x 2048) compiled so on an H100: a fusion
-that writes the whole weight-sized product, then a sum of 16 blocks that reads it back. With the row
-repeated twice (a broadcast, which XLA fuses into the GEMM's operand) the dot is a matrix product, goes to a
-GEMM and reads the weight once; the first row of its output is the answer. Decode at batch 1 went from 542 to
-faster on one H100 (docs/decode.md, docs/performance.md). The decode spec on a GPU (cached_attention.decode_spec)
-runs the attention's out-projection and the blocks' GEMMs through it; below the bound are gpt-1.3b's
+multiply and a sum: a fusion that writes the whole weight-sized product, then a sum that reads it back. With the
+row repeated twice (a broadcast, which XLA fuses into the GEMM's operand) the dot is a matrix product, goes to a
+GEMM and reads the weight once; the first row of its output is the answer; decode at batch 1 ran faster on one
+H100 (docs/decode.md, docs/performance.md). The decode spec on a GPU (cached_attention.decode_spec) runs the
+attention's out-projection and the blocks' GEMMs through it; below the bound are gpt-1.3b's
 out-projection and Llama-3.2-1B's QKV and out-projections. Batched decode has more rows and is untouched.
 jax3d's Generator at batch 1 on a GPU keeps its weights as rows, whose one-row products are reductions
 (jax3d.inference.generate.as_rows), which this leaves as they are.

@@ -38,13 +38,10 @@ class Tuning:
 
     block: int = 64
     warps: int = 4
-    # One program per (row, query head) walks its row's slots, so a small batch left most of the GPU idle: at
-    # gpt-1.3b's 16 heads, batch 1 is 16 programs each walking up to 6 blocks in turn, and measured 0.96x XLA's
-    # attention. With fewer (row, query head) pairs than `programs`, each row's slots are split into parts (a
-    # power of two), one program each, and the parts' sums combined after the kernel. One H100, one call of
-    # 2026-12-06, profile_decode tokens/s against XLA's attention: batch 1 in 8 parts 1.04x (4 parts 1.03x,
-    # whole 0.96x), batch 2 in 4 parts 1.04x (whole 0.98x), batch 4 in 2 parts 1.04x (whole 1.01x); from
-    # batch 8 (128 programs) the rows are whole, as before (1.07x at 8 and 1.15x at 16 in earlier calls).
+    # One program per (row, query head) walks its row's slots, so a small batch left most of the GPU idle (at
+    # gpt-1.3b's 16 heads, batch 1 is 16 programs) and ran slower than XLA's attention. With fewer (row, query
+    # head) pairs than `programs`, each row's slots are split into parts (a power of two), one program each, and
+    # the parts' sums combined after the kernel (docs/performance.md, "Kernel notes").
     programs: int = 128
     parts: int = 0
     stages: int = 0

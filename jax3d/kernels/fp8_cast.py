@@ -3,24 +3,18 @@
 Hopper's FP8 GEMMs take both operands with the contracted dimension minor ("TN"). A GEMM of x (T, K) and
 w (K, N) needs x with K minor for the forward and with T minor for the weight gradient, w with K minor
 (transposed) for the forward and with N minor for the input gradient, and the output gradient g (T, N) in both
-layouts too. jax3d.models.fp8 left those transposes of the f8 arrays to XLA: at gpt-1.3b, batch 2, full
-recompute, one H100 (profile_step, 2026-12-05), the FP8 GEMMs took 27.5 ms a step against bf16's 51.0, but
-XLA's unfused `wrapped_transpose` kernels (264 a step, 9.4 ms) and other transposing fusions added 13.2 ms of
-copies, and the quantizes and amaxes 8.5 ms of elementwise work: the step took 91.2 ms against bf16's 93.8
-(docs/performance.md, FP8).
+layouts too. jax3d.models.fp8 left those transposes of the f8 arrays to XLA, whose unfused transposing kernels and
+separate quantizes and amaxes took back most of what the FP8 GEMMs saved (docs/performance.md, "Kernel notes").
 
 Here one program per (rows, cols) tile reads the bf16 tile once and writes the f8 tile, its transpose and the
 tile's amax: `cast_transpose`. It runs by default on one GPU wherever the GEMM's sizes are whole tiles
-(`DEFAULT`); `pallas_gpu.kernel_settings(off=("fp8_cast",))` gives jax3d.models.fp8's einsum of the f8
-arrays and XLA's transposes. On one H100, in one call each
-(`throughput.py --fp8 hybrid --tune fp8_cast:rows=64`, 2026-12-05), FP8 over bf16 went from 1.030x to 1.144x
-at gpt-1.3b batch 2 with full recompute, and from 1.270x to 1.328x at batch 16.
+(`DEFAULT`, the kernel policy of one GPU); a policy that leaves it out (`KernelPolicy.resolve(..., off=["fp8_cast"])`)
+gives jax3d.models.fp8's einsum of the f8 arrays and XLA's transposes, which ran slower (docs/performance.md).
 
 XLA's own casts do not do it: quantizing the bf16 operand and its transpose separately (a variant this module
 had), XLA merged the two quantizes and transposed the f8 result again. Compiled for an H100 without one
-(benchmarks/gpu_compile.py: gpt-1.3b, batch 2, full recompute, cuBLAS GEMMs), the step had 326 kernels that
-transpose with that variant, 302 without it (both counts missed fusions of six or more outputs; recounted, the
-einsum path has 320) and none with this kernel.
+(benchmarks/gpu_compile.py), the step still had hundreds of kernels that transpose with that variant, and none with
+this kernel (docs/performance.md).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The MLP's gelu(h + b), tanh form, as Pallas (Triton) kernels forward and backward, for one GPU.
 
-XLA fuses gelu(h + b) into one kernel each way, but computes it op by op in the input's dtype (bf16);
-in the 1.3B step those fusions moved 2.4 (forward) and 2.6 TB/s (backward), these kernels 3.4 and 3.2.
+XLA fuses gelu(h + b) into one kernel each way, but computes it op by op in the input's dtype (bf16), and those
+fusions moved fewer bytes a second than these kernels (docs/performance.md, "Kernel notes").
 The forward kernel reads h once and writes gelu(h + b); the backward kernel reads h and the incoming
 gradient once, writes h's gradient, and leaves per-program partial sums of the bias gradient, which
 XLA adds up (a few MB). The maths is fp32 inside, in the exact identity 0.5 * (1 + tanh(u)) =

@@ -28,9 +28,8 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Block shapes and warps. The defaults are the best of `benchmarks/norm_kernels.py --sweep` on an
-    H200 at widths 1024 and 2048 (32768 rows); with 512 backward programs, width 1024 was 1.2x slower
-    and width 2048 tied."""
+    """Block shapes and warps. The defaults are the best of `benchmarks/norm_kernels.py --sweep`
+    (docs/performance.md, "Kernel notes")."""
 
     rows_fwd: int = 2  # rows per forward program
     warps_fwd: int = 4

@@ -4,7 +4,7 @@ kernel, for one GPU.
 Forward, (y + b) is sliced into q, k and v, the three dense arrays the fused attention kernel reads (XLA
 fuses the bias into the slices). Backward, attention hands back dq, dk and dv, and the GEMMs that follow
 want them as one (batch, seq, 3, heads, head_dim) array: XLA wrote that concatenate and the bias gradient,
-a column sum over every token, in one fusion that moved about 2 TB/s in the 1.3B step. The kernel reads
+a column sum over every token, in one slow fusion (docs/performance.md, "Kernel notes"). The kernel reads
 each of dq, dk and dv once, writes its third of the concatenate, and leaves per-program partial sums of
 the bias gradient in fp32, which XLA adds up (a few MB).
 """

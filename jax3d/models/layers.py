@@ -223,7 +223,7 @@ class Embedding(nn.Module):
                              f"{cfg.max_position_embeddings} positions; shorten it or raise --max-position-embeddings")
         # Explicit positions are for generation, where left-padded rows start counting at their first token.
         # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
-        # lay the whole residual stream out batch-minor and transpose it around every GEMM (5% at 350M).
+        # lay the whole residual stream out batch-minor and transpose it around every GEMM (docs/performance.md).
         if self.rules.splits("act_seq"):
             # The output is split over the sequence. Left open, that split reaches back to the token ids, and a
             # GPT's `text[:, :-1]` of its (seq + 1)-long rows becomes a collective-permute between neighbours,
@@ -278,8 +278,8 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
     Each slice's logits live only inside its loop step. When differentiated, the forward pass also
     computes the gradients (of x by one GEMM, of the table accumulated in fp32 by another), so the
     backward pass only scales them by the incoming cotangent: the full logits and their gradient are
-    never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head, in 4.1 GiB
-    less (docs/performance.md). Reverse mode only (a custom VJP): for `jax.jvp`, take `cross_entropy_sum` of the
+    never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head, in less memory
+    (docs/performance.md). Reverse mode only (a custom VJP): for `jax.jvp`, take `cross_entropy_sum` of the
     whole logits. With `xent` (fused_xent's Tuning, where the kernel policy runs it) each chunk's cross-entropy
     and its gradient are that kernel's.
     """

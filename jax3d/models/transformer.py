@@ -48,7 +48,7 @@ def unstack_layers(blocks, num: int) -> list:
 
     One `split` per leaf: its gradient is one concatenate. Indexing `a[i]` per layer instead gives each
     layer a gradient padded with zeros to the whole stack, and the step then adds up `num` such stacks
-    (2.8% slower at 1.3B b16).
+    (slower: docs/performance.md).
     """
     parts = jax.tree.map(lambda a: [s[0] for s in jnp.split(a, num)], blocks)
     return [jax.tree.map(lambda _, ps: ps[i], blocks, parts) for i in range(num)]
