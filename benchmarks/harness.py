@@ -258,7 +258,8 @@ def step_host_shortfall(run: Run) -> str | None:
     if jax.devices()[0].platform != "cpu":
         return None
     steps = _steps_for(config_for(run), 1, run)
-    compiled = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
+    shapes = abstract_batch(steps, steps.model.sample_shapes())
+    compiled = steps.train_step.lower(abstract_state(steps), shapes).compile()
     return host_shortfall(step_peak_bytes(compiled))
 
 

@@ -7,13 +7,13 @@ whole cache for every layer and token to feed its batched dots: a copy of all of
 heads are a dimension of the query, so a KV head is read once for its g query heads. A decode step (one
 query row) is products and sums rather than dots, so the compiler has no layout of its own to ask for.
 
-Where the run's kernel policy has it (one GPU), a decode step runs jax3d.kernels.decode_attention, one Pallas
-kernel that reads only the filled slots, when the cache carries the rows' first slots (`cache['start']`, as generation's does). cuDNN
-(`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row only with its mask as a
-bias over every (query, key) pair, and wants the slots before the heads; Pallas' own GPU decode kernel
-(`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on every call. Elsewhere the sums
-here read every slot of the cache, filled or not: a small share of a step's bytes at batch 1 and about half at
-large batches (docs/performance.md). The mask is two iotas and compares, which XLA fuses into the softmax.
+Where the run's kernel policy has it (one GPU), a decode step runs jax3d.kernels.decode_attention, one Pallas kernel
+that reads only the filled slots, when the cache carries the rows' first slots (`cache['start']`, as generation's
+does). cuDNN (`jax.nn.dot_product_attention(implementation='cudnn')`) takes decode's one query row only with its
+mask as a bias over every (query, key) pair, and wants the slots before the heads; Pallas' own GPU decode kernel
+(`jax.experimental.pallas.ops.gpu.decode_attention`) swaps the cache's axes on every call. Elsewhere the sums here
+read every slot of the cache, filled or not: a small share of a step's bytes at batch 1 and about half at large
+batches (docs/performance.md). The mask is two iotas and compares, which XLA fuses into the softmax.
 
 The cache may be kept in float8_e4m3fn where the model computes in bf16 or fp32 (Generator's `cache_dtype`):
 half the bytes a decode step reads of it, and twice the rows in the same memory. Keys and values are stored
@@ -56,14 +56,14 @@ def join_qkv(q_btnh, k_btkh, v_btkh):
 
 
 def cached_attention(q_btnh, k_btkh, v_btkh, mask_b1tT, cache: dict, rules, qkv_btckh=None, tuning=None):
-    """(context (batch, seq, kv_heads, group, head_dim), updated cache): the keys and values
-    written at slot `cache['index']` of `cache['k']`, `cache['v']` (batch, kv_heads, max_len, head_dim), in
-    place when the cache is donated; the queries' softmax, in fp32, over the slots `mask_b1tT` (batch, 1, seq,
-    max_len) allows (`out` projects the context). With `cache['start']` (batch,), the rows' first slots, a
-    decode step's mask must be `visible`'s of them: where the decode kernel runs (`tuning`, its Tuning where the
-    kernel policy runs it), it builds the mask from them rather than reading `mask_b1tT`. `qkv_btckh` is the projection (batch, seq, group + 2,
-    kv_heads, head_dim) when q, k and v are its plain slices (layers.split_qkv; not so after a rotary
-    embedding): the decode kernel reads it as it lies."""
+    """(context (batch, seq, kv_heads, group, head_dim), updated cache): the keys and values written at slot
+    `cache['index']` of `cache['k']`, `cache['v']` (batch, kv_heads, max_len, head_dim), in place when the cache is
+    donated; the queries' softmax, in fp32, over the slots `mask_b1tT` (batch, 1, seq, max_len) allows (`CachedOut`
+    projects the context). With `cache['start']` (batch,), the rows' first slots, a decode step's mask must be
+    `visible`'s of them: where the decode kernel runs (`tuning`, its Tuning where the kernel policy runs it), it
+    builds the mask from them rather than reading `mask_b1tT`. `qkv_btckh` is the projection (batch, seq, group + 2,
+    kv_heads, head_dim) when q, k and v are its plain slices (layers.split_qkv; not so after a rotary embedding):
+    the decode kernel reads it as it lies."""
     idx = cache["index"]
     b, t, n, h = q_btnh.shape
     kv = k_btkh.shape[2]

@@ -96,5 +96,6 @@ def head(cfg: ModelConfig, final_norm: dict, table, x_btd, kernels: KernelPolicy
     """fp32 logits (1, 1, vocab) of one token `x_btd` after the final norm and the output `table` (the
     model's final_logits), in one row_gemv kernel (`head_applies`)."""
     tuning = (kernels and kernels.tuning("row_gemv")) or row_gemv.DEFAULT
-    logits = kernel("row_gemv").run(x_btd.reshape(-1), table, _norm(cfg, final_norm), tuning=tuning, interpret=interpret)
+    logits = kernel("row_gemv").run(x_btd.reshape(-1), table, _norm(cfg, final_norm), tuning=tuning,
+                                    interpret=interpret)
     return logits.astype(jnp.float32).reshape(1, 1, -1)

@@ -391,14 +391,14 @@ class Generator:
 
 
 def as_rows(batch: int, kernels: KernelPolicy) -> bool:
-    """Whether a Generator of `batch` rows under the kernel policy `kernels` stores its GEMM weights and vocabulary tables column by
-    column (a Quantized weight without a scale: the same values, the same bytes). Each decode product is then one
-    row's, a row reduction that reads each weight once. An experiment with this layout (bf16 weights quantized
-    with unit scales; one H200, one call, docs/decode.md "On one H200") decoded gpt-1.3b at batch 1 1.15x the
-    tokens/s of XLA's GEMMs and lost 3% at batch 32, so batch 1 only; off the GPU it is untimed, so GPUs only.
-    This code path itself is timed only as the default (docs/decode.md), not against the columns. The blocks'
-    weights are the Generator's own copies either way, stored as each layer is placed; the vocabulary tables,
-    whose contracted dim is already last, are copied once and go through `quantized.dot`'s reduction."""
+    """Whether a Generator of `batch` rows under the kernel policy `kernels` stores its GEMM weights and vocabulary
+    tables column by column (a Quantized weight without a scale: the same values, the same bytes). Each decode
+    product is then one row's, a row reduction that reads each weight once. An experiment with this layout (bf16
+    weights quantized with unit scales; one H200, one call, docs/decode.md "On one H200") decoded gpt-1.3b at batch
+    1 1.15x the tokens/s of XLA's GEMMs and lost 3% at batch 32, so batch 1 only; off the GPU it is untimed, so GPUs
+    only. This code path itself is timed only as the default (docs/decode.md), not against the columns. The blocks'
+    weights are the Generator's own copies either way, stored as each layer is placed; the vocabulary tables, whose
+    contracted dim is already last, are copied once and go through `quantized.dot`'s reduction."""
     return batch == 1 and kernels.platform == "gpu"
 
 

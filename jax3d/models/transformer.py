@@ -56,8 +56,8 @@ def unstack_layers(blocks, num: int) -> list:
 
 class TransformerLM:
     """Base of GPT and BERT: `kernels` (the run's KernelPolicy) and `fp8` (the FP8 recipe's format, "" for none)
-    choose the blocks' parts (jax3d.models.spec). Subclasses define the ends: `_modules`, `_init_ends`, `sample_shapes`, `embed`,
-    `head_loss`, `normalizers` (and `block_mask` when blocks take a mask)."""
+    choose the blocks' parts (jax3d.models.spec). Subclasses define the ends: `_modules`, `_init_ends`,
+    `sample_shapes`, `embed`, `head_loss`, `normalizers` (and `block_mask` when blocks take a mask)."""
 
     causal = True
 
