@@ -96,9 +96,8 @@ def _top_p(sorted_logits, top_p: float):
 PAD = -1  # a finished row's token in a chunk
 CHUNK = 32  # tokens per decode call at most: how often the host sees the stream (and stop strings)
 # On a GPU XLA captures sequences of kernels as CUDA graphs (command buffers); with WHILE and CONDITIONAL in the set,
-# the token loop itself is one graph, so a decode step pays no launch per kernel from the host. Measured on one H100
-# (gpt-1.3b, bf16, docs/decode.md): 486 -> 530 tokens/s at batch 1, 11.9k -> 12.4k at batch 32. Other backends
-# ignore the option.
+# the token loop itself is one graph, so a decode step pays no launch per kernel from the host, which decoded faster
+# on one H100 at batch 1 and 32 (docs/decode.md, docs/performance.md "Kernel notes"). Other backends ignore the option.
 DECODE_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 
@@ -394,9 +393,9 @@ def as_rows(batch: int, kernels: KernelPolicy) -> bool:
     """Whether a Generator of `batch` rows under the kernel policy `kernels` stores its GEMM weights and vocabulary
     tables column by column (a Quantized weight without a scale: the same values, the same bytes). Each decode
     product is then one row's, a row reduction that reads each weight once. An experiment with this layout (bf16
-    weights quantized with unit scales; one H200, one call, docs/decode.md "On one H200") decoded gpt-1.3b at batch
-    1 1.15x the tokens/s of XLA's GEMMs and lost 3% at batch 32, so batch 1 only; off the GPU it is untimed, so GPUs
-    only. This code path itself is timed only as the default (docs/decode.md), not against the columns. The blocks'
+    weights quantized with unit scales; docs/decode.md "On one H200", docs/performance.md "Kernel notes") decoded
+    gpt-1.3b faster than XLA's GEMMs at batch 1 and slower at batch 32, so batch 1 only; off the GPU it is untimed,
+    so GPUs only. This code path itself is timed only as the default (docs/decode.md), not against the columns. The blocks'
     weights are the Generator's own copies either way, stored as each layer is placed; the vocabulary tables, whose
     contracted dim is already last, are copied once and go through `quantized.dot`'s reduction."""
     return batch == 1 and kernels.platform == "gpu"
