@@ -33,7 +33,7 @@ class ModelConfig:
     num_tokentypes: int = 2  # BERT only
     recompute: str = "none"  # none | selective | full
     scan_layers: bool | None = None  # None: from jax3d.parallel.plan.SCAN_LAYERS_FROM layers up on CPUs (plan.resolve)
-    attention_impl: str = "auto"  # auto | xla | cudnn
+    attention_impl: str = "auto"  # auto (the run's kernel policy: cuDNN on GPUs) | xla | cudnn
     # Architecture variants that reproduce imported models exactly (jax3d.hf); defaults are GPT-2 / Megatron.
     activation: str = "gelu_tanh"  # gelu_tanh | gelu_erf | squared_relu (relu(x)^2, Megatron's --squared-relu)
     post_layernorm: bool = False  # layer norm after each residual add and no final norm (original BERT)
@@ -62,9 +62,6 @@ class ModelConfig:
     reset_position_ids: bool = False  # learned positions restart after each end-of-document token
     reset_attention_mask: bool = False  # no attention across an end-of-document token (a document mask)
     eod_token_id: int = -1
-    # FP8 GEMMs in the blocks ("" | hybrid | e4m3, jax3d.models.fp8). Only the train step's own copy of the model
-    # sets it, from PrecisionConfig.fp8: the parameters are the same, and evaluation and export run without.
-    fp8: str = ""
 
     def __post_init__(self):
         if self.activation not in ("gelu_tanh", "gelu_erf", "squared_relu"):

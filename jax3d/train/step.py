@@ -6,7 +6,6 @@ the pipeline when the mesh has more than one stage.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jax3d import dropout_keys
 from jax3d.config import Config, ConfigError
 from jax3d.models import build_model, fp8
+from jax3d.kernels.policy import KernelPolicy
 from jax3d.parallel import (ShardingRules, cast_for_compute, constrain_tree, named_shardings, state_specs,
                             tree_specs, with_shardings)
 from jax3d.parallel.mesh import MeshConfig, with_auto_axes
@@ -163,20 +163,23 @@ def loss_metrics(obj, aux, norms) -> dict:
     return out
 
 
-def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh) -> Steps:
+def build_steps(cfg: Config, mesh_cfg: MeshConfig, mesh, *, kernels: KernelPolicy | None = None) -> Steps:
     """Builds the model, the state shardings (ZeRO applied) and the jitted steps for `mesh`, from a `cfg` and
-    `mesh_cfg` that jax3d.parallel.plan.resolve returned."""
+    `mesh_cfg` that jax3d.parallel.plan.resolve returned. `kernels`: the run's KernelPolicy (None: resolved for
+    `mesh`'s devices)."""
     mesh = with_auto_axes(mesh)
+    if kernels is None:
+        kernels = KernelPolicy.resolve(mesh.devices.flat[0].platform, mesh.size)
     plan = Plan(cfg, mesh_cfg)
     # The state's layer stack always divides over the stages: in logical order it has L rows, which an
     # even split divides, and an uneven or interleaved layout stores the stack padded in pipeline order.
     rules = ShardingRules.create(cfg.parallel.sequence_parallel)
-    model = build_model(cfg.model, rules)
+    model = build_model(cfg.model, rules, kernels=kernels)
     # With FP8 the train step runs its own copy of the model, whose GEMMs take scales; the state's parameters,
     # their init, evaluation and `loss_and_grads` are the plain model's.
     precision = PrecisionPolicy.of(cfg.precision)
     recipe = precision.fp8
-    step_model = model if recipe is None else build_model(dataclasses.replace(cfg.model, fp8=recipe.format), rules)
+    step_model = model if recipe is None else build_model(cfg.model, rules, kernels=kernels, fp8=recipe.format)
     optimizer = make_optimizer(cfg.optim, cfg.train.train_iters)
     order = LayerOrder(state_layout(plan.pipeline, cfg.model.num_layers), optimizer)
     schedule = lr_schedule(cfg.optim, cfg.train.train_iters)
