@@ -148,23 +148,13 @@ def test_the_device_check_and_its_sentence():
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("kv, quant", itertools.product(("auto", "fp8"), ("none", "fp8")))
 def test_generation_dtypes_are_the_old_tables(bf16, kv, quant):
-    """cli/generate took `jnp.bfloat16 if --bf16 else jnp.float32`, cached_attention.cache_dtype and
-    quantized.weight_dtype; the policy gives the same."""
-    from jax3d.models.cached_attention import cache_dtype
-    from jax3d.models.quantized import weight_dtype
-
+    """cli/generate took `jnp.bfloat16 if --bf16 else jnp.float32`; the KV cache kept the compute dtype unless
+    --kv-cache-dtype fp8 (e4m3), and the weights theirs unless --quantization fp8 (e4m3): the policy gives the same."""
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     policy = PrecisionPolicy.of(PrecisionConfig(dtype=dtype_of_flags(bf16)), kv_cache_dtype=kv, quantization=quant)
     assert policy.compute_dtype is dtype
-    assert policy.cache_dtype == cache_dtype(kv, dtype) and policy.weight_dtype == weight_dtype(quant)
-
-
-def test_the_policy_tables_match_the_models():
-    """The model's FP8 formats are the recipe's (the GEMMs quantize to what the scales were computed for)."""
-    from jax3d.models import fp8
-    from jax3d.parallel.precision import FP8_FORMATS
-
-    assert FP8_FORMATS == fp8.FORMATS
+    assert policy.cache_dtype == jnp.dtype(jnp.float8_e4m3fn if kv == "fp8" else dtype)
+    assert policy.weight_dtype == (jnp.float8_e4m3fn if quant == "fp8" else None)
 
 
 @pytest.mark.parametrize("flags, dtype, mode, initial", [

@@ -36,15 +36,9 @@ from jax3d.models import quantized
 from jax3d.models.spec import BlockSpec, Projection, block_spec
 
 CACHE_AXES = ("batch", "heads", "seq", "kv")
-CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}  # --kv-cache-dtype: None keeps the compute dtype
 
 visible = decode_attention.visible  # which cached slots a query sees; generation's mask is built from it
 stored = decode_attention.stored  # a key or value as the cache keeps it
-
-
-def cache_dtype(flag: str, dtype) -> jnp.dtype:
-    """The KV cache's dtype for `--kv-cache-dtype flag` where the model computes in `dtype`."""
-    return jnp.dtype(CACHE_DTYPES[flag] or dtype)
 
 
 def join_qkv(q_btnh, k_btkh, v_btkh):

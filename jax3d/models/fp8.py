@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 
 from jax3d.kernels import fp8_cast, kernel
-from jax3d.kernels.fp8_cast import largest, quantize  # noqa: F401 (largest: jax3d.train.fp8's)
+from jax3d.kernels.fp8_cast import quantize
 from jax3d.models import quantized
+from jax3d.parallel.precision import FP8_FORMATS
 
 # (forward operands, output gradient) formats of each mode; float8_e4m3fn is e4m3 with no infinities, as on Hopper.
-FORMATS = {"hybrid": (jnp.float8_e4m3fn, jnp.float8_e5m2), "e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn)}
+FORMATS = FP8_FORMATS  # the precision policy's table: the GEMMs quantize to what the recipe's scales are for
 SUFFIX = "_fp8"  # the name of a GEMM's scales parameter ends so: `qkv_fp8`, `down_fp8`
 X, W, G = 0, 1, 2  # rows of a GEMM's scales, amaxes and amax history
 

@@ -39,13 +39,12 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": j
 SHORT_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 # (forward operands, output gradient) formats of each FP8 mode; float8_e4m3fn is e4m3 with no infinities, as on
-# Hopper. jax3d.models.fp8.FORMATS is the same table, which the GEMMs read.
+# Hopper. The GEMMs (jax3d.models.fp8) read this table.
 FP8_FORMATS = {"hybrid": (jnp.float8_e4m3fn, jnp.float8_e5m2), "e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn)}
 # The least CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
 FP8_COMPUTE_CAPABILITY = (8, 9)
 
-# Generation's --kv-cache-dtype and --quantization (None: the compute dtype). jax3d.models.cached_attention's
-# CACHE_DTYPES and jax3d.models.quantized's QUANTIZATIONS are the same tables.
+# Generation's --kv-cache-dtype and --quantization (None: the compute dtype).
 KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}
 WEIGHT_DTYPES = {"none": None, "fp8": jnp.float8_e4m3fn}
 
