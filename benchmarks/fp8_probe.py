@@ -64,9 +64,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from jax3d.kernels import fp8_cast, pallas_gpu
+from jax3d.kernels import fp8_cast
 from jax3d.models import fp8
-from jax3d.parallel import ShardingRules
 
 # name: extra XLA_FLAGS; each set runs in its own process.
 FLAG_SETS = {
@@ -290,9 +289,10 @@ def gemm_programs(small: bool):
     programs["dequantized-grad"] = (run, args, 3 * flops)
     # jax3d's TN GEMMs, operands cast in both layouts by the Pallas kernel (jax3d.kernels.fp8_cast); on a CPU
     # they fall back to `jax3d-grad`'s einsum (the kernel runs on one GPU only)
+    cast = fp8_cast.Tuning() if jax.default_backend() == "gpu" else None  # the kernel policy of one GPU
+
     def cast_einsum(x, w, s):
-        with pallas_gpu.kernel_settings(fp8_cast.Tuning()):  # read when traced, the vjp's backward included
-            return fp8.einsum(spec, x, w, s, "hybrid", ShardingRules.create(False))
+        return fp8.einsum(spec, x, w, s, "hybrid", cast)
     run, args = vjp3(cast_einsum, x, w, scales)
     programs["tn-cast-grad"] = (run, args, 3 * flops)
     try:
@@ -362,8 +362,7 @@ def probe_steps(flagset: str, small: bool, repeats: int, hlo_dir: str, only=()):
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=1),
                                       train=dataclasses.replace(cfg.train, micro_batch_size=batch,
                                                                 global_batch_size=batch))
-            with harness.kernel_settings(run):
-                steps, state, data, compiled, compile_s = harness.build_config(cfg, 1)
+            steps, state, data, compiled, compile_s = harness.build_config(cfg, 1, run)
             hlo = compiled.as_text()
             _save(hlo_dir, flagset, name, hlo)
             details = gemm_details(hlo)

@@ -5,7 +5,7 @@ At batch 1 a gpt-1.3b decode step runs at about 61% of its weights' bytes over t
 comes to the copy rate, and whether a GEMM written for one row (a Pallas kernel, each program a strip of
 columns, optionally a share of the rows) does better than XLA's. For each of the block's four GEMM shapes and
 the LM head's it times, in one process:
-- `xla`: the one-row dot as jax3d writes it (jax3d.models.one_row.gemm: the row twice, on a GPU);
+- `xla`: the one-row dot as jax3d writes it (jax3d.inference.one_row.gemm: the row twice, on a GPU);
 - `xla-row`: the plain one-row dot (which XLA's GPU compiler rewrites into a multiply and a sum below 10M
   elements);
 - `xla-splitS`: XLA's GEMM of the row twice with K split S ways as a batch dimension, the parts added after
@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.models import one_row, quantized
+from jax3d.inference import one_row
+from jax3d.models import quantized
 from jax3d.kernels.pallas_gpu import compiler_params
 
 # gpt-1.3b's one-row GEMMs (K, N): QKV, attention out, MLP up, MLP down, the LM head

@@ -132,7 +132,7 @@ def time_hf(model, prompts: np.ndarray, new: int, device: str, static: bool, rep
 
 
 def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, trace: bool = False,
-               cache_dtype=None, weight_dtype=None) -> dict:
+               cache_dtype=None, weight_dtype=None, kernels=None) -> dict:
     import jax
 
     from jax3d.inference import Generator
@@ -140,7 +140,8 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, 
 
     b = prompts.shape[0]
     gen = Generator(cfg, params, MeshConfig(1, 1, 1).build(jax.devices()[:1]), batch=b,
-                    max_len=prompts.shape[1] + new, dtype=dtype, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
+                    max_len=prompts.shape[1] + new, dtype=dtype, cache_dtype=cache_dtype, weight_dtype=weight_dtype,
+                    kernels=kernels)
     rows = [list(map(int, r)) for r in prompts]
     t0 = time.perf_counter()
     gen.generate(rows, new)  # warm-up: prefill and decode compile here, for these shapes
@@ -149,9 +150,9 @@ def time_jax3d(cfg, params, prompts: np.ndarray, new: int, dtype, repeats: int, 
     t_all, toks = best_time(lambda: gen.generate(rows, new), repeats)
     rec = {"decode_tok_s": decode_rate(b, new, t_one, t_all), "total_s": t_all,
            "compiles": gen.compile_counts(), "warmup_s": warmup_s, "tokens": np.asarray(toks),
-           "slots_read": slots_read(cfg, gen.mesh, b, prompts.shape[1], new),
+           "slots_read": slots_read(cfg, gen.kernels, b, prompts.shape[1], new),
            # which of jax3d's decode kernels this decode ran (profile_decode's fields of the same names)
-           "decode_kernel_ran": decode_kernel_runs(cfg, gen.mesh, b, gen.max_len),
+           "decode_kernel_ran": decode_kernel_runs(cfg, gen.kernels, b, gen.max_len),
            "fused_blocks_ran": fused_blocks_run(gen, b)}
     if trace:  # profile_decode's kernel classes, from the same compiled programs
         from benchmarks.profile_decode import profile
@@ -190,8 +191,8 @@ def main(argv=None) -> int:
     import torch
 
     from jax3d.hf import load_hf_params
-    from jax3d.models.cached_attention import cache_dtype as kv_cache_dtype
-    from jax3d.kernels.pallas_gpu import kernel_settings
+    from jax3d.inference.cached_attention import cache_dtype as kv_cache_dtype
+    from jax3d.kernels.policy import KernelPolicy
     from jax3d.models.quantized import weight_dtype
 
     on_gpu = jax.default_backend() == "gpu"
@@ -218,8 +219,8 @@ def main(argv=None) -> int:
     rs = np.random.RandomState(0)
     for b in a.batch:
         prompts = rs.randint(0, model.config.vocab_size, (b, a.prompt_len)).astype(np.int32)
-        with kernel_settings(*tuned, off=off):  # read when jax3d's decode is traced
-            ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace, cache_dtype, weights)
+        kernels = KernelPolicy.resolve(jax.devices()[0].platform, 1, tunings=tuned, off=off)
+        ours = time_jax3d(cfg, params, prompts, a.new, dtype, a.repeats, a.trace, cache_dtype, weights, kernels)
         filled = step_bytes(cfg, params, b, a.prompt_len + a.new // 2, item, cache_item)[1]  # the cache's filled part, on average
         limit = b * rate / weight_bytes
         rec = {"batch": b, "jax3d_decode_tok_s": round(ours["decode_tok_s"], 1),

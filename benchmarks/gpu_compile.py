@@ -79,20 +79,21 @@ def decode(a, topology) -> None:
 
     from benchmarks.profile_decode import decode_config
     from jax3d.inference import Generator
-    from jax3d.kernels import pallas_gpu
+    from jax3d.inference.cached_attention import cache_dtype
+    from jax3d.kernels.policy import KernelPolicy
     from jax3d.models import build_model
-    from jax3d.models.cached_attention import cache_dtype
     from jax3d.models.quantized import weight_dtype
 
     cfg = decode_config(a.shape)
     params = jax.eval_shape(lambda: build_model(cfg).init(jax.random.key(0)))
     mesh = topologies.make_mesh(topology, (1, 1), ("data", "model"))
+    kernels = KernelPolicy.resolve("gpu", 1, tunings=a.tuned, off=a.off)
     for b in a.batch:
         gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16,
                         cache_dtype=cache_dtype(a.kv_cache_dtype, jnp.bfloat16),
-                        weight_dtype=weight_dtype(a.quantization))
-        with pallas_gpu.kernel_settings(*a.tuned, off=a.off):  # generation's own options, and --opt's beside them
-            hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
+                        weight_dtype=weight_dtype(a.quantization), kernels=kernels)
+        # generation's own compiler options, and --opt's beside them
+        hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
         print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": gen.cache_dtype.name,
                           "quantization": a.quantization,
                           **kernels(hlo, loop_body_only=True)}), flush=True)
@@ -101,19 +102,18 @@ def decode(a, topology) -> None:
 def step(a, topology) -> None:
     from jax.experimental import topologies
 
-    from benchmarks.harness import Run, config_for, kernel_settings
+    from benchmarks.harness import Run, config_for, kernel_policy
     from jax3d.parallel.plan import resolve
     from jax3d.train.memory import step_peak_bytes
     from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
     run = Run(a.shape, batch=a.batch[0] if a.batch else 0, recompute=a.recompute, fp8=a.fp8, ablate=tuple(a.ablate),
               tunings=tuple(tuple(t.split(":", 1)) for t in a.tune))
-    plan = resolve(config_for(run), 1)
+    plan = resolve(config_for(run), 1, platform="gpu", kernels=kernel_policy(run, "gpu", 1))
     mesh = topologies.make_mesh(topology, (1, 1, 1), ("data", "stage", "model"))
-    with kernel_settings(run):
-        steps = build_steps(plan, mesh)
-        lowered = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes()))
-        compiled = lowered.compile(compiler_options=_options(a.opt) or None)
+    steps = build_steps(plan, mesh)
+    lowered = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes()))
+    compiled = lowered.compile(compiler_options=_options(a.opt) or None)
     print(json.dumps({"step": run.label(), "peak_gib": round(step_peak_bytes(compiled) / 2**30, 2),
                       **kernels(compiled.as_text())}), flush=True)
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     d.add_argument("--new", type=int, default=256)
     d.add_argument("--off", action="append", default=[], metavar="KERNEL",
                    help="a Pallas kernel left out, its plain JAX in its place (repeatable; "
-                        "jax3d.kernels.pallas_gpu's KERNELS and DECODE_KERNELS)")
+                        "jax3d.kernels' KERNELS and DECODE_KERNELS)")
     add_tune_flag(d)
     add_decode_dtype_flags(d)
     s = sub.add_parser("step", help="the train step (benchmarks.harness shapes)")
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     if a.program == "decode":
         from jax3d.kernels import DECODE_KERNELS, KERNELS
-        from jax3d.kernels.pallas_gpu import unknown_kernels
+        from jax3d.kernels.policy import unknown_kernels
 
         unknown = unknown_kernels(a.off)
         if unknown:

@@ -180,12 +180,13 @@ def decode_tunings(parser, tunes: list[str]) -> list:
     return tuned
 
 
-def kernel_settings(run: Run):
-    """The context in which `run`'s step is traced: its kernels left out and its settings
-    (jax3d.kernels.pallas_gpu.kernel_settings). Outside it the model runs every kernel at its defaults."""
-    from jax3d.kernels.pallas_gpu import kernel_settings
+def kernel_policy(run: Run, platform: str, num_devices: int):
+    """The KernelPolicy `run`'s step is built with on `num_devices` devices of `platform`: its kernels left out
+    and its settings, every other kernel at its defaults (jax3d.kernels.policy)."""
+    from jax3d.kernels.policy import KernelPolicy
 
-    return kernel_settings(*(kernel_tuning(k, fields) for k, fields in run.tunings), off=run.ablate)
+    return KernelPolicy.resolve(platform, num_devices, tunings=[kernel_tuning(k, fields) for k, fields in run.tunings],
+                                off=run.ablate)
 
 
 def config_for(run: Run):
@@ -212,16 +213,19 @@ def config_for(run: Run):
 
 def build(run: Run):
     """(steps, state, batch, compiled train step, compile seconds) on one device."""
-    with kernel_settings(run):
-        return build_config(config_for(run), 1)
+    return build_config(config_for(run), 1, run)
 
 
-def _steps_for(cfg, num_devices: int):
+def _steps_for(cfg, num_devices: int, run: Run | None = None):
+    """The steps of `cfg` on the first `num_devices` devices, with `run`'s kernel policy (None: the defaults)."""
+    import jax
+
     from jax3d.parallel.plan import resolve
     from jax3d.train.step import build_steps
 
-    plan = resolve(cfg, num_devices)
-    return build_steps(plan)
+    platform = jax.devices()[0].platform
+    kernels = None if run is None else kernel_policy(run, platform, num_devices)
+    return build_steps(resolve(cfg, num_devices, kernels=kernels))
 
 
 def host_shortfall(need: int, at_least: bool = False) -> str | None:
@@ -252,20 +256,21 @@ def step_host_shortfall(run: Run) -> str | None:
 
     if jax.devices()[0].platform != "cpu":
         return None
-    with kernel_settings(run):
-        steps = _steps_for(config_for(run), 1)
-        compiled = steps.train_step.lower(abstract_state(steps), abstract_batch(steps, steps.model.sample_shapes())).compile()
+    steps = _steps_for(config_for(run), 1, run)
+    shapes = abstract_batch(steps, steps.model.sample_shapes())
+    compiled = steps.train_step.lower(abstract_state(steps), shapes).compile()
     return host_shortfall(step_peak_bytes(compiled))
 
 
-def build_config(cfg, num_devices: int):
-    """(steps, state, batch, compiled train step, compile seconds) for `cfg` on the first devices."""
+def build_config(cfg, num_devices: int, run: Run | None = None):
+    """(steps, state, batch, compiled train step, compile seconds) for `cfg` on the first devices, with `run`'s
+    kernel policy (None: the defaults)."""
     import jax
     import numpy as np
 
     from jax3d.train.step import abstract_batch
 
-    steps = _steps_for(cfg, num_devices)
+    steps = _steps_for(cfg, num_devices, run)
     cfg = steps.cfg
     state = steps.init_state(cfg.train.seed)
     shapes = abstract_batch(steps, steps.model.sample_shapes())

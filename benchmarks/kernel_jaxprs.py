@@ -4,7 +4,8 @@ GPU runs it: the hash of its jaxpr.
 A kernel (or step) timed on a GPU at one commit is the same at another when these hashes agree, which a
 machine without a GPU can check (run this in a worktree of each commit and compare). Source lines and
 names do not enter the hash; the operations, their order, dtypes and block shapes do. The step is the
-1.3B preset cut to two layers, traced with every kernel taken where it would be on one GPU.
+1.3B preset cut to two layers, traced here with the kernel policy of one GPU (every kernel where its shapes fit)
+but this machine's platform and attention implementation (`as_on_one_gpu`).
 
     python -m benchmarks.kernel_jaxprs
     python -m benchmarks.kernel_jaxprs --step --shape tiny --ablate fused_qkv
@@ -12,7 +13,7 @@ names do not enter the hash; the operations, their order, dtypes and block shape
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import hashlib
 import json
 import re
@@ -21,8 +22,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import SHAPES, Run, config_for, kernel_settings, kernel_tuning
-from jax3d import kernels
+from benchmarks.harness import SHAPES, Run, config_for, kernel_policy, kernel_tuning
 from jax3d.kernels import KERNELS, fp8_cast, fused_gelu, fused_norm, fused_qkv, fused_xent
 
 
@@ -61,29 +61,28 @@ def _sha1(jaxpr) -> str:
     return hashlib.sha1(re.sub(r"name=\S+", "", str(jaxpr)).encode()).hexdigest()[:16]
 
 
+def as_on_one_gpu(run: Run):
+    """`run`'s kernel policy of one GPU, with the platform and attention implementation of a trace on this
+    machine: the step a GPU runs, kernels included, traced where no GPU is."""
+    platform = jax.devices()[0].platform
+    return dataclasses.replace(kernel_policy(run, "gpu", 1), platform=platform,
+                               attention="cudnn" if platform == "gpu" else "xla")
+
+
 def step_fingerprint(shape: str = "1.3b-b16", ablate: tuple[str, ...] = (), layers: int = 2,
                      tunings: tuple[tuple[str, str], ...] = (), fp8: str = "") -> str:
     """The hash of the train step's jaxpr at `shape` (cut to `layers`), with the Pallas kernels taken as
-    on one GPU, but for those in `ablate`; `tunings` and `fp8` as `harness.Run`'s."""
-    import dataclasses
-    from unittest import mock
-
+    on one GPU (`as_on_one_gpu`), but for those in `ablate`; `tunings` and `fp8` as `harness.Run`'s."""
     from jax3d.parallel.plan import resolve
     from jax3d.train.step import abstract_batch, abstract_state, build_steps
 
     run = Run(shape, ablate=ablate, tunings=tunings, fp8=fp8)
     cfg = config_for(run)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
-    with contextlib.ExitStack() as stack:
-        for k in KERNELS:
-            stack.enter_context(mock.patch.object(kernels.module(k), "on_one_gpu",
-                                                  lambda rules: rules.single_device()))
-        stack.enter_context(kernel_settings(run))
-        plan = resolve(cfg, 1)
-        steps = build_steps(plan)
-        with jax.set_mesh(steps.mesh):
-            return _sha1(steps.train_step.fn.trace(abstract_state(steps),
-                                                   abstract_batch(steps, steps.model.sample_shapes())).jaxpr)
+    steps = build_steps(resolve(cfg, 1, kernels=as_on_one_gpu(run)))
+    with jax.set_mesh(steps.mesh):
+        return _sha1(steps.train_step.fn.trace(abstract_state(steps),
+                                               abstract_batch(steps, steps.model.sample_shapes())).jaxpr)
 
 
 def main(argv=None) -> int:

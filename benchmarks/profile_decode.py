@@ -6,7 +6,7 @@ random prompts of `--prompt-len` tokens. Per decode step (one token of every row
 - the breakdown: `weights_ms`, the weights' bytes over the rate a timed on-device copy moves bytes at (read and
   written, as the bandwidth figures in the issues count them); `cache_ms`, the KV cache the step reads
   (`slots_read`: the decode kernel's whole blocks of the filled part where it runs, else every slot, as XLA's
-  attention reads them; see jax3d/models/cached_attention.py); `else_ms`, the rest of the wall time (launch
+  attention reads them; see jax3d/inference/cached_attention.py); `else_ms`, the rest of the wall time (launch
   gaps, the host, kernels slower than the bandwidth);
 - the kernel time by operation class (benchmarks.profile_step's classes: matmul, attention, elementwise_norm,
   copies, ...), how many kernels ran and how busy the device was, from traces of generate(new) and
@@ -252,9 +252,10 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jax3d.kernels import DECODE_KERNELS, pallas_gpu
+    from jax3d.inference.cached_attention import cache_dtype as kv_cache_dtype
+    from jax3d.kernels import DECODE_KERNELS
+    from jax3d.kernels.policy import KernelPolicy
     from jax3d.models import build_model
-    from jax3d.models.cached_attention import cache_dtype as kv_cache_dtype
     from jax3d.models.quantized import weight_dtype
     from jax3d.parallel.mesh import MeshConfig
 
@@ -275,64 +276,57 @@ def main(argv=None) -> int:
     rs = np.random.RandomState(0)
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
     off = DECODE_KERNELS if a.decode_kernel == "off" else off
-    with pallas_gpu.kernel_settings(*tuned, off=off):  # read when decode is traced, in the first generate below
-        _profile_batches(a, cfg, params, mesh, (dtype, cache_dtype, weights), rs, weight_bytes, rate, weights_ms)
+    kernels = KernelPolicy.resolve(jax.devices()[0].platform, 1, tunings=tuned, off=off)
+    _profile_batches(a, cfg, params, mesh, (dtype, cache_dtype, weights), rs, weight_bytes, rate, weights_ms, kernels)
     return 0
 
 
-def decode_kernel_runs(cfg, mesh, batch: int, slots: int) -> bool:
-    """Whether decode's attention is jax3d.kernels.decode_attention's on `mesh` (generation's devices), with the
-    decode kernel's settings in force."""
+def decode_kernel_runs(cfg, kernels, batch: int, slots: int) -> bool:
+    """Whether decode's attention is jax3d.kernels.decode_attention's under the KernelPolicy `kernels`
+    (generation's)."""
     import jax
     import jax.numpy as jnp
 
-    from jax3d.kernels import decode_attention, pallas_gpu
-    from jax3d.parallel import ShardingRules
-
     cache = jax.ShapeDtypeStruct((batch, cfg.kv_heads, slots, cfg.head_dim), jnp.bfloat16)
-    with jax.set_mesh(mesh):
-        return decode_attention.supported(cache, ShardingRules.create(False), pallas_gpu.tuning(decode_attention))
+    return kernels.takes("decode_attention", cache)
 
 
 def fused_blocks_run(gen, batch: int) -> bool:
-    """Whether `gen`'s decode runs its blocks as jax3d.models.decode_rows' kernels (batch 1 on one GPU), with
-    the decode kernels' settings in force."""
+    """Whether `gen`'s decode runs its blocks as jax3d.inference.decode_rows' kernels (batch 1 on one GPU), under
+    its kernel policy."""
     import jax
 
-    from jax3d.models import decode_rows
+    from jax3d.inference import decode_rows
 
     cfg = gen.cfg
     x = jax.ShapeDtypeStruct((batch, 1, cfg.hidden_size), gen.dtype)
     cache = {"k": jax.ShapeDtypeStruct((batch, cfg.kv_heads, gen.max_len, cfg.head_dim), gen.cache_dtype),
              "start": None}
     with jax.set_mesh(gen.mesh):
-        return decode_rows.applies(cfg, gen.params["blocks"][0], x, cache, gen.rules)
+        return decode_rows.applies(cfg, gen.params["blocks"][0], x, cache, gen.kernels)
 
 
-def slots_read(cfg, mesh, batch: int, prompt_len: int, new: int) -> float:
+def slots_read(cfg, kernels, batch: int, prompt_len: int, new: int) -> float:
     """The cache slots a decode step reads per row, averaged over the steps: where the decode kernel runs, whole
     blocks from slot 0 (a row of a full-length prompt) to the block of the slot before the one being decoded
     (whose key and value the kernel has in hand, and writes); else every slot, as XLA's attention reads them."""
-    from jax3d.kernels import decode_attention, pallas_gpu
-
-    if not decode_kernel_runs(cfg, mesh, batch, prompt_len + new):
+    if not decode_kernel_runs(cfg, kernels, batch, prompt_len + new):
         return prompt_len + new
-    block = pallas_gpu.tuning(decode_attention).block
+    block = kernels.tuning("decode_attention").block
     steps = range(prompt_len, prompt_len + new - 1)
     return sum(-(-i // block) * block for i in steps) / len(steps)
 
 
-def _profile_batches(a, cfg, params, mesh, dtypes, rs, weight_bytes, rate, weights_ms) -> None:
+def _profile_batches(a, cfg, params, mesh, dtypes, rs, weight_bytes, rate, weights_ms, kernels) -> None:
     """Decode of each of --batch's sizes, the model computing, keeping its cache and its GEMM weights in
-    `dtypes`."""
+    `dtypes`, under the KernelPolicy `kernels`."""
     from jax3d.inference import Generator
-    from jax3d.kernels import decode_attention, pallas_gpu
 
     dtype, cache_dtype, weights = dtypes
     for b in a.batch:
         max_len = a.prompt_len + a.new
         gen = Generator(cfg, params, mesh, batch=b, max_len=max_len, dtype=dtype, cache_dtype=cache_dtype,
-                        weight_dtype=weights)
+                        weight_dtype=weights, kernels=kernels)
         rows = [list(map(int, r)) for r in rs.randint(0, cfg.vocab_size, (b, a.prompt_len))]
         gen.generate(rows, a.new)  # compiles prefill and decode
         wall = step_wall_ms(gen, rows, a.new)
@@ -341,9 +335,9 @@ def _profile_batches(a, cfg, params, mesh, dtypes, rs, weight_bytes, rate, weigh
                              f"the timer's noise; pass a larger --new")
         wall = round(wall, 3)
         rec = {"wall_ms_per_step": wall, **profile(gen, rows, a.new, top=a.top)}
-        tuning = pallas_gpu.tuning(decode_attention)
-        kernel = decode_kernel_runs(cfg, mesh, b, max_len)
-        read = slots_read(cfg, mesh, b, a.prompt_len, a.new)
+        tuning = kernels.tuning("decode_attention")
+        kernel = decode_kernel_runs(cfg, kernels, b, max_len)
+        read = slots_read(cfg, kernels, b, a.prompt_len, a.new)
         rec = {"batch": b, "tokens_per_s": round(b * 1e3 / wall, 1), "decode_kernel_ran": kernel,
                "fused_blocks_ran": fused_blocks_run(gen, b),
                **({"decode_kernel_parts": tuning.parts_for(b * cfg.num_attention_heads)} if kernel else {}),

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import host_shortfall, median_seconds
+from jax3d.kernels.policy import KernelPolicy
 from jax3d.models import build_model, get_preset
 from jax3d.pipeline import make_schedule, passes, pipeline_value_and_grad
 
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0, recompute=a.recompute,
                               seq_length=a.seq_length or cfg.seq_length)
     layers = cfg.num_layers // a.stages
-    model = build_model(cfg)
+    # the kernels where the stage runs (no mesh: this process's devices)
+    model = build_model(cfg, kernels=KernelPolicy.resolve(jax.default_backend(), jax.device_count()))
     dtype = jnp.bfloat16 if a.bf16 else jnp.float32
     keys = jax.random.split(jax.random.key(0), layers)
 

@@ -8,7 +8,7 @@ board power over the timed steps (an H200 runs these steps at its power cap, bel
 `all`) adds a run with that Pallas kernel left out (XLA's code in its place), so each one's worth is
 measured in the same call. Because each run is a fresh process, a change patched into this one (a
 replaced function, say) never reaches the step; kernel settings travel with the run instead (`--tune`,
-`harness.Run.tunings`, which the child traces its step under: `jax3d.kernels.pallas_gpu.kernel_settings`).
+`harness.Run.tunings`, which the child builds its step's kernel policy from: `harness.kernel_policy`).
 
     python -m benchmarks.throughput --shape 1.3b-b16 --peer --ablate all --ablate together
     python -m benchmarks.throughput --shape 1.3b-b16 1.3b-b8 350m-b32 125m-b32 --peer

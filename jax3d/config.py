@@ -33,7 +33,7 @@ class ModelConfig:
     num_tokentypes: int = 2  # BERT only
     recompute: str = "none"  # none | selective | full
     scan_layers: bool | None = None  # None: from jax3d.parallel.plan.SCAN_LAYERS_FROM layers up on CPUs (plan.resolve)
-    attention_impl: str = "auto"  # auto | xla | cudnn
+    attention_impl: str = "auto"  # auto (the run's kernel policy: cuDNN on GPUs) | xla | cudnn
     # Architecture variants that reproduce imported models exactly (jax3d.hf); defaults are GPT-2 / Megatron.
     activation: str = "gelu_tanh"  # gelu_tanh | gelu_erf | squared_relu (relu(x)^2, Megatron's --squared-relu)
     post_layernorm: bool = False  # layer norm after each residual add and no final norm (original BERT)
@@ -62,9 +62,6 @@ class ModelConfig:
     reset_position_ids: bool = False  # learned positions restart after each end-of-document token
     reset_attention_mask: bool = False  # no attention across an end-of-document token (a document mask)
     eod_token_id: int = -1
-    # FP8 GEMMs in the blocks ("" | hybrid | e4m3, jax3d.models.fp8). Only the train step's own copy of the model
-    # sets it, from PrecisionConfig.fp8: the parameters are the same, and evaluation and export run without.
-    fp8: str = ""
 
     def __post_init__(self):
         if self.activation not in ("gelu_tanh", "gelu_erf", "squared_relu"):
@@ -200,7 +197,8 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Compute dtype; fp32 master weights always. fp16 adds dynamic loss scaling."""
+    """Compute dtype; fp32 master weights always. fp16 adds dynamic loss scaling. The flags as given: what they
+    decide (dtypes, loss-scale rule, FP8 recipe) is jax3d.parallel.precision.PrecisionPolicy's."""
 
     dtype: str = "float32"  # float32 | bfloat16 | float16
     loss_scale: float = 0.0  # 0: dynamic (fp16 only)
@@ -208,7 +206,7 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     hysteresis: int = 2
-    # FP8 GEMMs with delayed scaling (jax3d.train.fp8), Megatron-DeepSpeed's flags and defaults.
+    # FP8 GEMMs with delayed scaling (jax3d.parallel.precision.Recipe), Megatron-DeepSpeed's flags and defaults.
     fp8: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3
     fp8_margin: int = 0  # scales leave 2**margin of headroom
     fp8_interval: int = 1  # steps between scale updates (only 1 is built)

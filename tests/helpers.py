@@ -31,12 +31,14 @@ def random_text(n, seq, vocab, seed=0):
     return np.random.RandomState(seed).randint(0, vocab, (n, seq + 1)).astype(np.int32)
 
 
-def gpt_loss_and_grads(cfg: ModelConfig, params, batch):
-    """The GPT's loss on `batch` and its gradients in `params`, jitted. fp32 GEMMs run at full precision
-    (a GPU would use TF32), so two programs that should agree in fp32 do."""
+def gpt_loss_and_grads(cfg: ModelConfig, params, batch, kernels=None):
+    """The GPT's loss on `batch` and its gradients in `params`, jitted, under the KernelPolicy `kernels` (None:
+    no kernel). fp32 GEMMs run at full precision (a GPU would use TF32), so two programs that should agree in
+    fp32 do."""
+    from jax3d.kernels.policy import KernelPolicy
     from jax3d.models import GPT
 
-    model = GPT(cfg)
+    model = GPT(cfg, kernels=kernels or KernelPolicy.none())
     with jax.default_matmul_precision("highest"):
         return jax.jit(jax.value_and_grad(lambda p: model.loss(p, batch)[0]))(params)
 
@@ -67,16 +69,30 @@ def gpt_case(cfg: ModelConfig, bias: str):
 
     params = with_random(GPT(cfg).init(jax.random.key(0)), bias)
     text = random_text(4, cfg.seq_length, cfg.vocab_size)
-    return lambda c: gpt_loss_and_grads(c, params, {"text": text})
+    return lambda c, kernels=None: gpt_loss_and_grads(c, params, {"text": text}, kernels)
 
 
-def interpreted(monkeypatch, module, entry: str) -> list:
-    """Replaces a kernel module's entry point `entry(*arrays, tuning)` with the kernel in Pallas' interpreter,
-    its settings kept; returns the list each call's Tuning is appended to."""
+def interpreted(monkeypatch, name: str, fits: bool = False) -> list:
+    """Replaces the registered kernel `name`'s implementation `run(*arrays, tuning)` with the kernel in Pallas'
+    interpreter, its settings kept (and with `fits` its shape test with one that takes every shape); returns the
+    list each call's Tuning is appended to."""
+    import dataclasses
+
+    from jax3d import kernels
+
     calls = []
-    real = getattr(module, entry)
-    monkeypatch.setattr(module, entry, lambda *args: calls.append(args[-1]) or real(*args, interpret=True))
+    entry = kernels.kernel(name)
+    run = lambda *args: calls.append(args[-1]) or entry.run(*args, interpret=True)  # noqa: E731
+    monkeypatch.setitem(kernels._REGISTRY, name, dataclasses.replace(
+        entry, run=run, supported=(lambda *args: True) if fits else entry.supported))
     return calls
+
+
+def only(name: str, tuning) -> "KernelPolicy":  # noqa: F821
+    """The KernelPolicy that runs kernel `name` alone, with `tuning`, on this CPU."""
+    from jax3d.kernels.policy import KernelPolicy
+
+    return KernelPolicy(((name, tuning),))
 
 
 def rel_err(a, b) -> float:

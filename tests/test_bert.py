@@ -78,20 +78,22 @@ def test_cudnn_attention_takes_the_padding_mask():
 
     import jax.numpy as jnp
 
+    from jax3d.kernels.policy import KernelPolicy
     from jax3d.models import build_model
-    from jax3d.models.layers import attention_impl
+    from jax3d.models.spec import attention_core, cudnn_where_16_bit
     from tests.helpers import rel_err
 
     cfg, _, _ = tiny_config(model_kw=dict(num_layers=2, model_type="bert", seq_length=SEQ, vocab_size=VOCAB,
                                           hidden_size=128, num_attention_heads=2))
     mcfg = cfg.model
-    assert attention_impl(mcfg, jnp.bfloat16) == "cudnn"
+    kernels = KernelPolicy.resolve(jax.default_backend(), 1)  # one GPU's: cuDNN's attention where "auto"
+    assert attention_core(mcfg, kernels) is cudnn_where_16_bit
     batch = {k: jnp.asarray(v) for k, v in bert_batch(0).items()}
     assert batch["padding_mask"].min() == 0  # some keys are padding
     params = build_model(mcfg).init(jax.random.key(0))
 
     def loss_and_grads(impl, dtype):
-        model = build_model(dataclasses.replace(mcfg, attention_impl=impl))
+        model = build_model(dataclasses.replace(mcfg, attention_impl=impl), kernels=kernels)
         p = jax.tree.map(lambda a: a.astype(dtype), params)
         with jax.default_matmul_precision("highest"):
             return jax.jit(jax.value_and_grad(lambda p: model.loss(p, batch)[0]))(p)

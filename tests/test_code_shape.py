@@ -210,11 +210,14 @@ def test_the_kernel_registry_lists_each_kernel_module_once():
     listed = kernels.KERNELS + kernels.DECODE_KERNELS
     assert len(set(listed)) == len(listed)
     here = {f[:-3] for f in os.listdir(os.path.join(PKG, "kernels")) if f.endswith(".py")}
-    assert here - set(listed) == {"__init__", "pallas_gpu"}
+    assert here - set(listed) == {"__init__", "pallas_gpu", "policy"}
     for name in listed:
         module = kernels.module(name)
         assert module is importlib.import_module(f"jax3d.kernels.{name}")
-        assert isinstance(module.DEFAULT, module.Tuning) and callable(module.supported), name
+        entry = kernels.kernel(name)
+        assert entry.name == name and entry.Tuning is module.Tuning and entry.DEFAULT is module.DEFAULT, name
+        assert isinstance(entry.DEFAULT, entry.Tuning), name
+        assert all(callable(f) for f in (entry.supported, entry.run, entry.reference)), name
 
 
 # Mesh-axis names are spelled in jax3d/parallel only (jax3d.parallel.mesh: DATA, STAGE, MODEL). A literal counts as
@@ -289,3 +292,13 @@ def test_mesh_axis_names_are_spelled_only_in_jax3d_parallel():
                 found += [f"{rel}:{n}" for n in axis_literals(open(path).read())]
     assert found == []
     assert axis_literals(open(os.path.join(PKG, "parallel", "zero.py")).read())  # it sees them where they are
+
+
+def test_which_kernels_run_is_the_policys_alone():
+    """No kernel module, layer or decode module tests the platform or the device count: the run's KernelPolicy
+    (jax3d.kernels.policy) decides once which kernels run; a kernel's `supported` tests shapes only. The layers
+    build no ShardingRules of their own (jax3d/parallel does)."""
+    assert _grep(r"traced_platform|single_device\(|default_backend|on_one_gpu|kernel_settings|_SETTINGS",
+                 "jax3d/models", "jax3d/kernels", "jax3d/inference/cached_attention.py",
+                 "jax3d/inference/decode_rows.py", "jax3d/inference/one_row.py") == []
+    assert [hit for hit in _grep(r"ShardingRules\(", "jax3d") if not hit.startswith("jax3d/parallel/")] == []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jax3d.kernels import decode_attention
-from jax3d.models.cached_attention import join_qkv
+from jax3d.inference.cached_attention import join_qkv
 
 
 def reference(q_bnh, k_bksh, v_bksh, start_b, index):
@@ -83,15 +83,17 @@ def test_a_narrower_cache_is_attended_as_it_keeps_the_new_key_and_value(dtype):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_block_that_does_not_divide_the_cache_is_refused(monkeypatch):
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+def test_a_block_that_does_not_divide_the_cache_is_refused():
+    from jax3d.kernels.policy import KernelPolicy
+
     cache = jnp.zeros((1, 1, 96, 8))
     every = decode_attention.Tuning(block=32)
-    assert decode_attention.supported(cache, None, every)
-    assert not decode_attention.supported(cache, None, decode_attention.Tuning(block=64))
-    assert not decode_attention.supported(cache, None, None)  # off
+    assert decode_attention.supported(cache, every)
+    assert not decode_attention.supported(cache, decode_attention.Tuning(block=64))
+    assert not KernelPolicy.resolve("gpu", 1, tunings=[every], off=["decode_attention"]).takes(
+        "decode_attention", cache)  # left out
     # Triton's arrays are powers of two: a head of 80 (gpt-2.7b) runs XLA's attention
-    assert not decode_attention.supported(jnp.zeros((1, 1, 96, 80)), None, every)
+    assert not decode_attention.supported(jnp.zeros((1, 1, 96, 80)), every)
 
 
 def test_a_small_batch_splits_each_rows_slots_to_keep_128_programs():
@@ -153,7 +155,7 @@ def test_an_fp8_cache_attends_as_an_fp32_cache_of_the_values_it_keeps(t):
     """XLA's attention (cached_attention) over a float8_e4m3fn cache: what an fp32 cache holding the same keys and
     values gives, with the new ones rounded to fp8 after clipping to e4m3's 448 (a key of 1000 is kept as 448;
     a plain cast would keep nan)."""
-    from jax3d.models.cached_attention import cached_attention
+    from jax3d.inference.cached_attention import CachedOut, cached_attention
     from jax3d.parallel import ShardingRules
 
     b, n, kv_heads, h, slots, index, e = 2, 4, 2, 8, 32, 6, 16
@@ -170,7 +172,8 @@ def test_an_fp8_cache_attends_as_an_fp32_cache_of_the_values_it_keeps(t):
 
     def attend(k, v, k_new, v_new):
         cache = {"k": k, "v": v, "index": jnp.int32(index), "start": start}
-        return cached_attention(q, k_new, v_new, mask, cache, w_out, rules)
+        ctx, cache = cached_attention(q, k_new, v_new, mask, cache, rules)
+        return CachedOut()(ctx, w_out, None, None, rules), cache
 
     out8, cache8 = attend(k8, v8, k_new, v_new)
     rounded = [jnp.clip(x, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32) for x in (k_new, v_new)]

@@ -1,6 +1,7 @@
-"""FP8 training (jax3d.models.fp8, jax3d.train.fp8) on the CPU, where XLA emulates the f8 types: the amax history
-against its definition, the same curve on every layout, bit-exact resume and restore onto another layout, the
-GEMM pattern XLA's GPU rewriter needs in the step lowered for CUDA, and the flags' refusals."""
+"""FP8 training (jax3d.models.fp8, jax3d.parallel.precision.Recipe, jax3d.train.fp8) on the CPU, where XLA emulates
+the f8 types: the amax history against its definition, the same curve on every layout, bit-exact resume and restore
+onto another layout, the GEMM pattern XLA's GPU rewriter needs in the step lowered for CUDA, and the flags'
+refusals."""
 import re
 from types import SimpleNamespace
 
@@ -13,8 +14,7 @@ from jax3d.checkpoint.checkpointer import Checkpointer
 from jax3d.cli.train import main
 from jax3d.config import ConfigError, PrecisionConfig
 from jax3d.models import fp8
-from jax3d.parallel.plan import fp8_device_error
-from jax3d.train.fp8 import Recipe
+from jax3d.parallel.precision import Recipe, fp8_device_error
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
 from tests import test_checkpoint
 from tests.helpers import tiny_config
@@ -251,7 +251,7 @@ def test_the_fp8_step_compiles_with_its_xla_options_unless_xla_flags_set_them(mo
     """FP8's train step is compiled with FP8_COMPILER_OPTIONS; bf16's step, and FP8's evaluation (the plain
     model), with none; XLA_FLAGS naming an option wins. An option XLA does not know, put in its place, fails
     the FP8 train step's compile and no other."""
-    from jax3d.train import fp8 as recipe
+    from jax3d.parallel import precision as recipe
 
     fp8_on, off = PrecisionConfig(dtype="bfloat16", fp8="hybrid"), PrecisionConfig(dtype="bfloat16")
     assert recipe.compiler_options(fp8_on, {}) == recipe.FP8_COMPILER_OPTIONS

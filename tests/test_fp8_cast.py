@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax3d.kernels import fp8_cast, pallas_gpu
+from jax3d.kernels import fp8_cast
+from jax3d.kernels.policy import KernelPolicy
 from jax3d.models import fp8
-from jax3d.parallel import ShardingRules
 from jax3d.parallel.plan import Plan
 
 F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -32,11 +32,10 @@ def test_kernel_equals_quantizing_then_transposing(f8, dtype):
 
 
 def test_tiles_that_do_not_divide_the_operand_are_refused(monkeypatch):
-    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
     tuning = fp8_cast.Tuning(rows=16, cols=32)
-    assert fp8_cast.supported((32, 96), None, tuning)
-    assert not fp8_cast.supported((24, 96), None, tuning)
-    assert not fp8_cast.supported((32, 96), None, None)  # off (kernel_settings' off)
+    assert fp8_cast.supported((32, 96), tuning)
+    assert not fp8_cast.supported((24, 96), tuning)
+    assert not KernelPolicy.resolve("gpu", 1, off=["fp8_cast"]).takes("fp8_cast", (32, 96))  # left out
     assert fp8_cast.DEFAULT == fp8_cast.Tuning()
     with pytest.raises(ValueError, match="whole number"):
         fp8_cast.cast_transpose(jnp.zeros((24, 96)), jnp.float32(1), F8[0], tuning, interpret=True)
@@ -56,18 +55,15 @@ def test_the_gemm_on_the_kernel_equals_the_einsum_of_f8_arrays(spec, dtype, monk
     """Forward, both input gradients and the observed amaxes, with both paths' operands quantized alike: they
     differ only in the order the dot sums its f8 products (to about 1e-6 in fp32; in bf16, the sums' rounding
     to bf16 may differ by an ulp)."""
-    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
     monkeypatch.setattr(fp8_cast, "cast_transpose", functools.partial(fp8_cast.cast_transpose, interpret=True))
     x_shape, w_shape = SPECS[spec]
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     x, w = (jax.random.normal(kx, x_shape) * 3).astype(dtype), (jax.random.normal(kw, w_shape) * 0.05).astype(dtype)
     scales = jnp.array([2.0 ** -4, 2.0 ** -8, 2.0 ** -6], jnp.float32)
-    rules = ShardingRules.create(False)
     assert fp8._layout(spec) is not None
 
-    def run(tuning, x, w, scales):
-        with pallas_gpu.kernel_settings(*([tuning] if tuning else []), off=() if tuning else ("fp8_cast",)):
-            return fp8.einsum(spec, x, w, scales, "hybrid", rules)
+    def run(tuning, x, w, scales):  # tuning None: the kernel left out
+        return fp8.einsum(spec, x, w, scales, "hybrid", tuning)
 
     outs = {}
     for name, tuning in (("einsum", None), ("kernel", fp8_cast.Tuning(rows=16, cols=8))):
@@ -80,8 +76,8 @@ def test_the_gemm_on_the_kernel_equals_the_einsum_of_f8_arrays(spec, dtype, monk
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
     assert outs["kernel"][1].dtype == dtype and outs["kernel"][2].dtype == dtype  # the cotangents of x and w
     # the kernel path really ran: its forward is a dot of f8 arrays with both contracted dims minor
-    with pallas_gpu.kernel_settings(fp8_cast.Tuning(rows=16, cols=8)):
-        text = str(jax.make_jaxpr(lambda x, w: fp8.einsum(spec, x, w, scales, "hybrid", rules))(x, w))
+    text = str(jax.make_jaxpr(lambda x, w: fp8.einsum(spec, x, w, scales, "hybrid", fp8_cast.Tuning(rows=16, cols=8)))(
+        x, w))
     assert "fp8_cast_transpose" in text and "dimension_numbers=(([1], [1]), ([], []))" in text
 
 
@@ -91,35 +87,29 @@ def test_a_gemm_of_another_layout_keeps_the_einsum(monkeypatch):
     assert fp8._layout("btd,df->btf") == (2, 1, 1) and fp8._layout("btnh,nhd->btd") == (2, 2, 1)
     for spec in ("btd,fd->btf", "dbt,df->btf", "td,dd->td", "...d,df->...f", "btd,df->bft"):
         assert fp8._layout(spec) is None, spec
-    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
     calls = []
     monkeypatch.setattr(fp8_cast, "cast_transpose", lambda *a, **k: calls.append(1))
-    scales, rules = jnp.ones((3,)), ShardingRules.create(False)
-    with pallas_gpu.kernel_settings(fp8_cast.Tuning(rows=16, cols=16)):
-        y = fp8.einsum("btd,fd->btf", jnp.ones((2, 16, 32)), jnp.ones((16, 32)), scales, "hybrid", rules)
-        assert y.shape == (2, 16, 16) and not calls
-        with pytest.raises(ValueError):  # heads swapped with the head size: the einsum refuses it
-            fp8.einsum("btnh,nhd->btd", jnp.ones((2, 16, 4, 8)), jnp.ones((8, 4, 32)), scales, "hybrid", rules)
-        assert not calls
+    scales, cast = jnp.ones((3,)), fp8_cast.Tuning(rows=16, cols=16)
+    y = fp8.einsum("btd,fd->btf", jnp.ones((2, 16, 32)), jnp.ones((16, 32)), scales, "hybrid", cast)
+    assert y.shape == (2, 16, 16) and not calls
+    with pytest.raises(ValueError):  # heads swapped with the head size: the einsum refuses it
+        fp8.einsum("btnh,nhd->btd", jnp.ones((2, 16, 4, 8)), jnp.ones((8, 4, 32)), scales, "hybrid", cast)
+    assert not calls
 
 
 def test_the_gemm_lowers_for_cuda_to_three_casts_and_three_tn_dots_of_f8(monkeypatch):
     """What a GPU would compile, lowered on this CPU: a GEMM's forward and backward at gpt-1.3b's MLP-up shape
     (2 x 2048 tokens) casts x, w and g with one Triton call each, and dots f8 arrays with the contracted
     dimension minor on both sides (the layout Hopper's FP8 GEMMs take), nothing for XLA to transpose."""
-    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
     bf = jnp.bfloat16
     x, w = jax.ShapeDtypeStruct((2, 2048, 2048), bf), jax.ShapeDtypeStruct((2048, 8192), bf)
     scales = jax.ShapeDtypeStruct((3,), jnp.float32)
-    rules = ShardingRules.create(False)
-
     def loss(x, w, scales):
-        y = fp8.einsum("btd,df->btf", x, w, scales, "hybrid", rules).astype(jnp.float32)
+        y = fp8.einsum("btd,df->btf", x, w, scales, "hybrid", fp8_cast.Tuning()).astype(jnp.float32)
         return jnp.sum(y * y)  # its gradient needs y: the forward dot is kept
 
-    with pallas_gpu.kernel_settings(fp8_cast.Tuning()):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, scales).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, scales).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     assert len(dots) == 3 and all("f8E" in d and "contracting_dims = [1] x [1]" in d for d in dots), dots
@@ -142,7 +132,6 @@ def test_a_train_step_on_the_kernel_gives_the_einsum_paths_losses(llama, recompu
     from tests.test_llama_layouts import LLAMA, counting_batch
 
     monkeypatch.setattr(test_checkpoint, "host_batch", counting_batch)
-    monkeypatch.setattr(fp8_cast, "on_one_gpu", lambda rules: True)
     calls, cast = [], fp8_cast.cast_transpose
 
     def interpreted(*args, **kw):
@@ -154,9 +143,8 @@ def test_a_train_step_on_the_kernel_gives_the_einsum_paths_losses(llama, recompu
     cfg, mesh_cfg, mesh = tiny_config(micro=2, global_batch=GB // 2, model_kw=model_kw)
     cfg = cfg.replace(precision=FP8, optim={"lr": 3e-3})
     losses = {}
-    for name, tunings, off in (("einsum", (), ("fp8_cast",)), ("kernel", (fp8_cast.Tuning(rows=16, cols=16),), ())):
-        with pallas_gpu.kernel_settings(*tunings, off=off):
-            s = build_steps(Plan(cfg, mesh_cfg), mesh)
-            losses[name] = test_checkpoint.train(s, s.init_state(0), 0, 4)[0]
+    for name, tunings in (("einsum", ()), ("kernel", (("fp8_cast", fp8_cast.Tuning(rows=16, cols=16)),))):
+        s = build_steps(Plan(cfg, mesh_cfg, kernels=KernelPolicy(tunings)), mesh)
+        losses[name] = test_checkpoint.train(s, s.init_state(0), 0, 4)[0]
         assert bool(calls) == (name == "kernel"), name
     np.testing.assert_allclose(losses["kernel"], losses["einsum"], rtol=1e-5)

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from jax3d.kernels import fused_gelu
-from jax3d.kernels.pallas_gpu import kernel_settings
 from tests.helpers import rel_err
 
 ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
@@ -73,34 +72,34 @@ def test_fused_gelu_matches_the_derivative_in_float64():
 
 
 def test_gpt_with_fused_gelu_matches_xla_gelu(monkeypatch):
-    """The whole GPT, each MLP's GELU through the kernels with a benchmark's settings
-    (pallas_gpu.kernel_settings), against the GPT without them: the same loss and gradients in fp32. With
-    erf GELU (imported BERT-style models) the kernels are not used."""
-    from tests.helpers import assert_same_loss_and_grads, gpt_case, interpreted, tiny_model
+    """The whole GPT, each MLP's GELU through the kernels with a benchmark's settings (a KernelPolicy that
+    runs them), against the GPT without them: the same loss and gradients in fp32. With erf GELU (imported
+    BERT-style models) the kernels are not used."""
+    from tests.helpers import assert_same_loss_and_grads, gpt_case, interpreted, only, tiny_model
 
     cfg = tiny_model(vocab_size=384, num_layers=2)
     loss_and_grads = gpt_case(cfg, "up_bias")
     ref_loss, ref_grads = loss_and_grads(cfg)
-    monkeypatch.setattr(fused_gelu, "supported", lambda h, rules, tuning: True)
-    calls = interpreted(monkeypatch, fused_gelu, "gelu_bias")
+    calls = interpreted(monkeypatch, "fused_gelu", fits=True)
     tuning = fused_gelu.Tuning(cols_fwd=128, cols_bwd=128, rows_per_program=64)
-    with kernel_settings(tuning):
-        loss, grads = loss_and_grads(cfg)
+    loss, grads = loss_and_grads(cfg, only("fused_gelu", tuning))
     assert calls == [tuning] * cfg.num_layers
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 
     calls.clear()
-    loss_and_grads(dataclasses.replace(cfg, activation="gelu_erf"))
+    loss_and_grads(dataclasses.replace(cfg, activation="gelu_erf"), only("fused_gelu", tuning))
     assert not calls, "the kernels compute the tanh form only"
 
 
-def test_fused_gelu_is_taken_where_it_fits(monkeypatch):
-    monkeypatch.setattr(fused_gelu, "on_one_gpu", lambda rules: True)
-    assert fused_gelu.supported(jnp.zeros((2, 64, 2048)), None)
-    assert not fused_gelu.supported(jnp.zeros((2, 64, 1000)), None)
-    assert not fused_gelu.supported(jnp.zeros((0, 2048)), None)
-    monkeypatch.setattr(fused_gelu, "on_one_gpu", lambda rules: False)
-    assert not fused_gelu.supported(jnp.zeros((2, 64, 2048)), None)
+def test_fused_gelu_is_taken_where_it_fits():
+    from jax3d.kernels.policy import KernelPolicy
+
+    assert fused_gelu.supported(jnp.zeros((2, 64, 2048)))
+    assert not fused_gelu.supported(jnp.zeros((2, 64, 1000)))
+    assert not fused_gelu.supported(jnp.zeros((0, 2048)))
+    assert KernelPolicy.resolve("gpu", 1).takes("fused_gelu", jnp.zeros((2, 64, 2048)))
+    assert not KernelPolicy.resolve("cpu", 1).takes("fused_gelu", jnp.zeros((2, 64, 2048)))
+    assert not KernelPolicy.resolve("gpu", 2).takes("fused_gelu", jnp.zeros((2, 64, 2048)))
 
 
 def test_fused_gelu_refuses_what_it_cannot_run():

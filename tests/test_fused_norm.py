@@ -41,22 +41,19 @@ def test_gpt_with_fused_norms_matches_xla_norms(monkeypatch):
     """The whole model, its layer norms through the kernels, against the same model without them (as on a
     CPU): the same loss and gradients in fp32."""
     from jax3d.models import GPT
-    from tests.helpers import assert_same_loss_and_grads, gpt_loss_and_grads, random_text, tiny_model
+    from tests.helpers import (assert_same_loss_and_grads, gpt_loss_and_grads, interpreted, only, random_text,
+                               tiny_model)
 
     cfg = tiny_model(vocab_size=384, num_layers=2, num_attention_heads=4)
     params = GPT(cfg).init(jax.random.key(0))
     text = random_text(4, cfg.seq_length, cfg.vocab_size)
 
-    def loss_and_grads(cfg):
-        return gpt_loss_and_grads(cfg, params, {"text": text})
+    def loss_and_grads(cfg, kernels=None):
+        return gpt_loss_and_grads(cfg, params, {"text": text}, kernels)
 
     ref_loss, ref_grads = loss_and_grads(cfg)
-    monkeypatch.setattr(fused_norm, "supported", lambda x, rules, tuning: True)
-    calls = []
-    real = fused_norm.fused_layer_norm
-    monkeypatch.setattr(fused_norm, "fused_layer_norm",  # the kernels in Pallas' interpreter, counted
-                        lambda x, s, b, eps, tuning: calls.append(1) or real(x, s, b, eps, tuning, True))
-    loss, grads = loss_and_grads(cfg)
+    calls = interpreted(monkeypatch, "fused_norm", fits=True)  # the kernels in Pallas' interpreter, counted
+    loss, grads = loss_and_grads(cfg, only("fused_norm", fused_norm.DEFAULT))
     assert len(calls) == 2 * cfg.num_layers + 1, "not every layer norm went through the kernels"
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax3d.kernels import fused_qkv
-from jax3d.kernels.pallas_gpu import kernel_settings
+from jax3d.kernels.policy import KernelPolicy
 from tests.helpers import rel_err
 
 ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
@@ -50,36 +50,41 @@ def test_split_bias_matches_xla(dtype, tol, tuning, interpret):
 
 def test_gpt_with_fused_qkv_matches_xla(monkeypatch):
     """The whole GPT, each attention's bias and split through the kernel with a benchmark's settings
-    (pallas_gpu.kernel_settings), against the GPT without it: the same loss and gradients in fp32; and
+    (a KernelPolicy of one GPU's), against the GPT without it: the same loss and gradients in fp32; and
     with the kernel left out there, the GPT without it again."""
+    import dataclasses
+
     from tests.helpers import assert_same_loss_and_grads, gpt_case, interpreted, tiny_model
 
     cfg = tiny_model(vocab_size=384, num_layers=2)
     loss_and_grads = gpt_case(cfg, "qkv_bias")
     ref_loss, ref_grads = loss_and_grads(cfg)
-    monkeypatch.setattr(fused_qkv, "on_one_gpu", lambda rules: True)
-    calls = interpreted(monkeypatch, fused_qkv, "split_bias")
+    calls = interpreted(monkeypatch, "fused_qkv")
     tuning = fused_qkv.Tuning(cols=32, rows_per_program=16)
-    with kernel_settings(tuning):
-        loss, grads = loss_and_grads(cfg)
+    # One GPU's kernels (traced on this CPU), the others left out: the norm and GELU kernels have no interpreter
+    # here.
+    others = ("fused_gelu", "fused_norm", "fused_xent", "fp8_cast")
+    on_one_gpu = dataclasses.replace(KernelPolicy.resolve("gpu", 1, tunings=[tuning], off=others), platform="cpu",
+                                     attention="xla")
+    loss, grads = loss_and_grads(cfg, on_one_gpu)
     assert calls == [tuning] * cfg.num_layers
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 
     calls.clear()
-    with kernel_settings(tuning, off=("fused_qkv",)):
-        loss_and_grads(cfg)
+    left_out = dataclasses.replace(KernelPolicy.resolve("gpu", 1, tunings=[tuning], off=others + ("fused_qkv",)),
+                                   platform="cpu", attention="xla")
+    loss_and_grads(cfg, left_out)
     assert not calls, "left out, the kernel does not run even where it fits"
 
 
-def test_fused_qkv_is_taken_where_it_fits(monkeypatch):
-    monkeypatch.setattr(fused_qkv, "on_one_gpu", lambda rules: True)
-    assert fused_qkv.supported(jnp.zeros((2, 64, 3, 16, 128)), None)
-    assert fused_qkv.supported(jnp.zeros((2, 64, 3, 12, 64)), None)  # width 768: strips of 256
-    assert not fused_qkv.supported(jnp.zeros((2, 60, 3, 16, 128)), None)  # 120 tokens: not whole programs
-    assert not fused_qkv.supported(jnp.zeros((2, 64, 16, 128)), None)
-    assert not fused_qkv.supported(jnp.zeros((2, 64, 3, 1, 4)), None)  # a width-4 strip is too narrow
-    monkeypatch.setattr(fused_qkv, "on_one_gpu", lambda rules: False)
-    assert not fused_qkv.supported(jnp.zeros((2, 64, 3, 16, 128)), None)
+def test_fused_qkv_is_taken_where_it_fits():
+    assert fused_qkv.supported(jnp.zeros((2, 64, 3, 16, 128)))
+    assert fused_qkv.supported(jnp.zeros((2, 64, 3, 12, 64)))  # width 768: strips of 256
+    assert not fused_qkv.supported(jnp.zeros((2, 60, 3, 16, 128)))  # 120 tokens: not whole programs
+    assert not fused_qkv.supported(jnp.zeros((2, 64, 16, 128)))
+    assert not fused_qkv.supported(jnp.zeros((2, 64, 3, 1, 4)))  # a width-4 strip is too narrow
+    assert KernelPolicy.resolve("gpu", 1).takes("fused_qkv", jnp.zeros((2, 64, 3, 16, 128)))
+    assert not KernelPolicy.resolve("cpu", 1).takes("fused_qkv", jnp.zeros((2, 64, 3, 16, 128)))
 
 
 def test_fused_qkv_refuses_what_it_cannot_run():

@@ -42,23 +42,20 @@ def test_gpt_with_fused_xent_matches_xla_loss(monkeypatch):
     """The whole GPT, its chunked LM loss through the kernel, against the GPT without it (as on a CPU): the
     same loss and gradients in fp32, with a padded vocabulary and a partial loss mask."""
     from jax3d.models import GPT
-    from tests.helpers import assert_same_loss_and_grads, gpt_loss_and_grads, random_text, tiny_model
+    from tests.helpers import (assert_same_loss_and_grads, gpt_loss_and_grads, interpreted, only, random_text,
+                               tiny_model)
 
     cfg = tiny_model(vocab_size=384, unpadded_vocab_size=377)
     params = GPT(cfg).init(jax.random.key(0))
     text = random_text(4, cfg.seq_length, 377)
     mask = jnp.ones((4, cfg.seq_length)).at[1, 3:].set(0.0)
 
-    def loss_and_grads(cfg):
-        return gpt_loss_and_grads(cfg, params, {"text": text, "loss_mask": mask})
+    def loss_and_grads(cfg, kernels=None):
+        return gpt_loss_and_grads(cfg, params, {"text": text, "loss_mask": mask}, kernels)
 
     ref_loss, ref_grads = loss_and_grads(cfg)
-    monkeypatch.setattr(fused_xent, "supported", lambda rows, rules, tuning: True)
-    calls = []
-    real = fused_xent.token_nll
-    monkeypatch.setattr(fused_xent, "token_nll",  # the kernel in Pallas' interpreter, counted
-                        lambda *a: calls.append(1) or real(*a, True))
-    loss, grads = loss_and_grads(cfg)
+    calls = interpreted(monkeypatch, "fused_xent", fits=True)  # the kernel in Pallas' interpreter, counted
+    loss, grads = loss_and_grads(cfg, only("fused_xent", fused_xent.DEFAULT))
     assert calls, "the loss did not go through the kernel"
     assert_same_loss_and_grads((loss, grads), (ref_loss, ref_grads))
 

@@ -17,7 +17,7 @@ from jax3d.hf import import_hf  # noqa: E402
 from jax3d.inference import Generator, Sampling, greedy_without_cache  # noqa: E402
 from jax3d.inference.generate import PAD  # noqa: E402
 from jax3d.parallel.mesh import MeshConfig  # noqa: E402
-from tests.helpers import interpreted  # noqa: E402
+from tests.helpers import interpreted, only  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.config import config_from_dict  # noqa: E402
 from benchmarks.profile_decode import loop_body_kernels  # noqa: E402
@@ -57,19 +57,17 @@ def test_the_decode_kernel_gives_transformers_tokens_for_a_ragged_batch(imported
     the 64 slots in blocks of 16 from each row's first token, whole or (the default at 4 rows of 6 heads,
     decode_attention.Tuning.parts_for) in 8 parts: transformers' greedy tokens, as from XLA's attention with the
     kernel off."""
-    from jax3d.kernels import DECODE_KERNELS, decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention
 
     hf, params, cfg = imported
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    calls = interpreted(monkeypatch, decode_attention, "decode_attention")
+    calls = interpreted(monkeypatch, "decode_attention")
     want = _hf_greedy(hf, PROMPTS)
     for tuning in (decode_attention.Tuning(block=16, parts=1), decode_attention.Tuning(block=16)):
-        with pallas_gpu.kernel_settings(tuning):
-            assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
+        kernels = only("decode_attention", tuning)
+        assert _gen(cfg, params, batch=len(PROMPTS), kernels=kernels).generate(PROMPTS, NEW) == want
     assert calls, "the kernel did not run"
     calls.clear()
-    with pallas_gpu.kernel_settings(off=DECODE_KERNELS):
-        assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want
+    assert _gen(cfg, params, batch=len(PROMPTS)).generate(PROMPTS, NEW) == want  # this CPU's policy: no kernel
     assert not calls
 
 
@@ -78,7 +76,7 @@ def test_the_decode_kernel_reads_a_grouped_projection_as_it_lies(monkeypatch):
     QKV projection itself, 2 query heads per KV head), rows whole and in 2 parts: the tokens of the forward pass
     without a cache."""
     from jax3d.config import ModelConfig
-    from jax3d.kernels import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention
 
     # weights large enough that attention, not the residual stream, picks the tokens
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -87,11 +85,10 @@ def test_the_decode_kernel_reads_a_grouped_projection_as_it_lies(monkeypatch):
     model = build_model(cfg)
     params = model.init(jax.random.key(3))
     want = [greedy_without_cache(model, params, p, 12, cfg.vocab_size) for p in PROMPTS]
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    calls = interpreted(monkeypatch, decode_attention, "decode_attention")
+    calls = interpreted(monkeypatch, "decode_attention")
     for parts in (1, 2):
-        with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, parts=parts)):
-            assert _gen(cfg, params, batch=4).generate(PROMPTS, 12) == want
+        kernels = only("decode_attention", decode_attention.Tuning(block=16, parts=parts))
+        assert _gen(cfg, params, batch=4, kernels=kernels).generate(PROMPTS, 12) == want
     assert calls, "the kernel did not run"
 
 
@@ -101,16 +98,15 @@ def test_an_fp8_cache_gives_one_set_of_tokens_from_the_kernel_xla_and_two_device
     array through f16, a copy; compiled for an H100 by benchmarks/gpu_compile.py, decode copies none.) Against
     transformers' fp32 tokens it is an approximation: greedy picks part at near-ties (this tiny random model's
     logits are nearly flat), so only most of the tokens are asserted equal."""
-    from jax3d.kernels import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention
 
     hf, params, cfg = imported
     fp8 = jax.numpy.float8_e4m3fn
     xla = _gen(cfg, params, batch=4, cache_dtype=fp8).generate(PROMPTS, NEW)
     assert _gen(cfg, params, batch=4, tp=2, cache_dtype=fp8).generate(PROMPTS, NEW) == xla
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    calls = interpreted(monkeypatch, decode_attention, "decode_attention")
-    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16)):
-        assert _gen(cfg, params, batch=4, cache_dtype=fp8).generate(PROMPTS, NEW) == xla
+    calls = interpreted(monkeypatch, "decode_attention")
+    kernels = only("decode_attention", decode_attention.Tuning(block=16))
+    assert _gen(cfg, params, batch=4, cache_dtype=fp8, kernels=kernels).generate(PROMPTS, NEW) == xla
     assert calls, "the kernel did not run"
     want = _hf_greedy(hf, PROMPTS)
     same = np.mean([x == y for got, row in zip(xla, want) for x, y in zip(got, row)])
@@ -126,14 +122,14 @@ def test_an_fp8_cache_is_refused_on_a_gpu_without_fp8(imported, monkeypatch):
     take the cache."""
     from types import SimpleNamespace
 
-    from jax3d.inference import generate
-    from jax3d.parallel.plan import without_fp8
+    from jax3d.parallel import precision
+    from jax3d.parallel.precision import without_fp8
 
     a100 = SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")
     h100 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100")
     assert (without_fp8([a100]), without_fp8([h100]), without_fp8(jax.devices()[:1])) == ("8.0", "", "")
     _, params, cfg = imported
-    monkeypatch.setattr(generate, "without_fp8", lambda devices: without_fp8([a100]))
+    monkeypatch.setattr(precision, "without_fp8", lambda devices: without_fp8([a100]))
     with pytest.raises(ConfigError, match=r"^jax3d's fp8 KV cache \(--kv-cache-dtype fp8\) is built for GPUs with "
                                           r"FP8 \(compute capability 8.9 or later: Ada, Hopper\) and this cpu has "
                                           r"8.0; drop --kv-cache-dtype fp8$"):

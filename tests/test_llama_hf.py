@@ -20,7 +20,7 @@ from jax3d.inference import Generator  # noqa: E402
 from jax3d.models import build_model  # noqa: E402
 from jax3d.parallel.mesh import MeshConfig  # noqa: E402
 from tests.hf_fixtures import causal_lm_gap, tiny_llama  # noqa: E402
-from tests.helpers import interpreted  # noqa: E402
+from tests.helpers import interpreted, only  # noqa: E402
 
 TOL = 1e-4
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -136,13 +136,13 @@ def test_the_decode_kernel_gives_transformers_tokens_for_grouped_queries(gqa, mo
     queries and keys packed into the projection's layout again, 4 query heads per KV head, the kernel writing
     each KV head's key and value from one of its programs, each row's slots walked whole or in 4 parts; a
     ragged batch gives transformers' greedy tokens."""
-    from jax3d.kernels import decode_attention, pallas_gpu
+    from jax3d.kernels import decode_attention
 
     hf, params, cfg = gqa
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    calls = interpreted(monkeypatch, decode_attention, "decode_attention")
-    with pallas_gpu.kernel_settings(decode_attention.Tuning(block=16, parts=parts)):
-        assert _gen(cfg, params, batch=4).generate(PROMPTS, NEW) == _hf_greedy(hf, PROMPTS)
+    calls = interpreted(monkeypatch, "decode_attention")
+    kernels = only("decode_attention", decode_attention.Tuning(block=16, parts=parts))
+    gen = Generator(cfg, params, MeshConfig(1, 1, 1).build(jax.devices()[:1]), batch=4, max_len=64, kernels=kernels)
+    assert gen.generate(PROMPTS, NEW) == _hf_greedy(hf, PROMPTS)
     assert calls, "the kernel did not run"
 
 

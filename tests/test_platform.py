@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax3d.models.layers import attention_impl
+from jax3d.kernels.policy import KernelPolicy
 from jax3d.parallel.rules import traced_platform
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, tiny_config
@@ -53,9 +53,9 @@ def test_cpu_mesh_on_a_gpu_machine_takes_the_cpu_paths():
     cfg, mesh_cfg, _ = tiny_config(micro=2, global_batch=2)
     cfg = cfg.replace(precision={"dtype": "bfloat16"})
     mesh = mesh_cfg.build(jax.devices("cpu")[:1])
-    with jax.set_mesh(mesh):
-        assert attention_impl(cfg.model, jnp.bfloat16) == "xla"
-    steps = build_steps(Plan(cfg, mesh_cfg), mesh)
+    kernels = KernelPolicy.resolve(mesh.devices.flat[0].platform, mesh.size)
+    assert kernels == KernelPolicy.none("cpu")  # XLA's
+    steps = build_steps(Plan(cfg, mesh_cfg, kernels=kernels), mesh)
     state = steps.init_state(0)
     batch = {"text": np.asarray(random_text(2, cfg.model.seq_length, cfg.model.vocab_size))[None]}
     hlo = steps.train_step.lower(state, batch).compile().as_text()

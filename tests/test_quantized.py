@@ -122,7 +122,7 @@ def test_weights_stored_as_rows_at_batch_1_give_the_gemms_tokens(model, monkeypa
     plain = _gen(cfg, params, batch=1)
     assert not isinstance(plain.params["blocks"][0]["attn"]["qkv_kernel"], quantized.Quantized)
     want = [plain.generate([p], 12)[0] for p in PROMPTS[:2]]
-    monkeypatch.setattr(generate, "as_rows", lambda batch, devices: batch == 1)
+    monkeypatch.setattr(generate, "as_rows", lambda batch, kernels: batch == 1)
     for tp in (1, 2):
         rows = _gen(cfg, params, tp=tp, batch=1)
         assert [rows.generate([p], 12)[0] for p in PROMPTS[:2]] == want
@@ -135,13 +135,13 @@ def test_weights_stored_as_rows_at_batch_1_give_the_gemms_tokens(model, monkeypa
 
 
 def test_weights_are_stored_as_rows_at_batch_1_on_a_gpu_only():
-    from types import SimpleNamespace
-
     from jax3d.inference.generate import as_rows
+    from jax3d.kernels.policy import KernelPolicy
 
-    gpu, cpu = SimpleNamespace(platform="gpu"), SimpleNamespace(platform="cpu")
-    assert as_rows(1, [gpu]) and not as_rows(2, [gpu]) and not as_rows(1, [cpu])
-    assert not as_rows(1, jax.devices())  # this CPU's Generator keeps the weights as they are
+    gpu, cpu = KernelPolicy.resolve("gpu", 1), KernelPolicy.resolve("cpu", 1)
+    assert as_rows(1, gpu) and not as_rows(2, gpu) and not as_rows(1, cpu)
+    assert not _gen(_tiny("gpt"), build_model(_tiny("gpt")).init(jax.random.key(0)), batch=1).kernels.uses(
+        "row_gemv")  # this CPU's Generator keeps the weights as they are
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -1,5 +1,5 @@
 """jax3d.kernels.row_gemv (one row times a weight stored as rows, with the norm before and the epilogue after, in
-one kernel) against its unfused reference, and jax3d.models.decode_rows (a block's decode step at batch 1 in
+one kernel) against its unfused reference, and jax3d.inference.decode_rows (a block's decode step at batch 1 in
 those kernels) against the Generator's tokens without them."""
 import dataclasses
 import re
@@ -11,11 +11,21 @@ import numpy as np
 import pytest
 
 from jax3d.config import ModelConfig
-from jax3d.inference import generate
+from jax3d import kernels as registry
+from jax3d.inference import decode_rows, generate
+from jax3d.inference.cached_attention import decode_spec
 from jax3d.inference.generate import Generator
-from jax3d.kernels import decode_attention, pallas_gpu, row_gemv
-from jax3d.models import build_model, decode_rows, get_preset, layers, quantized
-from jax3d.parallel import MeshConfig, ShardingRules
+from jax3d.kernels import KERNELS, decode_attention, row_gemv
+from jax3d.kernels.policy import KernelPolicy
+from jax3d.models import build_model, get_preset, layers, quantized
+from jax3d.parallel import MeshConfig
+
+
+def on_one_gpu(**kw) -> KernelPolicy:
+    """One GPU's decode kernels, traced on this CPU (the train step's kernels left out: the Generator's prefill
+    would run them)."""
+    policy = KernelPolicy.resolve("gpu", 1, off=KERNELS + tuple(kw.pop("off", ())), **kw)
+    return dataclasses.replace(policy, platform="cpu", attention="xla")
 
 VARIANTS = {  # weight shape, contracted dims, activation
     "qkv": ((128, 3, 2, 32), (0,), None),
@@ -148,26 +158,23 @@ def test_decode_at_batch_1_in_the_fused_kernels_gives_the_blocks_tokens(model, w
     mesh = MeshConfig(1, 1, 1).build(jax.devices()[:1])
     kw = dict(batch=1, max_len=64, weight_dtype=quantized.E4M3 if weights == "fp8" else None)
     prompts = [[5, 17, 300, 41, 9, 77, 2], [11]]
-    monkeypatch.setattr(generate, "as_rows", lambda batch, devices: batch == 1)
+    monkeypatch.setattr(generate, "as_rows", lambda batch, kernels: batch == 1)
     want = [Generator(cfg, params, mesh, **kw).generate([p], 12)[0] for p in prompts]
 
     calls = []
-    kernel = row_gemv.row_gemv
+    kernel = registry.kernel("row_gemv")
 
     def interpreted(*args, **kwargs):
         calls.append(kwargs.get("activation"))
-        return kernel(*args, **{**kwargs, "interpret": True})
+        return kernel.run(*args, **{**kwargs, "interpret": True})
 
-    monkeypatch.setattr(row_gemv, "row_gemv", interpreted)
-    attention = decode_attention.decode_attention
-    monkeypatch.setattr(decode_attention, "decode_attention",
-                        lambda *a, **kw: attention(*a, **{**kw, "interpret": True}))
-    monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    plain = Generator(cfg, params, mesh, **kw)
-    with pallas_gpu.kernel_settings(off=["row_gemv"]):  # read when decode is traced, in the first generate
-        assert [plain.generate([p], 12)[0] for p in prompts] == want and not calls
-    fused = Generator(cfg, params, mesh, **kw)  # on by default
+    monkeypatch.setitem(registry._REGISTRY, "row_gemv", dataclasses.replace(kernel, run=interpreted))
+    attention = registry.kernel("decode_attention")
+    monkeypatch.setitem(registry._REGISTRY, "decode_attention", dataclasses.replace(
+        attention, run=lambda *a, **kw: attention.run(*a, **{**kw, "interpret": True})))
+    plain = Generator(cfg, params, mesh, kernels=on_one_gpu(off=["row_gemv"]), **kw)
+    assert [plain.generate([p], 12)[0] for p in prompts] == want and not calls
+    fused = Generator(cfg, params, mesh, kernels=on_one_gpu(), **kw)  # on by default
     assert [fused.generate([p], 12)[0] for p in prompts] == want
     # traced once (prefill pads its prompts to a bucket, so never one token): four kernels a layer, then the head
     act = "swiglu" if model == "llama" else "gelu_tanh"
@@ -177,8 +184,8 @@ def test_decode_at_batch_1_in_the_fused_kernels_gives_the_blocks_tokens(model, w
 def _random_layer(cfg, dtype, weights, key):
     """One block's parameters drawn at random (biases and norms too, not their zeros and ones), the GEMM weights
     stored as rows or in fp8 as generation keeps them."""
-    block = layers.Block(cfg)
-    params = nn.unbox(block.init(jax.random.key(0), jnp.zeros((1, 1, cfg.hidden_size), dtype))["params"])
+    block = layers.Block(cfg, spec=decode_spec(cfg, KernelPolicy.none()))  # generation's, with a cache
+    params = nn.unbox(layers.Block(cfg).init(jax.random.key(0), jnp.zeros((1, 1, cfg.hidden_size), dtype))["params"])
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(key, len(leaves))
     params = jax.tree.unflatten(tree, [(a + 0.2 * jax.random.normal(k, a.shape)).astype(dtype)
@@ -224,30 +231,26 @@ def test_a_blocks_step_and_the_head_are_layers_own_with_every_parameter_drawn(mo
                                quantized.E4M3 if weights == "fp8" else None)
     ends = {**ends, **({"head": {"output": table}} if "head" in ends else {"embed": {**ends["embed"], "word": table}})}
     close(decode_rows.head(cfg, ends["final_norm"], table, x, interpret=True), model_.final_logits(ends, x))
-    monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
-    assert decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))  # on by default
-    with pallas_gpu.kernel_settings(off=["row_gemv"]):
-        assert not decode_rows.head_applies(cfg, table, x, ShardingRules.create(False))
+    assert decode_rows.head_applies(cfg, table, x, on_one_gpu())  # on by default
+    assert not decode_rows.head_applies(cfg, table, x, on_one_gpu(off=["row_gemv"]))
+    assert not decode_rows.head_applies(cfg, table, x, KernelPolicy.resolve("cpu", 1))
 
 
 def test_what_the_fused_step_does_not_take_runs_the_block(monkeypatch):
-    """decode_rows.applies refuses a post-LN block, GELU's erf form, training's FP8, more than one row, weights not
+    """decode_rows.applies refuses a post-LN block, GELU's erf form, more than one row, weights not
     stored as rows, anything off one GPU (tensor parallelism: the kernels are not partitioned), and everything
     with the row_gemv kernel turned off (it is on by default)."""
     cfg = dataclasses.replace(_tiny("gpt"), num_layers=1)
     _, params = _random_layer(cfg, jnp.float32, "rows", jax.random.key(5))
     x = jnp.zeros((1, 1, cfg.hidden_size))
     cache = {"k": jnp.zeros((1, cfg.kv_heads, 64, cfg.head_dim)), "start": jnp.zeros((1,), jnp.int32)}
-    rules = ShardingRules.create(False)
+    rules = on_one_gpu()
 
-    assert not decode_rows.applies(cfg, params, x, cache, rules)  # this CPU is not one GPU
-    monkeypatch.setattr(row_gemv, "on_one_gpu", lambda rules: True)
-    monkeypatch.setattr(decode_attention, "on_one_gpu", lambda rules: True)
+    assert not decode_rows.applies(cfg, params, x, cache, KernelPolicy.resolve("cpu", 1))  # not one GPU's policy
+    assert not decode_rows.applies(cfg, params, x, cache, KernelPolicy.resolve("gpu", 2))  # tensor parallel
     assert decode_rows.applies(cfg, params, x, cache, rules)  # on by default
-    with pallas_gpu.kernel_settings(off=["row_gemv"]):
-        assert not decode_rows.applies(cfg, params, x, cache, rules)
-    for change in (dict(post_layernorm=True), dict(activation="gelu_erf"), dict(fp8="hybrid")):
+    assert not decode_rows.applies(cfg, params, x, cache, on_one_gpu(off=["row_gemv"]))
+    for change in (dict(post_layernorm=True), dict(activation="gelu_erf")):
         assert not decode_rows.applies(dataclasses.replace(cfg, **change), params, x, cache, rules), change
     assert not decode_rows.applies(cfg, params, jnp.zeros((2, 1, cfg.hidden_size)), cache, rules)
     plain = {**params, "mlp": {k: quantized.dequantize(v) if isinstance(v, quantized.Quantized) else v
@@ -268,12 +271,10 @@ def test_the_benchmarks_tune_and_off_flags_set_the_kernel_and_name_a_bad_setting
     add_decode_kernel_flags(p)
     tuned, off = decode_kernel_flags(p, p.parse_args(["--tune", "row_gemv:rows=16"]))
     assert tuned == [row_gemv.Tuning(rows=16)] and not off
-    assert pallas_gpu.tuning(row_gemv) == row_gemv.DEFAULT != tuned[0]
-    with pallas_gpu.kernel_settings(*tuned):
-        assert pallas_gpu.tuning(row_gemv) == row_gemv.Tuning(rows=16)
+    assert KernelPolicy.resolve("gpu", 1).tuning("row_gemv") == row_gemv.DEFAULT != tuned[0]
+    assert KernelPolicy.resolve("gpu", 1, tunings=tuned).tuning("row_gemv") == row_gemv.Tuning(rows=16)
     tuned, off = decode_kernel_flags(p, p.parse_args(["--off", "row_gemv"]))
-    with pallas_gpu.kernel_settings(*tuned, off=off):
-        assert pallas_gpu.tuning(row_gemv) is None
+    assert KernelPolicy.resolve("gpu", 1, tunings=tuned, off=off).tuning("row_gemv") is None
     with pytest.raises(SystemExit) as e:
         generate_speed.main(["--off", "row_gemm"])
     assert e.value.code == 2

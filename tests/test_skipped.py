@@ -8,6 +8,7 @@ import pytest
 from jax3d.checkpoint.read import check_files, list_steps
 from jax3d.cli.train import main
 from jax3d.config import PrecisionConfig
+from jax3d.parallel.precision import LossScaling
 from jax3d.train.skipped import SkippedStepsStop, SkipWatch, overflows_to_floor
 from jax3d.train.state import initial_loss_scale, update_loss_scale
 
@@ -21,13 +22,14 @@ BASE = ["--preset", "gpt-tiny", "--seed", "1", "--seq-length", "32", "--hidden-d
 def test_overflows_to_floor_follow_the_loss_scale_rule(kw):
     """Counted against the step's own rule (update_loss_scale): overflows in a row until the scale is at its floor."""
     p = PrecisionConfig(dtype="float16", **kw)
-    ls, n = initial_loss_scale(p), 0
+    scaling = LossScaling.of(p)
+    ls, n = initial_loss_scale(scaling), 0
     while float(ls.scale) > p.min_loss_scale:
-        ls, n = update_loss_scale(ls, jnp.bool_(False), p), n + 1
-    assert overflows_to_floor(p) == n
+        ls, n = update_loss_scale(ls, jnp.bool_(False), scaling), n + 1
+    assert overflows_to_floor(scaling) == n
     if not kw:  # Megatron's defaults: 2^32 and hysteresis 2 take 17 to reach 2^16 and 33 to reach 1
         assert n == 33
-    assert overflows_to_floor(PrecisionConfig(dtype="bfloat16")) == 0
+    assert overflows_to_floor(LossScaling.of(PrecisionConfig(dtype="bfloat16"))) == 0
 
 
 def _metrics(total, scale=1.0):
@@ -36,7 +38,7 @@ def _metrics(total, scale=1.0):
 
 def test_the_watch_tells_each_run_of_skipped_steps_once_read_and_stops_at_the_limit():
     lines = []
-    watch = SkipWatch(PrecisionConfig(), 4, skipped_before=5, say=lines.append)
+    watch = SkipWatch(LossScaling.of(PrecisionConfig()), 4, skipped_before=5, say=lines.append)
     totals = {1: 5, 2: 6, 3: 7, 4: 8, 5: 8, 6: 9, 7: 9, 8: 10, 9: 11, 10: 12, 11: 13}  # running totals
     for step in range(1, 12):
         watch.add(step, _metrics(totals[step]))

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from benchmarks import harness, profile_step
-from jax3d.kernels import KERNELS, fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
+from jax3d.kernels import KERNELS, fused_gelu, fused_norm, fused_qkv, fused_xent
 
 
 def test_parsed_settings_equal_the_tuning_built_directly():
@@ -19,22 +19,20 @@ def test_parsed_settings_equal_the_tuning_built_directly():
 
 
 def test_a_runs_settings_reach_the_kernels_it_traces():
-    """Inside a run's kernel settings the kernels it names run with its Tuning, those it leaves out not at all,
-    and the rest at their defaults; outside them, all at their defaults again. The model's config carries
-    none of it."""
+    """A run's kernel policy on one GPU runs the kernels it names with its Tuning, those it leaves out not at all,
+    and the rest at their defaults; elsewhere, none. The model's config carries none of it."""
     run = harness.Run("tiny", ablate=("fused_qkv",), tunings=(("fused_xent", "block=2048"),))
     assert harness.config_for(run) == harness.config_for(harness.Run("tiny"))
-    with harness.kernel_settings(run):
-        assert pallas_gpu.tuning(fused_xent) == fused_xent.Tuning(block=2048)
-        assert pallas_gpu.tuning(fused_qkv) is None and not fused_qkv.supported(None, None, None)
-        assert pallas_gpu.tuning(fused_gelu) is fused_gelu.DEFAULT and pallas_gpu.tuning(fused_norm) is fused_norm.DEFAULT
-        with pallas_gpu.kernel_settings(off=("fused_gelu",)):  # nested: adds to the outer settings
-            assert pallas_gpu.tuning(fused_gelu) is None
-            assert pallas_gpu.tuning(fused_xent) == fused_xent.Tuning(block=2048)
-        assert pallas_gpu.tuning(fused_gelu) is fused_gelu.DEFAULT
-    assert all(pallas_gpu.tuning(k) is k.DEFAULT for k in (fused_gelu, fused_norm, fused_qkv, fused_xent))
+    policy = harness.kernel_policy(run, "gpu", 1)
+    assert policy.tuning("fused_xent") == fused_xent.Tuning(block=2048)
+    assert policy.tuning("fused_qkv") is None and not policy.takes("fused_qkv", None)
+    assert policy.tuning("fused_gelu") is fused_gelu.DEFAULT and policy.tuning("fused_norm") is fused_norm.DEFAULT
+    default = harness.kernel_policy(harness.Run("tiny"), "gpu", 1)
+    assert all(default.tuning(k.__name__.rsplit(".", 1)[-1]) is k.DEFAULT
+               for k in (fused_gelu, fused_norm, fused_qkv, fused_xent))
+    assert harness.kernel_policy(run, "cpu", 1).tunings == ()
     with pytest.raises(ValueError, match="no kernel fused_nope"):
-        harness.kernel_settings(harness.Run("tiny", ablate=("fused_nope",))).__enter__()
+        harness.kernel_policy(harness.Run("tiny", ablate=("fused_nope",)), "gpu", 1)
 
 
 def test_a_run_survives_the_trip_to_its_process():

@@ -383,7 +383,7 @@ def restore_state(directory: str, step: int, steps, fresh=frozenset(), checked: 
         fresh |= {"step", "opt_state", "rng", "loss_scale", "fp8"}
     targets = with_shardings(steps.abstract_logical_state, steps.logical_shardings)
     parts = ("step", "opt_state", "rng", "loss_scale") + (("fp8",) if targets.fp8 is not None else ())
-    if targets.fp8 is not None and not _same_fp8_history(meta["config"].get("precision", {}), steps.cfg.precision):
+    if targets.fp8 is not None and not _same_fp8_history(meta["config"].get("precision", {}), steps.precision.fp8):
         fresh.add("fp8")  # saved without FP8, or with another history length: this run's history starts empty
     train_t = {k: getattr(targets, k) for k in parts if k not in fresh}
     items = {"params": targets.params, **({"train": train_t} if train_t else {})}
@@ -407,10 +407,10 @@ def restore_state(directory: str, step: int, steps, fresh=frozenset(), checked: 
     return steps.state_from_logical(state), meta, fresh
 
 
-def _same_fp8_history(saved_precision: dict, precision) -> bool:
-    """Whether a checkpoint's run kept the FP8 amax history this run keeps (FP8 on, the same length)."""
-    return bool(saved_precision.get("fp8")) and saved_precision.get("fp8_amax_history_len") == \
-        precision.fp8_amax_history_len
+def _same_fp8_history(saved_precision: dict, recipe) -> bool:
+    """Whether a checkpoint's run (its recorded PrecisionConfig) kept the FP8 amax history this run's `recipe`
+    keeps (FP8 on, the same length)."""
+    return bool(saved_precision.get("fp8")) and saved_precision.get("fp8_amax_history_len") == recipe.history
 
 
 def _counting_from(opt_state, count: int):

@@ -105,7 +105,7 @@ def add_model_parallel_flags(p, pipeline: bool = True) -> None:
 
 
 def add_decode_dtype_flags(p) -> None:
-    """Generation's KV cache type (jax3d.models.cached_attention.cache_dtype) and weight type
+    """Generation's KV cache type (jax3d.inference.cached_attention.cache_dtype) and weight type
     (jax3d.models.quantized.weight_dtype), for generate and the decode benchmarks."""
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="the KV cache's type: auto keeps the compute type; fp8 (e4m3, unscaled) halves a bf16 "

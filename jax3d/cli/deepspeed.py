@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from jax3d.config import Config, ConfigError
+from jax3d.parallel.precision import SHORT_NAMES, LossScaling, dtype_of_flags
 
 # DeepSpeed's defaults for what a JSON leaves out (deepspeed/runtime/constants.py, fp16 section).
 _FP16_DEFAULTS = {"loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
@@ -107,7 +108,7 @@ def read_deepspeed_json(path: str) -> DeepSpeedJSON:
     if len(on) > 1:
         raise ConfigError(f"{flag} enables both fp16 and bf16; enable one")
     if on:
-        out["dtype"] = {"fp16": "float16", "bf16": "bfloat16"}[on[0]]
+        out["dtype"] = dtype_of_flags(bf16=on[0] == "bf16", fp16=on[0] == "fp16")
     elif "fp16" in raw or "bf16" in raw or "bfloat16" in raw:
         out["dtype"] = "float32"
     if on == ["fp16"]:
@@ -216,10 +217,10 @@ def apply_deepspeed_json(ds: DeepSpeedJSON, a, cfg: Config) -> tuple[Config, lis
                                     ("--zero-stage", a.zero_stage, "zero_optimization.stage", ds.zero_stage)):
         if given is not None and value is not None and given != value:
             raise ConfigError(f"{flag} {given} and {src}'s {key} {value} disagree; make them the same")
-    asked = "float16" if a.fp16 else "bfloat16" if a.bf16 else None
+    asked = dtype_of_flags(a.bf16, a.fp16) if a.bf16 or a.fp16 else None
     if asked and ds.dtype and asked != ds.dtype:
         raise ConfigError(f"--{'fp16' if a.fp16 else 'bf16'} and {src}, which "
-                          f"{'runs in fp32' if ds.dtype == 'float32' else 'enables ' + _short(ds.dtype)}, disagree; "
+                          f"{'runs in fp32' if ds.dtype == 'float32' else 'enables ' + SHORT_NAMES[ds.dtype]}, disagree; "
                           "make them the same")
     tr, prec, opt = cfg.train, cfg.precision, cfg.optim
     train = {k: v for k, v in (("global_batch_size", ds.train_batch_size), ("micro_batch_size", ds.micro_batch_size))
@@ -245,10 +246,6 @@ def apply_deepspeed_json(ds: DeepSpeedJSON, a, cfg: Config) -> tuple[Config, lis
     return cfg, notes
 
 
-def _short(dtype: str) -> str:
-    return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
-
-
 def _shown(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -260,17 +257,17 @@ def _power_of_two(v: float) -> str:
 
 def _summary(cfg: Config, ds: DeepSpeedJSON) -> str:
     """What the JSON decides, in words: batch sizes, ZeRO, precision and loss scaling, clipping, Adam."""
-    p = cfg.precision
+    p, scaling = cfg.precision, LossScaling.of(cfg.precision)
     parts = [f"{name} {v}" for name, v in (("global batch", ds.train_batch_size), ("micro-batch", ds.micro_batch_size),
                                            ("accumulation steps", ds.gradient_accumulation_steps)) if v is not None]
     parts.append(f"ZeRO-{cfg.parallel.zero_stage}")
-    if p.dtype == "float16":
-        scale = f"static loss scale {_shown(p.loss_scale)}" if p.loss_scale else (
-            f"dynamic loss scale from {_power_of_two(p.initial_loss_scale)}, window "
-            f"{p.loss_scale_window}, hysteresis {p.hysteresis}, min {_shown(p.min_loss_scale)}")
-        parts.append(f"fp16 ({scale})")
+    if scaling.mode == "none":
+        parts.append(SHORT_NAMES[p.dtype])
     else:
-        parts.append(_short(p.dtype))
+        scale = f"static loss scale {_shown(scaling.initial)}" if scaling.mode == "static" else (
+            f"dynamic loss scale from {_power_of_two(scaling.initial)}, window "
+            f"{scaling.window}, hysteresis {scaling.hysteresis}, min {_shown(scaling.min_scale)}")
+        parts.append(f"{SHORT_NAMES[p.dtype]} ({scale})")
     parts.append(f"gradient clipping {_shown(cfg.optim.clip_grad)}" if cfg.optim.clip_grad else "no gradient clipping")
     if ds.adam:
         parts.append(", ".join(f"{k.replace('_', ' ')} {_shown(v)}" for k, v in ds.adam.items()))

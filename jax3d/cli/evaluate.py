@@ -6,6 +6,7 @@ import json
 from jax3d.cli.common import HelpFormatter, OneLineParser, add_device_flags, add_model_parallel_flags, run_command
 from jax3d.config import ConfigError
 from jax3d.data.indexed import DataError
+from jax3d.parallel.precision import dtype_of_flags
 from jax3d.train.evaluate import SPLITS, evaluate_checkpoint
 
 
@@ -56,7 +57,7 @@ def _main(argv) -> int:
     out = evaluate_checkpoint(a.load, step=a.ckpt_step, data_paths=a.data_path, text_file=a.text_file,
                               split=a.split, which=a.split_name, num_samples=a.num_samples,
                               micro_batch_size=a.micro_batch_size, tp=a.tensor_model_parallel_size,
-                              pp=a.pipeline_model_parallel_size, dtype="bfloat16" if a.bf16 else "float32",
+                              pp=a.pipeline_model_parallel_size, dtype=dtype_of_flags(a.bf16),
                               seed=a.seed, progress=not a.no_progress, quantization=a.quantization)
     print(json.dumps(out))
     return 0

@@ -129,19 +129,18 @@ def _main(argv) -> int:
 
     from jax3d.cli.train import setup_devices
     setup_devices(a)
-    import jax.numpy as jnp
-
+    from jax3d.config import PrecisionConfig
     from jax3d.inference.generate import generator_for, load_gpt_checkpoint
-    from jax3d.models.cached_attention import cache_dtype
-    from jax3d.models.quantized import weight_dtype
     from jax3d.inference.text import Completions
+    from jax3d.parallel.precision import PrecisionPolicy, dtype_of_flags
 
     cfg, params, tok = load_gpt_checkpoint(a.load, a.ckpt_step)
     ids = [tok.tokenize(r["prompt"]) for r in reqs]
-    dtype = jnp.bfloat16 if a.bf16 else jnp.float32
-    gen = generator_for(cfg, params, tok, ids, a.max_new_tokens, tp=a.tensor_model_parallel_size, dtype=dtype,
-                        checkpoint=a.load, batch=a.batch_size, cache_dtype=cache_dtype(a.kv_cache_dtype, dtype),
-                        weight_dtype=weight_dtype(a.quantization))
+    precision = PrecisionPolicy.of(PrecisionConfig(dtype=dtype_of_flags(a.bf16)), kv_cache_dtype=a.kv_cache_dtype,
+                                   quantization=a.quantization)
+    gen = generator_for(cfg, params, tok, ids, a.max_new_tokens, tp=a.tensor_model_parallel_size,
+                        dtype=precision.compute_dtype, checkpoint=a.load, batch=a.batch_size,
+                        cache_dtype=precision.cache_dtype, weight_dtype=precision.weight_dtype)
     eod = None if a.ignore_eod else gen.eod
     streaming = len(reqs) == 1 and not a.output_jsonl
     out = open(a.output_jsonl, "w", encoding="utf-8") if a.output_jsonl else None  # noqa: SIM115 (closed below)

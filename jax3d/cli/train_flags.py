@@ -12,8 +12,10 @@ from jax3d.cli.megatron import (add_megatron_flags, apply_aliases, implied_given
 from jax3d.config import (Config, ConfigError, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                           TrainConfig, default_ffn_hidden_size)
 from jax3d.data.tokenizers import TOKENIZER_TYPES
+from jax3d.models.families import FAMILIES, flags as family_flags, model_types
 from jax3d.models.presets import get_preset, preset_names
 from jax3d.parallel.plan import AUTO_LAYOUTS, SCAN_LAYERS_FROM
+from jax3d.parallel.precision import LossScaling, dtype_of_flags
 from jax3d.pipeline.schedules import SCHEDULES
 
 
@@ -22,10 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Train a GPT (Llama included) or BERT model with tensor, pipeline and ZeRO data parallelism. Flags follow "
         "Megatron-DeepSpeed; shape flags override the --preset."), formatter_class=HelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=["gpt", "bert"], default=None,
+    g.add_argument("--model", choices=model_types(), default=None,
                    help="model family (default: the preset's, gpt without one)")
     g.add_argument("--preset", default=None, metavar="NAME",
-                   help=f"named shape, one of: {', '.join(preset_names())} (default: gpt-tiny, or bert-tiny with --model bert)")
+                   help=f"named shape, one of: {', '.join(preset_names())} (default: {_default_presets()})")
     for flag, what in (("--num-layers", "transformer blocks"), ("--hidden-size", "model width d"),
                        ("--num-attention-heads", "attention heads"),
                        ("--ffn-hidden-size", "MLP width (default: the preset's; with --hidden-size or --swiglu "
@@ -53,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: on from {SCAN_LAYERS_FROM} layers on CPU devices, off on GPUs where it runs slower)")
     g.add_argument("--attention-impl", choices=["auto", "xla", "cudnn"], default="auto",
                    help="attention kernel; auto is cuDNN flash attention on GPUs in bf16/fp16, else XLA")
-    _add_llama_flags(p.add_argument_group("architecture variants (Megatron-DeepSpeed's LLaMA flags; each "
-                                          "defaults to the preset's, GPT-2's for gpt-* and bert-*)"))
+    _add_family_flags(p)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None,
@@ -166,32 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_llama_flags(g) -> None:
-    """Megatron-DeepSpeed's flags that make a GPT a Llama; their dests are ModelConfig's field names."""
-    g.add_argument("--normalization", type=str.lower, choices=["layernorm", "rmsnorm"], default=None,
-                   help="layernorm, or rmsnorm (a scale, no centring or bias) (default: the preset's)")
-    g.add_argument("--swiglu", action="store_const", const=True, default=None,
-                   help="gated SiLU MLP instead of GELU (default: the preset's, off for GPT)")
-    g.add_argument("--num-key-value-heads", type=int, default=None,
-                   help="key/value heads of grouped-query attention, dividing --num-attention-heads; 1 is multi-query "
-                        "(default: --num-attention-heads when that is given, else the preset's)")
-    g.add_argument("--use-rotary-position-embeddings", action="store_const", const=True, default=None,
-                   help="rotary position embeddings, which replace learned ones (default: the preset's, off for GPT)")
-    g.add_argument("--rotary-position-embeddings-theta", type=float, default=None, dest="rope_theta",
-                   help="rotary base theta (default: the preset's, 10000 for GPT)")
-    g.add_argument("--rotary-percent", type=float, default=None,
-                   help="share of each head's dims that rotate (default: the preset's, 1.0)")
-    g.add_argument("--no-position-embedding", action="store_const", const=False, default=None,
-                   dest="add_position_embedding", help="no learned position embeddings (default: the preset's, "
-                   "learned ones for GPT and BERT)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_const", const=True, default=None,
-                   help="an output layer of its own instead of the word embedding (default: the preset's, tied for GPT)")
-    g.add_argument("--disable-bias-linear", action="store_const", const=False, default=None, dest="add_bias_linear",
-                   help="no biases in the attention and MLP linears (default: the preset's, biases for GPT and BERT)")
+def _default_presets() -> str:
+    """"gpt-tiny, or bert-tiny with --model bert": each model type's default preset."""
+    first, *others = model_types()
+    return ", or ".join([FAMILIES[first].default_preset, *(f"{FAMILIES[t].default_preset} with --model {t}"
+                                                           for t in others)])
 
 
-LLAMA_FIELDS = ("normalization", "swiglu", "use_rotary_position_embeddings", "rope_theta", "rotary_percent",
-                "add_position_embedding", "untie_embeddings_and_output_weights", "add_bias_linear")
+def _add_family_flags(p) -> None:
+    """Each model family's group of flags (jax3d.models.families; Llama's are Megatron-DeepSpeed's LLaMA flags)."""
+    for family in FAMILIES.values():
+        if family.flags:
+            g = p.add_argument_group(family.flag_group)
+            for flag in family.flags:
+                g.add_argument(*flag.names, **flag.kwargs)
 
 
 def given_flags(argv) -> set[str]:
@@ -215,7 +204,7 @@ def _override(base, **kw):
 def config_from_args(a: argparse.Namespace) -> Config:
     """The Config a parsed command line describes; fields it leaves to `jax3d.parallel.plan.resolve` are None or 0."""
     apply_aliases(a)  # Megatron's other names for flags below, e.g. --encoder-num-layers
-    preset = a.preset or ("bert-tiny" if a.model == "bert" else "gpt-tiny")
+    preset = a.preset or FAMILIES[a.model or "gpt"].default_preset
     model, batch = get_preset(preset)
     if a.model and a.model != model.model_type:
         raise ConfigError(f"--model {a.model} does not match --preset {preset}; pick a {a.model}-* preset")
@@ -239,7 +228,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                       # Megatron's default: as many KV heads as heads (0)
                       num_key_value_heads=0 if a.num_key_value_heads is None and a.num_attention_heads else
                       a.num_key_value_heads,
-                      **{k: getattr(a, k) for k in LLAMA_FIELDS})
+                      **{f.dest: getattr(a, f.dest) for f in family_flags() if f.field})
     reshaped = a.hidden_size is not None or a.swiglu is not None  # the preset's MLP width no longer applies
     model = dataclasses.replace(model, ffn_hidden_size=a.ffn_hidden_size or (
         default_ffn_hidden_size(model.hidden_size, model.swiglu) if reshaped else model.ffn_hidden_size),
@@ -264,7 +253,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                         lr_decay_iters=a.lr_decay_iters, lr_decay_style=a.lr_decay_style,
                         weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
                         adam_beta2=a.adam_beta2, adam_eps=a.adam_eps)
-    precision = PrecisionConfig(dtype="bfloat16" if a.bf16 else "float16" if a.fp16 else "float32",
+    precision = PrecisionConfig(dtype=dtype_of_flags(a.bf16, a.fp16),
                                 loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
                                 loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
                                 min_loss_scale=a.min_loss_scale)
@@ -283,7 +272,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
     _refuse_bad_values(a, model, optim, train)
     if a.exit_after_skipped_iters:
         from jax3d.train.skipped import check_limit
-        check_limit(a.exit_after_skipped_iters, precision)
+        check_limit(a.exit_after_skipped_iters, LossScaling.of(precision))
     tok_flags = [f for f, v in (("--tokenizer-type", a.tokenizer_type), ("--vocab-file", a.vocab_file),
                                 ("--merge-file", a.merge_file), ("--tokenizer-file", a.tokenizer_file),
                                 ("--tokenizer-model", a.tokenizer_model)) if v]

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 and BERT import and export with matching numerics (see `mapping` for the name table)."""
+"""Hugging Face GPT-2, BERT and Llama import and export with matching numerics (`mapping` runs the name tables of\njax3d.models.families)."""
 from jax3d.hf.convert import export_hf, import_hf, load_hf_params, read_hf_folder, read_safetensors_file
 from jax3d.hf.mapping import hf_config_from_model, model_config_from_hf, to_hf
 

@@ -26,9 +26,13 @@ from jax.sharding import PartitionSpec as P
 
 from jax3d.config import ConfigError, ModelConfig
 from jax3d.parallel.mesh import DATA, MODEL, with_auto_axes
-from jax3d.parallel.plan import generation_plan, without_fp8
-from jax3d.models import build_model, decode_rows, quantized
-from jax3d.models.cached_attention import CACHE_AXES, visible
+from jax3d.parallel.plan import generation_plan
+from jax3d.parallel.precision import generation_device_error
+from jax3d.inference import decode_rows
+from jax3d.inference.cached_attention import CACHE_AXES, decode_spec, visible
+from jax3d.kernels.policy import KernelPolicy
+from jax3d.models import build_model, quantized
+from jax3d.models.layers import Block
 from jax3d.parallel import named_shardings, tree_specs
 from jax3d.xla_options import unless_in_xla_flags
 
@@ -93,9 +97,8 @@ def _top_p(sorted_logits, top_p: float):
 PAD = -1  # a finished row's token in a chunk
 CHUNK = 32  # tokens per decode call at most: how often the host sees the stream (and stop strings)
 # On a GPU XLA captures sequences of kernels as CUDA graphs (command buffers); with WHILE and CONDITIONAL in the set,
-# the token loop itself is one graph, so a decode step pays no launch per kernel from the host. Measured on one H100
-# (gpt-1.3b, bf16, docs/decode.md): 486 -> 530 tokens/s at batch 1, 11.9k -> 12.4k at batch 32. Other backends
-# ignore the option.
+# the token loop itself is one graph, so a decode step pays no launch per kernel from the host, which decoded faster
+# on one H100 at batch 1 and 32 (docs/decode.md, docs/performance.md "Kernel notes"). Other backends ignore the option.
 DECODE_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 
@@ -125,7 +128,8 @@ class Generator:
     in `dtype` (at batch 1 on a GPU stored column by column: `as_rows`)."""
 
     def __init__(self, cfg: ModelConfig, params, mesh, *, batch: int, max_len: int, dtype=jnp.float32,
-                 eod: int | None = None, chunk: int = CHUNK, cache_dtype=None, weight_dtype=None, rules=None):
+                 eod: int | None = None, chunk: int = CHUNK, cache_dtype=None, weight_dtype=None, rules=None,
+                 kernels: KernelPolicy | None = None):
         if cfg.model_type != "gpt":
             raise ConfigError(f"generation needs a GPT checkpoint, but this one is a {cfg.model_type}; "
                               "pass a checkpoint trained with --model gpt")
@@ -149,18 +153,16 @@ class Generator:
         if self.weight_dtype not in (None, jnp.dtype(quantized.E4M3)):
             raise ConfigError(f"weights can be kept in fp8 (float8_e4m3fn) for generation, not {self.weight_dtype}")
         devices = list(mesh.devices.flat)
-        fp8 = {what: flag for what, flag, on in (
-            ("KV cache", "--kv-cache-dtype fp8", self.cache_dtype.itemsize == 1),
-            ("weights", "--quantization fp8", self.weight_dtype is not None)) if on}
-        old_gpu = without_fp8(devices) if fp8 else ""
-        if old_gpu:  # the decode kernel's fp8 conversions are Triton's, which wants FP8 hardware; XLA's are untried
-            flags, verb = " and ".join(fp8.values()), "is" if list(fp8) == ["KV cache"] else "are"
-            raise ConfigError(f"jax3d's fp8 {' and '.join(fp8)} ({flags}) {verb} built for GPUs with FP8 (compute "
-                              f"capability 8.9 or later: Ada, Hopper) and this {devices[0].device_kind} has "
-                              f"{old_gpu}; drop {flags}")
+        refused = generation_device_error(self.cache_dtype.itemsize == 1, self.weight_dtype is not None, devices)
+        if refused:
+            raise ConfigError(refused)
         # The plan's table (generator_for passes it); a mesh handed in directly gets the plan of its own size.
         self.rules = rules if rules is not None else generation_plan(cfg, mesh.shape[MODEL]).rules
-        self.model = build_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), self.rules)
+        # The kernels and the attention the mesh's devices run (generator_for passes the plan's; benchmarks their own).
+        self.kernels = kernels if kernels is not None else KernelPolicy.resolve(devices[0].platform, len(devices))
+        model_cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
+        self.model = build_model(model_cfg, self.rules, kernels=self.kernels)
+        self.block = Block(model_cfg, self.rules, decode_spec(model_cfg, self.kernels))  # the blocks with a cache
         self.vocab = cfg.unpadded_vocab_size or cfg.vocab_size
         specs = tree_specs(self.rules, self.model.logical_axes())
         # Blocks are kept as one tree per layer and the layer loop is unrolled in the token loop's body:
@@ -172,7 +174,7 @@ class Generator:
         self.params = _placed(ends, ends_sh, dtype)
         # fp8 weights, or at batch 1 on a GPU the weights themselves stored as rows: either way jax3d's
         # Quantized, whose product of one row is a row reduction (jax3d.models.quantized.dot)
-        stored = self.weight_dtype is not None or as_rows(batch, devices)
+        stored = self.weight_dtype is not None or as_rows(batch, self.kernels)
         if stored:
             self.params = _quantized(self.params, ends_sh, self.weight_dtype)
 
@@ -198,14 +200,14 @@ class Generator:
         new_cache = []
         for p, c in zip(params["blocks"], cache):
             c = {**c, "index": index, "start": start_b}
-            if decode_rows.applies(self.cfg, p, x, c, self.rules):  # batch 1 on a GPU: fused kernels
-                x, c = decode_rows.block(self.cfg, p, x, c, positions_bt)
+            if decode_rows.applies(self.cfg, p, x, c, self.kernels):  # batch 1 on a GPU: fused kernels
+                x, c = decode_rows.block(self.cfg, p, x, c, positions_bt, self.kernels)
             else:
-                x, c = m.block.apply({"params": p}, x, mask, None, True, c, positions_bt)
+                x, c = self.block.apply({"params": p}, x, mask, None, True, c, positions_bt)
             new_cache.append({"k": c["k"], "v": c["v"]})
         table = m.output_table(params)
-        if decode_rows.head_applies(self.cfg, table, x, self.rules):
-            logits = decode_rows.head(self.cfg, params["final_norm"], table, x)[:, 0]
+        if decode_rows.head_applies(self.cfg, table, x, self.kernels):
+            logits = decode_rows.head(self.cfg, params["final_norm"], table, x, self.kernels)[:, 0]
         else:
             logits = m.final_logits(params, x[:, -1:])[:, 0]  # the head of the last token only (prefill)
         if self.vocab < logits.shape[-1]:  # padding columns are never picked
@@ -383,16 +385,16 @@ class Generator:
         return [[int(t) for t in row if t != PAD] for row in out]
 
 
-def as_rows(batch: int, devices) -> bool:
-    """Whether a Generator of `batch` rows on `devices` stores its GEMM weights and vocabulary tables column by
-    column (a Quantized weight without a scale: the same values, the same bytes). Each decode product is then one
-    row's, a row reduction that reads each weight once. An experiment with this layout (bf16 weights quantized
-    with unit scales; one H200, one call, docs/decode.md "On one H200") decoded gpt-1.3b at batch 1 1.15x the
-    tokens/s of XLA's GEMMs and lost 3% at batch 32, so batch 1 only; off the GPU it is untimed, so GPUs only.
-    This code path itself is timed only as the default (docs/decode.md), not against the columns. The blocks'
-    weights are the Generator's own copies either way, stored as each layer is placed; the vocabulary tables,
-    whose contracted dim is already last, are copied once and go through `quantized.dot`'s reduction."""
-    return batch == 1 and devices[0].platform == "gpu"
+def as_rows(batch: int, kernels: KernelPolicy) -> bool:
+    """Whether a Generator of `batch` rows under the kernel policy `kernels` stores its GEMM weights and vocabulary
+    tables column by column (a Quantized weight without a scale: the same values, the same bytes). Each decode
+    product is then one row's, a row reduction that reads each weight once. An experiment with this layout (bf16
+    weights quantized with unit scales; docs/decode.md "On one H200", docs/performance.md "Kernel notes") decoded
+    gpt-1.3b faster than XLA's GEMMs at batch 1 and slower at batch 32, so batch 1 only; off the GPU it is untimed,
+    so GPUs only. This code path itself is timed only as the default (docs/decode.md), not against the columns. The blocks'
+    weights are the Generator's own copies either way, stored as each layer is placed; the vocabulary tables, whose
+    contracted dim is already last, are copied once and go through `quantized.dot`'s reduction."""
+    return batch == 1 and kernels.platform == "gpu"
 
 
 def _concrete(a) -> bool:
@@ -475,7 +477,7 @@ def generator_for(cfg: ModelConfig, params, tokenizer, prompts: list[list[int]],
     size = getattr(tokenizer, "vocab_size", 0)
     if size and not cfg.unpadded_vocab_size and size < cfg.vocab_size:  # a train.py run: the rest is padding
         cfg = dataclasses.replace(cfg, unpadded_vocab_size=size)
-    return Generator(cfg, params, plan.mesh.build(jax.devices()[:tp]), rules=plan.rules,
+    return Generator(cfg, params, plan.mesh.build(jax.devices()[:tp]), rules=plan.rules, kernels=plan.kernels,
                      batch=min(batch or len(prompts), len(prompts)),
                      dtype=dtype, cache_dtype=cache_dtype, weight_dtype=weight_dtype,
                      max_len=min(cfg.max_position_embeddings, longest + max_new_tokens + PROMPT_BUCKET),

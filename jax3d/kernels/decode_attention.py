@@ -1,6 +1,6 @@
 """A decode step's attention over the KV cache as one Pallas (Triton) kernel that reads only the filled slots.
 
-XLA's attention for one query row (jax3d.models.cached_attention) reads every slot of the cache, filled or
+XLA's attention for one query row (jax3d.inference.cached_attention) reads every slot of the cache, filled or
 not, in a few kernels (scores, softmax, context). At batch 32 of 128 + 256 tokens the cache is 2.4 GB of
 bf16 against 2.6 GB of weights, and the filled part averages two thirds of it. Here one program per (row,
 query head) walks the row's slots in blocks from its first token's block to the block of the slot being
@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params, on_one_gpu
-from jax3d.parallel.rules import ShardingRules
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +38,10 @@ class Tuning:
 
     block: int = 64
     warps: int = 4
-    # One program per (row, query head) walks its row's slots, so a small batch left most of the GPU idle: at
-    # gpt-1.3b's 16 heads, batch 1 is 16 programs each walking up to 6 blocks in turn, and measured 0.96x XLA's
-    # attention. With fewer (row, query head) pairs than `programs`, each row's slots are split into parts (a
-    # power of two), one program each, and the parts' sums combined after the kernel. One H100, one call of
-    # 2026-12-06, profile_decode tokens/s against XLA's attention: batch 1 in 8 parts 1.04x (4 parts 1.03x,
-    # whole 0.96x), batch 2 in 4 parts 1.04x (whole 0.98x), batch 4 in 2 parts 1.04x (whole 1.01x); from
-    # batch 8 (128 programs) the rows are whole, as before (1.07x at 8 and 1.15x at 16 in earlier calls).
+    # One program per (row, query head) walks its row's slots, so a small batch left most of the GPU idle (at
+    # gpt-1.3b's 16 heads, batch 1 is 16 programs) and ran slower than XLA's attention. With fewer (row, query
+    # head) pairs than `programs`, each row's slots are split into parts (a power of two), one program each, and
+    # the parts' sums combined after the kernel (docs/performance.md, "Kernel notes").
     programs: int = 128
     parts: int = 0
     stages: int = 0
@@ -62,11 +59,10 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(k_bksh, rules: ShardingRules, tuning: Tuning | None) -> bool:
-    """Whether `decode_attention` takes this cache: on one GPU, the slots in whole blocks, a power-of-two head
-    size (never with `tuning` None: the kernel is off, pallas_gpu.kernel_settings)."""
+def supported(k_bksh, tuning: Tuning = DEFAULT) -> bool:
+    """Whether `decode_attention` takes this cache: the slots in whole blocks, a power-of-two head size."""
     slots, h = k_bksh.shape[2], k_bksh.shape[3]
-    return tuning is not None and on_one_gpu(rules) and slots % tuning.block == 0 and h & (h - 1) == 0
+    return slots % tuning.block == 0 and h & (h - 1) == 0
 
 
 def visible(slot, start, query):
@@ -183,3 +179,23 @@ def decode_attention(qkv_bckh, k_bksh, v_bksh, start_b, index, tuning: Tuning = 
     )(start_b.astype(jnp.int32), jnp.reshape(index, (1,)).astype(jnp.int32), qkv_bckh, k_bksh, v_bksh)
     ctx = sums[0] if parts == 1 else _combined(*sums, qkv_bckh.dtype)
     return ctx, k_bksh, v_bksh
+
+
+def reference(qkv_bckh, k_bksh, v_bksh, start_b, index):
+    """What `decode_attention` computes, in plain JAX: (context (batch, heads, head_dim), k cache, v cache)."""
+    c = qkv_bckh.shape[1]
+    group = c - 2
+    b, _, kv, h = qkv_bckh.shape
+    q_bnh = jnp.swapaxes(qkv_bckh[:, :group], 1, 2).reshape(b, kv * group, h)
+    put = lambda cache, new_bkh: jax.lax.dynamic_update_slice_in_dim(
+        cache, stored(new_bkh, cache.dtype)[:, :, None], index, axis=2)
+    k_bksh, v_bksh = put(k_bksh, qkv_bckh[:, group]), put(v_bksh, qkv_bckh[:, group + 1])
+    k, v = (jnp.repeat(a, group, axis=1).astype(jnp.float32) for a in (k_bksh, v_bksh))
+    s = jnp.einsum("bnh,bnsh->bns", q_bnh.astype(jnp.float32), k) / math.sqrt(h)
+    slot = jnp.arange(k.shape[2])[None, None]
+    s = jnp.where(visible(slot, start_b[:, None, None], index), s, -jnp.inf)
+    ctx = jnp.einsum("bns,bnsh->bnh", jax.nn.softmax(s, -1), v).astype(qkv_bckh.dtype)
+    return ctx, k_bksh, v_bksh
+
+
+register("decode_attention", Tuning, DEFAULT, supported, decode_attention, reference)

@@ -3,24 +3,18 @@
 Hopper's FP8 GEMMs take both operands with the contracted dimension minor ("TN"). A GEMM of x (T, K) and
 w (K, N) needs x with K minor for the forward and with T minor for the weight gradient, w with K minor
 (transposed) for the forward and with N minor for the input gradient, and the output gradient g (T, N) in both
-layouts too. jax3d.models.fp8 left those transposes of the f8 arrays to XLA: at gpt-1.3b, batch 2, full
-recompute, one H100 (profile_step, 2026-12-05), the FP8 GEMMs took 27.5 ms a step against bf16's 51.0, but
-XLA's unfused `wrapped_transpose` kernels (264 a step, 9.4 ms) and other transposing fusions added 13.2 ms of
-copies, and the quantizes and amaxes 8.5 ms of elementwise work: the step took 91.2 ms against bf16's 93.8
-(docs/performance.md, FP8).
+layouts too. jax3d.models.fp8 left those transposes of the f8 arrays to XLA, whose unfused transposing kernels and
+separate quantizes and amaxes took back most of what the FP8 GEMMs saved (docs/performance.md, "Kernel notes").
 
 Here one program per (rows, cols) tile reads the bf16 tile once and writes the f8 tile, its transpose and the
 tile's amax: `cast_transpose`. It runs by default on one GPU wherever the GEMM's sizes are whole tiles
-(`DEFAULT`); `pallas_gpu.kernel_settings(off=("fp8_cast",))` gives jax3d.models.fp8's einsum of the f8
-arrays and XLA's transposes. On one H100, in one call each
-(`throughput.py --fp8 hybrid --tune fp8_cast:rows=64`, 2026-12-05), FP8 over bf16 went from 1.030x to 1.144x
-at gpt-1.3b batch 2 with full recompute, and from 1.270x to 1.328x at batch 16.
+(`DEFAULT`, the kernel policy of one GPU); a policy that leaves it out (`KernelPolicy.resolve(..., off=["fp8_cast"])`)
+gives jax3d.models.fp8's einsum of the f8 arrays and XLA's transposes, which ran slower (docs/performance.md).
 
 XLA's own casts do not do it: quantizing the bf16 operand and its transpose separately (a variant this module
 had), XLA merged the two quantizes and transposed the f8 result again. Compiled for an H100 without one
-(benchmarks/gpu_compile.py: gpt-1.3b, batch 2, full recompute, cuBLAS GEMMs), the step had 326 kernels that
-transpose with that variant, 302 without it (both counts missed fusions of six or more outputs; recounted, the
-einsum path has 320) and none with this kernel.
+(benchmarks/gpu_compile.py), the step still had hundreds of kernels that transpose with that variant, and none with
+this kernel (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -31,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
-from jax3d.parallel.rules import ShardingRules
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +44,9 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(shape: tuple[int, int], rules: ShardingRules, tuning: Tuning | None) -> bool:
-    """Whether `cast_transpose` takes a 2-D operand of `shape`: on one GPU, in whole tiles (never with `tuning`
-    None: the kernel is off)."""
-    return (tuning is not None and on_one_gpu(rules) and shape[0] % tuning.rows == 0
-            and shape[1] % tuning.cols == 0)
+def supported(shape: tuple[int, int], tuning: Tuning = DEFAULT) -> bool:
+    """Whether `cast_transpose` takes a 2-D operand of `shape`: in whole tiles."""
+    return shape[0] % tuning.rows == 0 and shape[1] % tuning.cols == 0
 
 
 def largest(f8) -> float:
@@ -112,3 +104,6 @@ def cast_transpose(a_tk, scale, f8, tuning: Tuning = Tuning(), interpret: bool =
         name="fp8_cast_transpose",
     )(jnp.reshape(1.0 / scale.astype(jnp.float32), (1,)), a_tk)
     return q, qt, jnp.max(amax)
+
+
+register("fp8_cast", Tuning, DEFAULT, supported, cast_transpose, reference)

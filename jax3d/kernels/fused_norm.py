@@ -20,17 +20,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params, on_one_gpu
-from jax3d.parallel.rules import ShardingRules
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params
 
 F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Block shapes and warps. The defaults are the best of `benchmarks/norm_kernels.py --sweep` on an
-    H200 at widths 1024 and 2048 (32768 rows); with 512 backward programs, width 1024 was 1.2x slower
-    and width 2048 tied."""
+    """Block shapes and warps. The defaults are the best of `benchmarks/norm_kernels.py --sweep`
+    (docs/performance.md, "Kernel notes")."""
 
     rows_fwd: int = 2  # rows per forward program
     warps_fwd: int = 4
@@ -47,15 +46,20 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(x, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
-    """Whether `fused_layer_norm` takes this input: on one GPU, a width of 128 to 8192, whole backward row
-    blocks (never with `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings). The forward takes
-    any rows (`_rows_per_program`)."""
-    if tuning is None:
-        return False
+def supported(x, tuning: Tuning = DEFAULT) -> bool:
+    """Whether `fused_layer_norm` takes this input: a width of 128 to 8192, whole backward row blocks. The
+    forward takes any rows (`_rows_per_program`)."""
     d = x.shape[-1]
     rows = x.size // d if d else 0
-    return on_one_gpu(rules) and 128 <= d <= 8192 and rows > 0 and rows % tuning.rows_bwd == 0
+    return 128 <= d <= 8192 and rows > 0 and rows % tuning.rows_bwd == 0
+
+
+def reference(x, scale, bias, eps: float):
+    """What `fused_layer_norm` computes, in plain JAX: layer norm over the last dim in fp32, in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def _rows_per_program(rows: int, tuning: Tuning) -> int:
@@ -184,3 +188,6 @@ def _bwd(eps, tuning, interpret, res, dy):
 
 
 fused_layer_norm.defvjp(_fwd, _bwd)
+
+
+register("fused_norm", Tuning, DEFAULT, supported, fused_layer_norm, reference)

@@ -4,7 +4,7 @@ kernel, for one GPU.
 Forward, (y + b) is sliced into q, k and v, the three dense arrays the fused attention kernel reads (XLA
 fuses the bias into the slices). Backward, attention hands back dq, dk and dv, and the GEMMs that follow
 want them as one (batch, seq, 3, heads, head_dim) array: XLA wrote that concatenate and the bias gradient,
-a column sum over every token, in one fusion that moved about 2 TB/s in the 1.3B step. The kernel reads
+a column sum over every token, in one slow fusion (docs/performance.md, "Kernel notes"). The kernel reads
 each of dq, dk and dv once, writes its third of the concatenate, and leaves per-program partial sums of
 the bias gradient in fp32, which XLA adds up (a few MB).
 """
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params, fields, on_one_gpu
-from jax3d.parallel.rules import ShardingRules
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params, fields
 
 F32 = jnp.float32
 
@@ -52,13 +52,18 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(y, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
-    """Whether `split_bias` takes this (batch, seq, 3, heads, head_dim) projection on one GPU (never with
-    `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings)."""
-    if tuning is None or y.ndim != 5 or y.shape[2] != 3:
+def supported(y, tuning: Tuning = DEFAULT) -> bool:
+    """Whether `split_bias` takes this (batch, seq, 3, heads, head_dim) projection."""
+    if y.ndim != 5 or y.shape[2] != 3:
         return False
     b, t, _, n, h = y.shape
-    return on_one_gpu(rules) and tuning.fits(b * t, n * h)
+    return tuning.fits(b * t, n * h)
+
+
+def reference(y, b):
+    """What `split_bias` computes, in plain JAX."""
+    qkv = y + b.astype(y.dtype)
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
 def _bwd_kernel(dq_ref, dk_ref, dv_ref, dy_ref, db_ref, *, strips: int, steps: int, rows_per_step: int):
@@ -127,3 +132,6 @@ def _bwd(tuning, interpret, res, d):
 
 
 split_bias.defvjp(_fwd, _bwd)
+
+
+register("fused_qkv", Tuning, DEFAULT, supported, split_bias, reference)

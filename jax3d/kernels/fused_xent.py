@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params, fields, on_one_gpu
-from jax3d.parallel.rules import ShardingRules
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import block_width, check_powers_of_two, compiler_params, fields
 
 F32 = jnp.float32
 
@@ -39,10 +39,9 @@ class Tuning:
 DEFAULT = Tuning()
 
 
-def supported(rows: int, rules: ShardingRules, tuning: Tuning | None = DEFAULT) -> bool:
-    """Whether `token_nll` takes logits of `rows` tokens: on one GPU, in whole row blocks (never with
-    `tuning` None: a benchmark left it out, pallas_gpu.kernel_settings)."""
-    return tuning is not None and on_one_gpu(rules) and rows % tuning.rows == 0
+def supported(rows: int, tuning: Tuning = DEFAULT) -> bool:
+    """Whether `token_nll` takes logits of `rows` tokens: in whole row blocks."""
+    return rows % tuning.rows == 0
 
 
 def _kernel(logits_ref, target_ref, weight_ref, nll_ref, *grad_ref, width: int, valid: int, block: int):
@@ -117,3 +116,19 @@ def token_nll(logits, targets, weights, valid: int = 0, grad_dtype=None, tuning:
     )(logits2, targets.reshape(n).astype(jnp.int32), weights.reshape(n).astype(F32))
     nll = out[0].reshape(lead)
     return nll, (out[1].reshape(logits.shape) if grad_dtype is not None else None)
+
+
+def reference(logits, targets, weights, valid: int = 0, grad_dtype=None):
+    """What `token_nll` computes, in plain JAX."""
+    logits = logits.astype(F32)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    if valid:
+        logits = jnp.where(vocab < valid, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    hit = vocab == targets[..., None]
+    nll = lse - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    grad = (jnp.exp(logits - lse[..., None]) - hit) * weights.astype(F32)[..., None]
+    return nll, (grad.astype(grad_dtype) if grad_dtype is not None else None)
+
+
+register("fused_xent", Tuning, DEFAULT, supported, token_nll, reference)

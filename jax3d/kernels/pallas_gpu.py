@@ -1,20 +1,11 @@
-"""What jax3d's Pallas (Triton) kernels share: where they may run, the block a dimension gets, the checks
-and compiler settings of their `Tuning`s, and the benchmarks' way to run them with other settings."""
+"""What jax3d's Pallas (Triton) kernels share: the block a dimension gets, the checks and compiler settings of
+their `Tuning`s, and the parsing of a benchmark's "field=value" settings. Where they run is the run's
+`jax3d.kernels.policy.KernelPolicy`."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
 from jax.experimental.pallas import triton as pltriton
-
-from jax3d.kernels import DECODE_KERNELS, KERNELS
-from jax3d.parallel.rules import ShardingRules, traced_platform
-
-
-def on_one_gpu(rules: ShardingRules) -> bool:
-    """Whether the computation being traced runs on a single GPU: the kernels are not partitioned over a mesh."""
-    return traced_platform() == "gpu" and rules.single_device()
 
 
 def block_width(n: int) -> int:
@@ -57,39 +48,6 @@ def parse_tuning(cls, settings: str):
             raise ValueError(f"{_kernel(cls)}: {name} is given twice")
         changes[name] = number
     return cls(**changes)
-
-
-# A benchmark's settings for the kernels, by kernel name: a Tuning, or None for "not used". A context rather
-# than a ModelConfig field: block shapes (and a kernel left out to measure it) change how a model runs on one
-# GPU, never what it computes, and no training flag sets them.
-_SETTINGS: contextvars.ContextVar[dict] = contextvars.ContextVar("jax3d_pallas_settings", default={})
-
-
-@contextlib.contextmanager
-def kernel_settings(*tunings, off=()):
-    """Within it, what is traced runs each kernel that one of `tunings` belongs to with that Tuning instead of
-    its DEFAULT, and the kernels named in `off` (KERNELS, DECODE_KERNELS) not at all: their plain JAX function
-    runs, as on a CPU. For benchmarks. Only tracing reads it, so a function jitted outside and called inside keeps the
-    settings it was traced with."""
-    unknown = unknown_kernels(off)
-    if unknown:
-        raise ValueError(f"no kernel {', '.join(unknown)}; choose from {', '.join(KERNELS + DECODE_KERNELS)}")
-    token = _SETTINGS.set({**_SETTINGS.get(), **{_kernel(type(t)): t for t in tunings}, **dict.fromkeys(off)})
-    try:
-        yield
-    finally:
-        _SETTINGS.reset(token)
-
-
-def unknown_kernels(names) -> list[str]:
-    """Those of `names` that are no kernel of jax3d's (KERNELS, DECODE_KERNELS), sorted."""
-    return sorted(set(names) - set(KERNELS + DECODE_KERNELS))
-
-
-def tuning(kernel):
-    """The Tuning that `kernel` (one of the kernel modules) runs with in what is being traced: its DEFAULT,
-    or what `kernel_settings` gives; None where that leaves the kernel out."""
-    return _SETTINGS.get().get(_kernel(kernel.Tuning), kernel.DEFAULT)
 
 
 def _kernel(tuning_cls) -> str:

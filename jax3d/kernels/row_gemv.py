@@ -1,6 +1,6 @@
 """A product of one row with a weight stored as rows (jax3d.models.quantized.Quantized), with the layer norm
 before it and the bias, activation and residual add after it, as one Pallas (Triton) kernel: generation's
-decode at batch 1 on one GPU (jax3d.models.decode_rows).
+decode at batch 1 on one GPU (jax3d.inference.decode_rows).
 
 At batch 1 a decode step is a chain of small dependent kernels. Compiled for an H100 without one, XLA ran each
 GPT block as 11: the layer norm, the QKV reduction, its bias, the attention, the parts' combination, the
@@ -9,12 +9,10 @@ with GELU, the down reduction and its bias with the residual add. In that compil
 reduction and no layer norm into one; each kernel waits for the one before, and the weights are read in four.
 Here each GEMM is one kernel with what comes before and after it, and a GPT block is six: the layer norm and
 QKV with its bias; the attention; the combination of its parts; the out-projection with its bias and the
-residual add; the layer norm and up with its bias and GELU; down with its bias and the residual add. Compiled
-for an H100 without one, a gpt-1.3b decode step at batch 1 went from 298 kernels to 153. Timed on an H100 at 8
-rows a program on 512 programs, in one call alternating with XLA's blocks, it decoded 1.06x their tokens/s at
-gpt-1.3b batch 1 (bf16, also with an fp8 cache), 1.08x with fp8 weights and 1.04x at Llama-3.2-1B, so it is on
-by default (DEFAULT); bf16 weights now take 4 rows on 1,024 programs, 1.06x again at gpt-1.3b (docs/decode.md).
-`benchmarks.profile_decode --batch 1 --off row_gemv` runs XLA's blocks to compare.
+residual add; the layer norm and up with its bias and GELU; down with its bias and the residual add: about half
+the kernels of a decode step, and faster than XLA's blocks, so it is on by default in one GPU's kernel policy
+(DEFAULT; docs/decode.md, docs/performance.md "Kernel notes"). `benchmarks.profile_decode --batch 1 --off row_gemv`
+runs XLA's blocks to compare.
 
 Each program computes `rows` outputs: it walks the contracted dim in blocks, each a (rows, block) tile of the
 weight (each output's weights are contiguous, so the tile's rows are too) times the same block of the input
@@ -33,9 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jax3d.models import quantized
-from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params, on_one_gpu
+from jax3d.kernels import register
+from jax3d.kernels.pallas_gpu import check_powers_of_two, compiler_params
 from jax3d.models.quantized import Quantized
-from jax3d.parallel.rules import ShardingRules
 
 F32 = jnp.float32
 ACTIVATIONS = ("gelu_tanh", "swiglu")  # swiglu: the weight's outputs are (gate, up), each half of them
@@ -49,12 +47,8 @@ class Tuning:
     `programs` are for 2-byte weights (bf16); 1-byte ones (fp8) get twice the rows on half the programs, the
     same bytes a program (4-byte ones, never timed on a GPU, get the 2-byte settings)."""
 
-    # Timed at gpt-1.3b batch 1 on an H100 (docs/decode.md), in calls on one machine: 4 rows of
-    # 2048 contracted elements on 8 warps, 1,024 programs (2 rows for the 2,048-output weights), decoded 1.06x
-    # the tokens/s of 8 rows on 512 programs in bf16 (1.03x at Llama-3.2-1B); fp8 weights ran 0.91x at 4 rows
-    # and keep 8 rows on 512 programs, 16 KB a program either way. 8 rows on 1,024 programs gave 1.03x, 2 rows on
-    # 4,096 1.00x, 4 rows on 2,048 1.04x. Before: 16 rows on 256 programs ran 3-4% slower than 8 on 512, 32
-    # rows slower still, 4 warps too; the software-pipeline stages (1, 2, 4, at 16 rows) changed nothing.
+    # The fastest of the settings timed at gpt-1.3b batch 1 on an H100 (docs/decode.md, docs/performance.md
+    # "Kernel notes"); fp8 weights keep 8 rows on 512 programs, 16 KB a program either way.
     # benchmarks.profile_decode --tune row_gemv:FIELD=V tries others.
     rows: int = 4
     block: int = 2048
@@ -86,8 +80,9 @@ class Tuning:
         return b if b >= 16 else 0
 
 
-# On (module docstring); `--off row_gemv` in benchmarks.profile_decode, benchmarks.generate_speed and
-# benchmarks.gpu_compile, or pallas_gpu.kernel_settings(off=["row_gemv"]), runs XLA's blocks instead.
+# On in one GPU's kernel policy (module docstring); `--off row_gemv` in benchmarks.profile_decode,
+# benchmarks.generate_speed and benchmarks.gpu_compile, or a KernelPolicy resolved with off=["row_gemv"], runs
+# XLA's blocks instead.
 DEFAULT = Tuning()
 
 
@@ -101,12 +96,10 @@ class Norm:
     eps: float = dataclasses.field(metadata=dict(static=True))
 
 
-def supported(size: int, w, rules: ShardingRules, tuning: Tuning | None, activation=None) -> bool:
-    """Whether `row_gemv` takes this product: on one GPU, one row of `size` elements of a Quantized `w` (never
-    with `tuning` None: the kernel is off, pallas_gpu.kernel_settings), a contracted dim and an output count its
-    blocks divide."""
-    if (tuning is None or not isinstance(w, Quantized) or activation not in (None, *ACTIVATIONS)
-            or not on_one_gpu(rules)):
+def supported(size: int, w, tuning: Tuning = DEFAULT, activation=None) -> bool:
+    """Whether `row_gemv` takes this product: one row of `size` elements of a Quantized `w`, a contracted dim
+    and an output count its blocks divide."""
+    if not isinstance(w, Quantized) or activation not in (None, *ACTIVATIONS):
         return False
     k, n, _ = _sizes(w, activation)
     return size == k and tuning.block_for(k) > 0 and tuning.rows_for(n, w.values.dtype.itemsize) > 0
@@ -227,9 +220,9 @@ def row_gemv(x, w: Quantized, norm: Norm | None = None, bias=None, activation=No
 
 
 def row_gemv_reference(x, w: Quantized, norm: Norm | None = None, bias=None, activation=None, residual=None):
-    """`row_gemv` as the unfused path computes it, from its own functions (layers.layer_norm,
-    quantized.dot, layers' activations): what the kernel is tested against."""
-    from jax3d.models import layers  # Flax's modules: for the reference only, not the kernel's import
+    """`row_gemv` as the unfused path computes it, from its own functions (spec.layer_norm, quantized.dot, the
+    spec's activations): what the kernel is tested against."""
+    from jax3d.models import spec as layers  # the model's parts: for the reference only, not the kernel's import
 
     contracted = len(w.contracted)
     if norm is not None:
@@ -244,3 +237,6 @@ def row_gemv_reference(x, w: Quantized, norm: Norm | None = None, bias=None, act
         y = layers._ACTIVATIONS[activation](y)
     y = y.reshape(-1)
     return y if residual is None else residual.reshape(-1) + y
+
+
+register("row_gemv", Tuning, DEFAULT, supported, row_gemv, row_gemv_reference)

@@ -1,20 +1,20 @@
 """GPT and BERT on shared, logically-annotated Flax layers."""
-from jax3d.config import ConfigError, ModelConfig
+from jax3d.config import ModelConfig
+from jax3d.kernels.policy import KernelPolicy
+from jax3d.models.families import model_class
 from jax3d.models.gpt import GPT
 from jax3d.models.layers import MLP, Attention, Block, Embedding, LayerNorm
 from jax3d.models.presets import get_preset, preset_names
 from jax3d.models.transformer import TransformerLM
 
 
-def build_model(cfg: ModelConfig, rules=None) -> TransformerLM:
-    """The GPT or BERT that `cfg.model_type` names. `rules` (a ShardingRules) places its activations on
-    the mesh in context; None: no constraints, plain single-device code."""
-    if cfg.model_type == "gpt":
-        return GPT(cfg, rules)
-    if cfg.model_type == "bert":
-        from jax3d.models.bert import BERT
-        return BERT(cfg, rules)
-    raise ConfigError(f"--model {cfg.model_type!r} must be gpt or bert")
+def build_model(cfg: ModelConfig, rules=None, *, kernels: KernelPolicy = KernelPolicy.none(),
+                fp8: str = "") -> TransformerLM:
+    """The model class of `cfg.model_type`'s family (jax3d.models.families): GPT (Llama included) or BERT.
+    `rules` (a ShardingRules) places its activations on the mesh in context; None: no constraints, plain
+    single-device code. `kernels` (the run's KernelPolicy) and `fp8` (an FP8 recipe's format: the train step's
+    copy of the model, whose GEMMs take scales) choose its blocks' parts (jax3d.models.spec)."""
+    return model_class(cfg.model_type)(cfg, rules, kernels=kernels, fp8=fp8)
 
 
 __all__ = ["GPT", "Block", "Attention", "MLP", "Embedding", "LayerNorm", "TransformerLM", "build_model",

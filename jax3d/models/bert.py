@@ -16,6 +16,7 @@ class BertHeads(nn.Module):
 
     cfg: object
     rules: object
+    spec: object
 
     @nn.compact
     def __call__(self, x_btd, wte_vd):
@@ -25,7 +26,7 @@ class BertHeads(nn.Module):
         w = _param(self, "mlm_dense", ("embed", None), (d, d), init)
         b = _param(self, "mlm_dense_bias", ("norm",), (d,), nn.initializers.zeros)
         h = jax.nn.gelu(jnp.einsum("btd,de->bte", x_btd, w) + b, approximate=cfg.activation == "gelu_tanh")
-        h = norm_for(cfg, self.rules, "mlm_norm", one_plus=False)(h)
+        h = norm_for(cfg, self.spec, "mlm_norm", one_plus=False)(h)
         bias_v = _param(self, "mlm_bias", ("vocab",), (cfg.vocab_size,), nn.initializers.zeros)
         logits = vocab_parallel_logits(h, wte_vd, self.rules) + bias_v.astype(jnp.float32)
         logits = self.rules.constrain(logits, ("batch", "seq", "vocab"))
@@ -61,9 +62,9 @@ class BERT(TransformerLM):
     causal = False
 
     def _modules(self):
-        return (Embedding(self.cfg, self.rules, num_tokentypes=self.cfg.num_tokentypes, name="embed"),
-                _Identity() if self.cfg.post_layernorm else norm_for(self.cfg, self.rules, "final_norm"),
-                BertHeads(self.cfg, self.rules, name="head"))
+        return (Embedding(self.cfg, self.rules, num_tokentypes=self.cfg.num_tokentypes, spec=self.spec, name="embed"),
+                _Identity() if self.cfg.post_layernorm else norm_for(self.cfg, self.spec, "final_norm"),
+                BertHeads(self.cfg, self.rules, self.spec, name="head"))
 
     def sample_shapes(self) -> dict:
         s = self.cfg.seq_length

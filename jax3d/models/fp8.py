@@ -28,12 +28,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax3d.kernels import fp8_cast, pallas_gpu
-from jax3d.kernels.fp8_cast import largest, quantize  # noqa: F401 (largest: jax3d.train.fp8's)
-from jax3d.models import one_row, quantized
+from jax3d.kernels import fp8_cast, kernel
+from jax3d.kernels.fp8_cast import quantize
+from jax3d.models import quantized
+from jax3d.parallel.precision import FP8_FORMATS
 
 # (forward operands, output gradient) formats of each mode; float8_e4m3fn is e4m3 with no infinities, as on Hopper.
-FORMATS = {"hybrid": (jnp.float8_e4m3fn, jnp.float8_e5m2), "e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn)}
+FORMATS = FP8_FORMATS  # the precision policy's table: the GEMMs quantize to what the recipe's scales are for
 SUFFIX = "_fp8"  # the name of a GEMM's scales parameter ends so: `qkv_fp8`, `down_fp8`
 X, W, G = 0, 1, 2  # rows of a GEMM's scales, amaxes and amax history
 
@@ -53,16 +54,17 @@ def scales_param(module: nn.Module, fmt: str, gemm: str):
                         jnp.float32)
 
 
-def einsum(spec: str, x, w, scales=None, fmt: str = "", rules=None):
-    """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given. With the cast kernel on
-    (jax3d.kernels.fp8_cast) and on one GPU (`rules`), the operands are quantized in both layouts by it."""
+def einsum(spec: str, x, w, scales=None, fmt: str = "", cast=None):
+    """`jnp.einsum(spec, x, w)`, in FP8 when `scales` (from `scales_param`) is given. With `cast` (the fp8_cast
+    kernel's Tuning, where the kernel policy runs it: jax3d.kernels.fp8_cast), the operands are quantized in both
+    layouts by that kernel where their shapes fit its tiles."""
     if scales is None:
-        return one_row.gemm(functools.partial(quantized.einsum, spec), x, w)  # the block's x: (batch, seq, ...)
-    tuning, layout = pallas_gpu.tuning(fp8_cast), _layout(spec)
-    if rules is not None and layout is not None and _fits(layout, x.shape, w.shape):
+        return quantized.einsum(spec, x, w)
+    layout = _layout(spec)
+    if cast is not None and layout is not None and _fits(layout, x.shape, w.shape):
         t, k, n = _sizes(layout, x.shape, w.shape)
-        if all(fp8_cast.supported(shape, rules, tuning) for shape in ((t, k), (k, n), (t, n))):
-            return _fp8_tn(layout, fmt, tuning, x, w, scales)
+        if all(kernel("fp8_cast").supported(shape, cast) for shape in ((t, k), (k, n), (t, n))):
+            return _fp8_tn(layout, fmt, cast, x, w, scales)
     return _fp8_einsum(spec, fmt, x, w, scales)
 
 

@@ -37,8 +37,8 @@ class GPT(TransformerLM):
     causal = True
 
     def _modules(self):
-        return (Embedding(self.cfg, self.rules, name="embed"),
-                norm_for(self.cfg, self.rules, "final_norm"))
+        return (Embedding(self.cfg, self.rules, spec=self.spec, name="embed"),
+                norm_for(self.cfg, self.spec, "final_norm"))
 
     def _init_ends(self, rng):
         emb, norm = self._modules()
@@ -97,7 +97,7 @@ class GPT(TransformerLM):
     def head_loss(self, params, x_btd, mb):
         x_btd = self._modules()[1].apply({"params": params["final_norm"]}, x_btd)
         loss_sum = fused_lm_loss_sum(x_btd, self.output_table(params), mb["text"][:, 1:], self._loss_mask(mb),
-                                     self.rules, self.cfg.unpadded_vocab_size)
+                                     self.rules, self.cfg.unpadded_vocab_size, self.kernels.tuning("fused_xent"))
         return {"lm": loss_sum}, {}
 
     def _loss_mask(self, mb):

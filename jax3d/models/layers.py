@@ -7,6 +7,10 @@ Linen rather than NNX because its `init` / `apply` are pure functions over param
 pipeline, ZeRO and checkpoint code all work on those trees, and a stage applies a block with
 `Block(...).apply({'params': p}, x)` without owning module state.
 
+Which kernel, attention implementation or FP8 GEMM a layer runs is not decided here: the block's parts come from
+its `jax3d.models.spec.BlockSpec`, chosen once from the config, the run's kernel policy and the FP8 recipe, and
+the layers call them in order.
+
 Parameters are created fp32 (the master copy). The train step casts them to the compute dtype before the
 forward pass, so every layer computes in whatever dtype its parameters arrive in; layer norm and softmax
 upcast to fp32 internally.
@@ -14,17 +18,19 @@ upcast to fp32 internally.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
-from jax3d.kernels import fused_gelu, fused_norm, fused_qkv, fused_xent, pallas_gpu
-from jax3d.models import cached_attention, fp8, quantized, rope
-from jax3d.parallel.rules import ShardingRules, traced_platform
+from jax3d.kernels import kernel
+from jax3d.models import quantized
+from jax3d.models.spec import (BlockSpec, _dropout, _plus, activation_of, block_spec, lean_layer_norm,  # noqa: F401
+                               layer_norm, split_qkv)
+from jax3d.parallel.rules import DEFAULT_RULES, ShardingRules
 
 
 def _param(module: nn.Module, name: str, axes: tuple, shape: tuple, init):
@@ -45,10 +51,6 @@ def _bias(module: nn.Module, cfg: ModelConfig, name: str, axes: tuple, shape: tu
     return _param(module, name, axes, shape, nn.initializers.zeros) if cfg.add_bias_linear else None
 
 
-def _plus(x, b):
-    return x if b is None else x + b
-
-
 def _inits(cfg: ModelConfig):
     """Megatron's init: normal(std) for weights, and std / sqrt(2 L) for the layers that write into the
     residual stream (attention-out, MLP-down), so its variance doesn't grow with depth."""
@@ -64,75 +66,17 @@ def _dropout_rng(module: nn.Module, rng, deterministic: bool):
     return rng
 
 
-def _dropout(x, rate: float, rng, deterministic: bool):
-    if deterministic or rate == 0.0 or rng is None:
-        return x
-    keep = dropout_keys.bernoulli(rng, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-
-def layer_norm(x, scale, bias, eps: float):
-    """Layer norm over the last dim, computed in fp32 and returned in x's dtype; with `bias` None, RMSNorm
-    (scaled by the root mean square, neither centred nor shifted)."""
-    x32 = x.astype(jnp.float32)
-    if bias is None:
-        rstd = checkpoint_name(jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps), "ln_stats")
-        return (x32 * rstd * scale.astype(jnp.float32)).astype(x.dtype)
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    mean, rstd = checkpoint_name((mean, jax.lax.rsqrt(var + eps)), "ln_stats")
-    y = (x32 - mean) * rstd
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
-# For the backward pass, keeps the input and each token's mean and inverse deviation, and recomputes the
-# elementwise normalisation: autodiff of the plain function keeps two fp32 intermediates of the whole
-# activation alive from forward to backward (at 1.3B b16 that step ran at 0.988 of this one's speed).
-lean_layer_norm = jax.checkpoint(layer_norm, static_argnums=(3,),
-                                 policy=jax.checkpoint_policies.save_only_these_names("ln_stats"))
-
-
-_ACTIVATIONS = {
-    "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
-    "gelu_erf": lambda h: jax.nn.gelu(h, approximate=False),
-    "squared_relu": lambda h: jnp.square(jax.nn.relu(h)),
-    "swiglu": lambda h_btcf: jax.nn.silu(h_btcf[:, :, 0]) * h_btcf[:, :, 1],  # (gate, up) on dim 2
-}
-
-
-def activation_of(cfg: ModelConfig) -> str:
-    """The MLP's activation, a key of _ACTIVATIONS: SwiGLU where `cfg.swiglu`, else `cfg.activation`."""
-    return "swiglu" if cfg.swiglu else cfg.activation
-
-
-def _activate_then_dense(h, b, w_fd, activation: str):
-    """act(h + b) @ w; `b` may be None. SwiGLU's h is (batch, seq, 2, ffn): the gate and the up projection."""
-    g_btf = checkpoint_name(_ACTIVATIONS[activation](_plus(h, b)), "gelu_out")
-    return quantized.einsum("btf,fd->btd", g_btf, w_fd)
-
-
-# Keeps the GEMM's output h (the bias is re-added in the backward fusion, so h + b is never written) and
-# GELU's output (what the two backward GEMMs read), none of the derivative's intermediates: the backward
-# recomputes only GELU's derivative, inside the fusion that applies it. At 1.3B b16 (docs/performance.md),
-# keeping every intermediate took 12 GiB more for 0.3% of speed; recomputing GELU's output as well took
-# 12 GiB less and 3.2% of speed. SwiGLU keeps its gate and up projections and their product the same way.
-_activate_then_dense_lean = jax.checkpoint(_activate_then_dense, static_argnums=(3,),
-                                           policy=jax.checkpoint_policies.save_only_these_names("gelu_out"))
-
-
-_activate_lean = jax.checkpoint(lambda h, b, activation: _ACTIVATIONS[activation](_plus(h, b)), static_argnums=(2,))
-
-
 class LayerNorm(nn.Module):
-    """Layer norm computed in fp32, returned in the input dtype: on one GPU as one Pallas kernel each way
-    (jax3d.kernels.fused_norm), elsewhere `lean_layer_norm`. With `rms`, RMSNorm: a scale and no bias. With
+    """Layer norm computed in fp32, returned in the input dtype, as the spec's `norm` part computes it (by default
+    `lean_layer_norm`; fused_norm's kernel where the kernel policy runs it). With `rms`, RMSNorm: a scale and no
+    bias. With
     `one_plus` (Megatron's --apply-layernorm-1p) the parameter `scale` holds the scale minus 1, initialised to 0:
     the same norm, but weight decay pulls the scale towards 1 rather than 0."""
 
     eps: float = 1e-5
-    rules: ShardingRules = ShardingRules()  # where it runs: the kernels take one GPU only
     rms: bool = False
     one_plus: bool = False
+    norm: Callable = lean_layer_norm  # the spec's part
 
     @nn.compact
     def __call__(self, x):
@@ -141,25 +85,15 @@ class LayerNorm(nn.Module):
         if self.one_plus:  # added in fp32: in bf16, 1 + w would round away a small w
             scale = scale.astype(jnp.float32) + 1.0
         bias = None if self.rms else _param(self, "bias", ("norm",), (d,), nn.initializers.zeros)
-        tuning = pallas_gpu.tuning(fused_norm)
-        if bias is not None and fused_norm.supported(x, self.rules, tuning):
-            return fused_norm.fused_layer_norm(x, scale, bias, self.eps, tuning)
-        return lean_layer_norm(x, scale, bias, self.eps)
+        return self.norm(x, scale, bias, self.eps)
 
 
-def norm_for(cfg: ModelConfig, rules: ShardingRules, name: str, one_plus: bool = True) -> LayerNorm:
+def norm_for(cfg: ModelConfig, spec: BlockSpec, name: str, one_plus: bool = True) -> LayerNorm:
     """The model's layer norm (or RMSNorm), with its epsilon. `cfg.apply_layernorm_1p` applies to the layer norms
     of the blocks and the final one, as in Megatron-DeepSpeed (whose RMSNorm and BERT head norm ignore it); other
     callers pass `one_plus=False`."""
-    return LayerNorm(cfg.layernorm_epsilon, rules, cfg.normalization == "rmsnorm", one_plus and cfg.one_plus_norms,
-                     name=name)
-
-
-def attention_impl(cfg: ModelConfig, dtype) -> str | None:
-    if cfg.attention_impl != "auto":
-        return cfg.attention_impl
-    on_gpu = traced_platform() == "gpu"
-    return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    return LayerNorm(cfg.layernorm_epsilon, cfg.normalization == "rmsnorm", one_plus and cfg.one_plus_norms,
+                     spec.norm, name=name)
 
 
 class Attention(nn.Module):
@@ -170,20 +104,22 @@ class Attention(nn.Module):
     heads, head_dim)). Query head n is KV head n // g's (Hugging Face's order), and tensor parallelism splits
     the KV heads, each with its query heads.
 
-    With `cache` ({'k', 'v': (batch, kv_heads, max_len, head_dim), 'index': where this call's tokens go, and
+    Returns (output, cache). Under generation's decode spec (jax3d.inference.cached_attention.decode_spec), with
+    `cache` ({'k', 'v': (batch, kv_heads, max_len, head_dim), 'index': where this call's tokens go, and
     optionally 'start': each row's first slot}) it writes its keys and values into the cache, attends over all of
-    it under the caller's `mask` (batch, 1, seq, max_len), and returns (output, updated cache): the decoding
-    path of generation (jax3d.models.cached_attention).
-    `positions_bt` (batch, seq) place the tokens for rotary embeddings (default 0, 1, ...).
+    it under the caller's `mask` (batch, 1, seq, max_len), and returns the updated cache; under training's spec
+    the cache passes through. `positions_bt` (batch, seq) place the tokens for rotary embeddings (default 0, 1,
+    ...).
     """
 
     cfg: ModelConfig
-    rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
+    rules: ShardingRules = DEFAULT_RULES  # Megatron's table; with no mesh in context, no constraint
+    spec: BlockSpec | None = None  # None: block_spec(cfg), no kernel
     causal: bool = True
 
     @nn.compact
     def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None, positions_bt=None):
-        cfg = self.cfg
+        cfg, spec = self.cfg, self.spec or block_spec(self.cfg)
         d, n, h, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.kv_heads
         g = n // kv
         init, out_init = _inits(cfg)
@@ -191,71 +127,17 @@ class Attention(nn.Module):
         b_qkv = _bias(self, cfg, "qkv_bias", ("qkv", "heads", "kv"), (g + 2, kv, h))
         w_out = _param(self, "out_kernel", ("heads", "kv", "embed"), (n, h, d), out_init)
         b_out = _bias(self, cfg, "out_bias", ("embed",), (d,))
-        s_qkv, s_out = fp8.scales_param(self, cfg.fp8, "qkv"), fp8.scales_param(self, cfg.fp8, "out")
+        s_qkv, s_out = spec.project.scales(self, "qkv"), spec.project.scales(self, "out")
 
         x_btd = self.rules.constrain(x_btd, ("batch", "seq", "embed"))
         # The fused attention kernel reads q, k and v as strided views of this layout; putting the q/k/v
-        # axis first instead cost a transpose and three copies forward, a stack backward (2% at 1.3B).
-        qkv = fp8.einsum("btd,dcnh->btcnh", x_btd, w_qkv, s_qkv, cfg.fp8, self.rules)
-        qkv_axes = ("batch", "seq", "qkv", "heads", "kv")
-        tuning = pallas_gpu.tuning(fused_qkv)
-        packed = None  # the array q, k and v are plain slices of, if they are (the decode kernel reads it whole)
-        if b_qkv is not None and fused_qkv.supported(qkv, self.rules, tuning):
-            q, k, v = fused_qkv.split_bias(self.rules.constrain(qkv, qkv_axes), b_qkv, tuning)
-        else:
-            # The bias is added before the constraint: after it, the one-GPU step compiled 1.2% slower.
-            packed = self.rules.constrain(_plus(qkv, b_qkv), qkv_axes)
-            q, k, v = split_qkv(packed)
-        if cfg.use_rotary_position_embeddings:
-            packed = None
-            positions_bt = rope.positions_for(x_btd) if positions_bt is None else positions_bt
-            inv_freq = rope.inverse_frequencies(cfg)
-            q, k = rope.apply_rope(q, positions_bt, inv_freq), rope.apply_rope(k, positions_bt, inv_freq)
-        causal, impl = self.causal, attention_impl(cfg, q.dtype)
-        if mask is not None and impl == "cudnn" and mask.shape[-2] == 1:
-            # cuDNN takes a mask as a bias over every (query, key) pair: a key-only (padding) mask is
-            # broadcast over the queries, or the call is refused.
-            mask = jnp.broadcast_to(mask, (*mask.shape[:-2], q.shape[1], mask.shape[-1]))
+        # axis first instead cost a transpose and three copies forward, a stack backward (docs/performance.md).
+        qkv = spec.project("btd,dcnh->btcnh", x_btd, w_qkv, s_qkv)
+        q, k, v, packed = spec.split_qkv(qkv, b_qkv, self.rules)  # packed: what q, k, v are plain slices of
+        q, k, packed = spec.positions(q, k, packed, x_btd, positions_bt)
         rng = _dropout_rng(self, rng, deterministic)
-        if cache is not None:  # the mask carries causality and the row's padding
-            out, cache = cached_attention.cached_attention(q, k, v, mask, cache, w_out, self.rules, packed)
-            return _plus(out, b_out), cache
-        if self.cfg.attention_dropout > 0 and not deterministic and rng is not None:
-            ctx = self._core_with_dropout(q, k, v, mask, rng)
-        elif q.dtype == jnp.float16 and traced_platform() == "cpu":
-            # XLA's attention asks for an f16 x f16 -> f32 dot, which the CPU has not: run it in fp32 there.
-            q32, k32, v32 = (a.astype(jnp.float32) for a in (q, k, v))
-            ctx = jax.nn.dot_product_attention(q32, k32, v32, mask=mask, is_causal=causal,
-                                               implementation=impl).astype(q.dtype)
-        else:
-            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
-        ctx = self.rules.constrain(ctx, ("batch", "seq", "heads", "kv"))
-        return _plus(fp8.einsum("btnh,nhd->btd", ctx, w_out, s_out, cfg.fp8, self.rules), b_out)
-
-    def _core_with_dropout(self, q, k, v, mask, rng):
-        # Fused attention kernels take no dropout, so with attention dropout we spell softmax out.
-        if k.shape[2] != q.shape[2]:  # grouped-query: each KV head serves its g query heads
-            k, v = (jnp.repeat(a, q.shape[2] // a.shape[2], axis=2) for a in (k, v))
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        logits = jnp.einsum("btnh,bsnh->bnts", q, k).astype(jnp.float32) * scale
-        t = q.shape[1]
-        if self.causal:
-            logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e30)
-        if mask is not None:
-            logits = jnp.where(mask, logits, -1e30)
-        probs = jax.nn.softmax(logits, axis=-1)
-        probs = _dropout(probs, self.cfg.attention_dropout, rng, False).astype(q.dtype)
-        return jnp.einsum("bnts,bsnh->btnh", probs, v)
-
-
-def split_qkv(qkv):
-    """(q (batch, seq, heads, head_dim), k, v (batch, seq, kv_heads, head_dim)) of the projection (batch, seq,
-    g + 2, kv_heads, head_dim), query heads in KV-head-major order (n = kv_head * g + j)."""
-    b, t, c, kv, h = qkv.shape
-    g = c - 2
-    # (With g = 1 the plain slice, so that GPT's step is the program it was.)
-    q = qkv[:, :, 0] if g == 1 else jnp.swapaxes(qkv[:, :, :g], 2, 3).reshape(b, t, kv * g, h)
-    return q, qkv[:, :, g], qkv[:, :, g + 1]
+        ctx, cache = spec.attend(q, k, v, packed, mask, rng, deterministic, self.causal, cache, self.rules)
+        return _plus(spec.out_project(ctx, w_out, s_out, spec.project, self.rules), b_out), cache
 
 
 class MLP(nn.Module):
@@ -263,11 +145,12 @@ class MLP(nn.Module):
     the up matrices; up-projection column-parallel over `mlp`, down-projection row-parallel."""
 
     cfg: ModelConfig
-    rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
+    rules: ShardingRules = DEFAULT_RULES  # Megatron's table; with no mesh in context, no constraint
+    spec: BlockSpec | None = None  # None: block_spec(cfg), no kernel
 
     @nn.compact
     def __call__(self, x_btd):
-        cfg = self.cfg
+        cfg, spec = self.cfg, self.spec or block_spec(self.cfg)
         d, f = cfg.hidden_size, cfg.ffn_hidden_size
         init, out_init = _inits(cfg)
         up_axes, up_shape = (("embed", None, "mlp"), (d, 2, f)) if cfg.swiglu else (("embed", "mlp"), (d, f))
@@ -275,63 +158,50 @@ class MLP(nn.Module):
         b_up = _bias(self, cfg, "up_bias", up_axes[1:], up_shape[1:])
         w_down = _param(self, "down_kernel", ("mlp", "embed"), (f, d), out_init)
         b_down = _bias(self, cfg, "down_bias", ("embed",), (d,))
-        s_up, s_down = fp8.scales_param(self, cfg.fp8, "up"), fp8.scales_param(self, cfg.fp8, "down")
-        h = fp8.einsum("btd,dcf->btcf" if cfg.swiglu else "btd,df->btf", x_btd, w_up, s_up, cfg.fp8, self.rules)
-        activation = activation_of(cfg)
-        tuning = pallas_gpu.tuning(fused_gelu)
-        if activation == "gelu_tanh" and b_up is not None and fused_gelu.supported(h, self.rules, tuning):
-            # Keeps h (inside the kernel's vjp) and GELU's output (the down-projection's input), as
-            # _activate_then_dense_lean does.
-            return fp8.einsum("btf,fd->btd", fused_gelu.gelu_bias(h, b_up, tuning), w_down, s_down, cfg.fp8,
-                              self.rules) + b_down
-        h = self.rules.constrain(h, ("batch", "seq", *up_axes[1:]))
-        if s_down is not None:
-            # FP8: the down-projection keeps its input's f8 copy for its backward, and the activation only its
-            # own input h, its output recomputed there: no bf16 copy of that output is kept, nor re-quantized.
-            g_btf = _activate_lean(h, b_up, activation)
-            return _plus(fp8.einsum("btf,fd->btd", g_btf, w_down, s_down, cfg.fp8, self.rules), b_down)
-        return _plus(_activate_then_dense_lean(h, b_up, w_down, activation), b_down)
+        s_up, s_down = spec.project.scales(self, "up"), spec.project.scales(self, "down")
+        h = spec.project("btd,dcf->btcf" if cfg.swiglu else "btd,df->btf", x_btd, w_up, s_up)
+        return _plus(spec.mlp(h, b_up, w_down, s_down, spec.project, self.rules), b_down)
 
 
 class Block(nn.Module):
     """Pre-LN transformer block (post-LN with `cfg.post_layernorm`: each layer norm after its residual
     add). `rng`, or else the 'dropout' stream of Flax's `rngs`, drives dropout; deterministic=True or
     neither turns it off. With a KV `cache` (see Attention) it returns (output, updated cache);
-    `positions_bt` place the tokens for rotary embeddings (generation's left-padded rows)."""
+    `positions_bt` place the tokens for rotary embeddings (generation's left-padded rows). Its parts are its
+    `spec`'s (jax3d.models.spec; None: `block_spec(cfg)`, no kernel)."""
 
     cfg: ModelConfig
-    rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
+    rules: ShardingRules = DEFAULT_RULES  # Megatron's table; with no mesh in context, no constraint
+    spec: BlockSpec | None = None
     causal: bool = True
 
     @nn.compact
     def __call__(self, x_btd, mask=None, rng=None, deterministic=True, cache=None, positions_bt=None):
-        cfg = self.cfg
+        cfg, spec = self.cfg, self.spec or block_spec(self.cfg)
         rng = _dropout_rng(self, rng, deterministic)
         r_attn, r_h1, r_h2 = dropout_keys.split(rng, 3) if rng is not None else (None,) * 3
         stream = ("batch", "act_seq", "embed")
         before = not cfg.post_layernorm  # each layer norm before its sublayer, or after the residual add
         x_btd = self.rules.constrain(x_btd, stream)
         with jax.named_scope("attention"):
-            h = _norm_if(before, cfg, self.rules, "ln_attn", x_btd)
-            h = Attention(cfg, self.rules, self.causal, name="attn")(h, mask, r_attn, deterministic, cache,
-                                                                    positions_bt)
-            if cache is not None:
-                h, cache = h
+            h = _norm_if(before, cfg, spec, "ln_attn", x_btd)
+            h, cache = Attention(cfg, self.rules, spec, self.causal, name="attn")(h, mask, r_attn, deterministic,
+                                                                                cache, positions_bt)
             h = self.rules.constrain(h, stream)
             x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h1, deterministic)
-            x_btd = _norm_if(not before, cfg, self.rules, "ln_attn", x_btd)
+            x_btd = _norm_if(not before, cfg, spec, "ln_attn", x_btd)
         with jax.named_scope("mlp"):
-            h = _norm_if(before, cfg, self.rules, "ln_mlp", x_btd)
-            h = MLP(cfg, self.rules, name="mlp")(h)
+            h = _norm_if(before, cfg, spec, "ln_mlp", x_btd)
+            h = MLP(cfg, self.rules, spec, name="mlp")(h)
             h = self.rules.constrain(h, stream)
             x_btd = x_btd + _dropout(h, cfg.hidden_dropout, r_h2, deterministic)
-            x_btd = _norm_if(not before, cfg, self.rules, "ln_mlp", x_btd)
-        return x_btd if cache is None else (x_btd, cache)
+            x_btd = _norm_if(not before, cfg, spec, "ln_mlp", x_btd)
+        return x_btd if cache is None else (x_btd, cache)  # training's x; generation's x and its cache
 
 
-def _norm_if(on: bool, cfg: ModelConfig, rules: ShardingRules, name: str, x):
+def _norm_if(on: bool, cfg: ModelConfig, spec: BlockSpec, name: str, x):
     """x through the named layer norm when `on`, else x: the pre- / post-LN switch."""
-    return norm_for(cfg, rules, name)(x) if on else x
+    return norm_for(cfg, spec, name)(x) if on else x
 
 
 class Embedding(nn.Module):
@@ -339,8 +209,9 @@ class Embedding(nn.Module):
     token types for BERT."""
 
     cfg: ModelConfig
-    rules: ShardingRules = ShardingRules()  # Megatron's table; with no mesh in context, no constraint
+    rules: ShardingRules = DEFAULT_RULES  # Megatron's table; with no mesh in context, no constraint
     num_tokentypes: int = 0
+    spec: BlockSpec | None = None  # its norm's part (None: block_spec(cfg), no kernel)
 
     @nn.compact
     def __call__(self, tokens_bt, types_bt=None, rng=None, deterministic=True, positions_bt=None):
@@ -352,7 +223,7 @@ class Embedding(nn.Module):
                              f"{cfg.max_position_embeddings} positions; shorten it or raise --max-position-embeddings")
         # Explicit positions are for generation, where left-padded rows start counting at their first token.
         # Otherwise positions are still gathered per token: broadcasting wpe[:t] over the batch made XLA
-        # lay the whole residual stream out batch-minor and transpose it around every GEMM (5% at 350M).
+        # lay the whole residual stream out batch-minor and transpose it around every GEMM (docs/performance.md).
         if self.rules.splits("act_seq"):
             # The output is split over the sequence. Left open, that split reaches back to the token ids, and a
             # GPT's `text[:, :-1]` of its (seq + 1)-long rows becomes a collective-permute between neighbours,
@@ -373,7 +244,7 @@ class Embedding(nn.Module):
             wtt = _param(self, "tokentype", ("types", "embed"), (self.num_tokentypes, cfg.hidden_size), init)
             x_btd = x_btd + jnp.take(wtt, types_bt, axis=0)
         if cfg.embedding_layernorm:
-            x_btd = norm_for(cfg, self.rules, "norm", one_plus=False)(x_btd)
+            x_btd = norm_for(cfg, self.spec or block_spec(cfg), "norm", one_plus=False)(x_btd)
         x_btd = self.rules.constrain(x_btd, ("batch", "act_seq", "embed"))
         return _dropout(x_btd, cfg.hidden_dropout, _dropout_rng(self, rng, deterministic), deterministic)
 
@@ -400,22 +271,21 @@ def loss_chunks(batch: int, seq: int) -> int:
     return max(c for c in range(1, min(most, seq) + 1) if seq % c == 0)
 
 
-def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, valid_vocab: int = 0):
+def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, valid_vocab: int = 0,
+                      xent=None):
     """`cross_entropy_sum` of the tied LM head's logits, run over `loss_chunks` slices of the sequence.
 
     Each slice's logits live only inside its loop step. When differentiated, the forward pass also
     computes the gradients (of x by one GEMM, of the table accumulated in fp32 by another), so the
     backward pass only scales them by the incoming cotangent: the full logits and their gradient are
-    never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head, in 4.1 GiB
-    less at 1.3B b16 (docs/performance.md). Reverse mode only (a custom VJP): for `jax.jvp`, take
-    `cross_entropy_sum` of the whole logits. On one GPU each chunk's cross-entropy and its gradient are
-    `fused_xent`'s kernel.
+    never stored, and nothing is recomputed. The same three GEMMs run as in the unfused head, in less memory
+    (docs/performance.md). Reverse mode only (a custom VJP): for `jax.jvp`, take `cross_entropy_sum` of the
+    whole logits. With `xent` (fused_xent's Tuning, where the kernel policy runs it) each chunk's cross-entropy
+    and its gradient are that kernel's.
     """
     b, t, d = x_btd.shape
     chunks = loss_chunks(b, t)
-    kernel = pallas_gpu.tuning(fused_xent)
-    if not fused_xent.supported(b * (t // chunks), rules, kernel):
-        kernel = None
+    tuning = xent if xent is not None and kernel("fused_xent").supported(b * (t // chunks), xent) else None
 
     def split(a):  # (b, t, ...) -> (chunks, b, t / chunks, ...)
         return jnp.moveaxis(a.reshape(b, chunks, t // chunks, *a.shape[2:]), 1, 0)
@@ -426,9 +296,9 @@ def fused_lm_loss_sum(x_btd, wte_vd, targets_bt, mask_bt, rules: ShardingRules, 
             x_c, t_c, m_c = xs
             logits = vocab_parallel_logits(x_c, w, rules)
             m = m_c.astype(jnp.float32)
-            if kernel is not None:
-                nll, dlogits = fused_xent.token_nll(logits, t_c, m, valid_vocab, x.dtype if with_grads else None,
-                                                    kernel)
+            if tuning is not None:
+                nll, dlogits = kernel("fused_xent").run(logits, t_c, m, valid_vocab, x.dtype if with_grads else None,
+                                                        tuning)
             else:
                 nll, dnll = token_nll(logits, t_c, valid_vocab)
                 dlogits = (dnll * m[..., None]).astype(x.dtype) if with_grads else None

@@ -26,7 +26,6 @@ import numpy as np
 
 E4M3 = jnp.float8_e4m3fn
 
-QUANTIZATIONS = {"none": None, "fp8": E4M3}  # --quantization: None keeps the compute dtype
 
 # The weights generation keeps in fp8 and the dims each one's GEMM contracts (jax3d.models.layers): the blocks'
 # GEMMs, and the word embedding and untied output table, which the LM head contracts over `embed` (a scale per
@@ -86,11 +85,6 @@ def quantize(w, contracted: tuple, dtype=E4M3) -> Quantized:
     scale = jnp.where(amax > 0, amax / largest, 1.0).astype(w.dtype)  # an all-zero column keeps zeros
     values = jnp.clip(w32 / jnp.expand_dims(scale.astype(jnp.float32), contracted), -largest, largest).astype(dtype)
     return Quantized(jnp.transpose(values, stored_order(w.ndim, contracted)), scale, tuple(contracted))
-
-
-def weight_dtype(flag: str):
-    """The dtype generation keeps CONTRACTED's weights in for `--quantization flag` (None: the compute dtype)."""
-    return QUANTIZATIONS[flag]
 
 
 def dequantize(w: Quantized, dtype=jnp.float32):

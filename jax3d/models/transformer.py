@@ -16,7 +16,9 @@ import jax.numpy as jnp
 
 from jax3d import dropout_keys
 from jax3d.config import ModelConfig
+from jax3d.kernels.policy import KernelPolicy
 from jax3d.models.layers import Block
+from jax3d.models.spec import block_spec
 from jax3d.parallel.rules import ShardingRules
 
 _POLICIES = {
@@ -46,22 +48,26 @@ def unstack_layers(blocks, num: int) -> list:
 
     One `split` per leaf: its gradient is one concatenate. Indexing `a[i]` per layer instead gives each
     layer a gradient padded with zeros to the whole stack, and the step then adds up `num` such stacks
-    (2.8% slower at 1.3B b16).
+    (slower: docs/performance.md).
     """
     parts = jax.tree.map(lambda a: [s[0] for s in jnp.split(a, num)], blocks)
     return [jax.tree.map(lambda _, ps: ps[i], blocks, parts) for i in range(num)]
 
 
 class TransformerLM:
-    """Base of GPT and BERT. Subclasses define the ends: `_modules`, `_init_ends`, `sample_shapes`, `embed`,
-    `head_loss`, `normalizers` (and `block_mask` when blocks take a mask)."""
+    """Base of GPT and BERT: `kernels` (the run's KernelPolicy) and `fp8` (the FP8 recipe's format, "" for none)
+    choose the blocks' parts (jax3d.models.spec). Subclasses define the ends: `_modules`, `_init_ends`,
+    `sample_shapes`, `embed`, `head_loss`, `normalizers` (and `block_mask` when blocks take a mask)."""
 
     causal = True
 
-    def __init__(self, cfg: ModelConfig, rules: ShardingRules | None = None):
+    def __init__(self, cfg: ModelConfig, rules: ShardingRules | None = None, *,
+                 kernels: KernelPolicy = KernelPolicy.none(), fp8: str = ""):
         self.cfg = cfg
         self.rules = rules if rules is not None else ShardingRules.inactive()
-        self.block = Block(cfg, self.rules, causal=self.causal)
+        self.kernels, self.fp8 = kernels, fp8
+        self.spec = block_spec(cfg, kernels, fp8)  # the blocks' parts, chosen once
+        self.block = Block(cfg, self.rules, self.spec, causal=self.causal)
 
     # ---- parameters -------------------------------------------------------------------------
     def _dummy_x(self):

@@ -5,6 +5,8 @@
                       pipeline spec), automatic fields filled in
     zero.py           ZeroPlan (what is sharded over `data`) and ZeRO as sharding transforms
     pipeline_spec.py  PipelineSpec (schedule, stages, virtual stages, micro-batches) and the pipeline-shape rules
+    precision.py      PrecisionPolicy: compute dtype, loss scaling, FP8 recipe, compiler options, device check,
+                      generation's weight and cache dtypes, decided once from PrecisionConfig
     rules.py          logical axis names -> mesh axes, the one table of tensor, sequence and pipeline parallelism
 
 Code elsewhere reads the Plan's named facts (`plan.zero.gradients`, `plan.pipeline.virtual_stages`) and
@@ -22,10 +24,11 @@ _EXPORTS = {
     "ZeroPlan": "zero", "add_data_axis": "zero", "cast_for_compute": "zero", "state_specs": "zero",
     "zero_specs": "zero",
     "PipelineSpec": "pipeline_spec",
+    "PrecisionPolicy": "precision",
     "BASE_RULES": "rules", "ShardingRules": "rules", "constrain_tree": "rules", "named_shardings": "rules",
     "tree_specs": "rules", "with_shardings": "rules",
 }
-_MODULES = ("mesh", "plan", "zero", "pipeline_spec", "rules")
+_MODULES = ("mesh", "plan", "zero", "pipeline_spec", "precision", "rules")
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, _MODULES)

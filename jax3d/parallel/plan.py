@@ -9,7 +9,8 @@ up on CPU devices. `resolve` fills them in and checks every rule once, reporting
 
 The `Plan` it returns is the whole run's layout, resolved once and handed on: the settled config (its counts in
 samples and tokens, jax3d.counts, included), the mesh, the sharding rules, the batch's spec, `plan.zero` (what
-ZeRO shards over `data`), `plan.pipeline` (schedule, stages, virtual stages, micro-batches) and the kernel policy.
+ZeRO shards over `data`), `plan.pipeline` (schedule, stages, virtual stages, micro-batches), the kernel policy and
+`plan.precision` (jax3d.parallel.precision.PrecisionPolicy: dtypes, loss scaling, FP8 recipe).
 Training, evaluation, generation, HF import and the benchmarks all start from it; code outside jax3d/parallel/
 reads its facts and never decides from `zero_stage` or the schedule's name itself, nor builds them again.
 """
@@ -28,6 +29,7 @@ from jax3d.counts import settle
 from jax3d.kernels.policy import KernelPolicy
 from jax3d.parallel.mesh import MeshConfig, batch_spec, layout_errors
 from jax3d.parallel.pipeline_spec import PipelineSpec, default_schedule
+from jax3d.parallel.precision import PrecisionPolicy
 from jax3d.parallel.rules import ShardingRules
 from jax3d.parallel.zero import ZeroPlan, default_zero_stage
 
@@ -53,21 +55,27 @@ class Plan:
     mesh: MeshConfig
     layout_note: str = "as given"  # e.g. "chosen automatically: the most parallel layout that fits"
     kernels: KernelPolicy = field(default_factory=KernelPolicy.none)  # resolve: from the platform and mesh size
+    # dtypes, loss scaling, FP8 recipe, compiler options: resolve's, checked against the devices; else (None)
+    # derived from cfg.precision
+    precision: PrecisionPolicy | None = None
     zero: ZeroPlan = field(init=False)
     pipeline: PipelineSpec = field(init=False)
     rules: ShardingRules = field(init=False)  # logical axes -> mesh axes; built here only
     batch_spec: P = field(init=False)  # a global batch's (micro-batches, rows, ...) placement
-    # LEAD (precision policy): precision: PrecisionPolicy = field(init=False), set below from
-    # PrecisionPolicy.of(self.cfg.precision, devices) once jax3d/parallel/precision.py is merged.
 
     def __post_init__(self):
+        if self.precision is None:
+            object.__setattr__(self, "precision", PrecisionPolicy.of(self.cfg.precision))
         object.__setattr__(self, "zero", ZeroPlan.of(self.cfg.parallel.zero_stage, self.mesh.data))
         object.__setattr__(self, "pipeline", PipelineSpec.of(self.cfg, self.mesh.stage, self.mesh.data))
         object.__setattr__(self, "rules", ShardingRules.create(self.cfg.parallel.sequence_parallel))
         object.__setattr__(self, "batch_spec", batch_spec())
 
     def replace(self, **changes) -> "Plan":
-        """This plan with `changes` (cfg, mesh, layout_note, kernels), its facts derived again."""
+        """This plan with `changes` (cfg, mesh, layout_note, kernels, precision), its facts derived again (the
+        precision policy too, from a changed cfg, unless given)."""
+        if "cfg" in changes and "precision" not in changes and changes["cfg"].precision != self.cfg.precision:
+            changes["precision"] = None
         return dataclasses.replace(self, **changes)
 
 
@@ -127,7 +135,7 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *
             checkpoint: str = "", from_checkpoint: Collection[str] = (), platform: str = "",
             kernels: KernelPolicy | None = None) -> Plan:
     """The run's Plan on `num_devices` devices: auto fields filled in, the counts settled (jax3d.counts), every
-    rule checked, the kernels chosen.
+    rule checked, the kernels chosen, the precision policy decided (and checked against JAX's devices).
 
     `tokenizer_vocab` is the tokenizer's vocabulary size; it is needed when `cfg.model.vocab_size` is 0.
     `from_checkpoint` names the model fields taken from the checkpoint in the --load directory `checkpoint`,
@@ -147,36 +155,8 @@ def resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None = None, *
     return plan.replace(kernels=kernels)
 
 
-# The least CUDA compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0).
-FP8_COMPUTE_CAPABILITY = (8, 9)
-
-
-def without_fp8(devices) -> str:
-    """The compute capability of `devices`' GPUs where they lack FP8 (below 8.9), else "": FP8 GPUs, CPUs (which
-    emulate the f8 types, for tests) and GPUs other than CUDA's (ROCm names its architecture: XLA decides)."""
-    if not devices or devices[0].platform != "gpu":
-        return ""
-    cc = str(getattr(devices[0], "compute_capability", ""))
-    try:
-        have = tuple(int(p) for p in cc.split(".")[:2])
-    except ValueError:
-        return ""
-    return "" if have >= FP8_COMPUTE_CAPABILITY else cc
-
-
-def fp8_device_error(precision, devices) -> str:
-    """Why FP8 can't run on `devices` (GPUs without FP8 tensor cores), or "". CPUs emulate the f8 types (tests)."""
-    cc = without_fp8(devices) if precision.fp8 else ""
-    if not cc:
-        return ""
-    return (f"--fp8-{precision.fp8} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper) and this "
-            f"{devices[0].device_kind} has {cc}; drop the --fp8-* flags")
-
-
 def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_from_checkpoint: str) -> Plan:
-    refused = fp8_device_error(cfg.precision, jax.devices())  # "" when FP8 is off
-    if refused:
-        raise ConfigError(refused)
+    precision = PrecisionPolicy.of(cfg.precision, jax.devices())  # ConfigError where the devices can't run it (FP8)
     if cfg.model.scan_layers is None:
         deep = cfg.model.num_layers >= SCAN_LAYERS_FROM
         cfg = cfg.replace(model={"scan_layers": deep and jax.default_backend() == "cpu"})
@@ -211,7 +191,7 @@ def _resolve(cfg: Config, num_devices: int, tokenizer_vocab: int | None, vocab_f
         cfg = cfg.replace(parallel={"zero_stage": default_zero_stage(mesh.data)})
     mesh.validate(cfg.model, cfg.parallel, cfg.train)
     # The run's counts in samples and tokens, on its final batch, sequence and data-parallel sizes: here, once.
-    return Plan(settle(cfg, mesh.data), mesh, note)
+    return Plan(settle(cfg, mesh.data), mesh, note, precision=precision)
 
 
 def generation_plan(model: ModelConfig, tp: int, *, checkpoint: str = "") -> Plan:

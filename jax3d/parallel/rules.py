@@ -98,6 +98,10 @@ class ShardingRules:
         return jax.lax.with_sharding_constraint(x, spec)
 
 
+# The table as a module's default (Megatron's table; with no mesh in context, no constraint).
+DEFAULT_RULES = ShardingRules()
+
+
 def tree_specs(rules: ShardingRules, logical_tree) -> object:
     """Maps a pytree of logical-axis tuples to PartitionSpecs."""
     return jax.tree.map(rules.spec, logical_tree, is_leaf=lambda x: isinstance(x, tuple))

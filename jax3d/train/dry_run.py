@@ -57,8 +57,8 @@ def dry_run(plan: Plan, mesh=None) -> dict:
     report = {
         "model": cfg.model.model_type, "num_params": steps.model.num_params(),
         "mesh": dict(zip(AXES, (mesh_cfg.data, mesh_cfg.stage, mesh_cfg.model))),
-        "zero_stage": cfg.parallel.zero_stage, "dtype": cfg.precision.dtype,
-        **({"fp8": cfg.precision.fp8} if cfg.precision.fp8 else {}),
+        "zero_stage": cfg.parallel.zero_stage, "dtype": plan.precision.dtype,
+        **({"fp8": plan.precision.fp8.format} if plan.precision.fp8 else {}),
         "micro_batches": steps.accum_steps, "scan_layers": cfg.model.scan_layers,
         "params": params, "opt_state": opt, "grads": grads, "temp": temp, "peak": peak,
         "arguments": args,

@@ -15,7 +15,6 @@ import math
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax3d.config import Config, ConfigError, ParallelConfig, PrecisionConfig, TrainConfig
@@ -207,7 +206,7 @@ def evaluate_checkpoint(load: str, *, step: int = -1, data_paths=(), text_file: 
     params = restore_arrays(load, step, {"params": targets}).params
     if quantization == "fp8":
         from jax3d.models import quantized
-        params = jax.jit(functools.partial(quantized.rounded, compute_dtype=jnp.dtype(dtype)),
+        params = jax.jit(functools.partial(quantized.rounded, compute_dtype=steps.precision.compute_dtype),
                          out_shardings=steps.logical_shardings.params)(params)
     params = steps.state_params(params)
     out = evaluate_params(steps, params, dataset, count, progress)

@@ -198,7 +198,7 @@ def _train(plan: Plan, mesh, inputs, progress: bool, checkpointer, memory_check:
     # Compiled from abstract shapes before any state is allocated or restored, so a step that cannot fit
     # stops here, before a checkpoint is read into memory the step then has no room beside.
     t0 = time.perf_counter()
-    if chief and progress and cfg.precision.fp8 and jax.default_backend() == "gpu":
+    if chief and progress and steps.precision.fp8 and jax.default_backend() == "gpu":
         # Measured on an H100: 200 s at the 1.3B shape against bf16's 20 s (docs/performance.md, FP8).
         print("jax3d: compiling the train step; with FP8 GEMMs that can take minutes (--compilation-cache-dir keeps "
               "it for later runs)", file=sys.stderr)
@@ -243,7 +243,8 @@ def _train(plan: Plan, mesh, inputs, progress: bool, checkpointer, memory_check:
         last, pending = {}, []
         t_last, steps_since, consumed_last = time.perf_counter(), 0, consumed
         say = (lambda line: bar.write(line, file=sys.stderr)) if chief else (lambda line: None)
-        skips = SkipWatch(cfg.precision, skip_limit(cfg), int(state.loss_scale.skipped), say)
+        scaling = steps.precision.loss_scaling
+        skips = SkipWatch(scaling, skip_limit(tr.exit_after_skipped_iters, scaling), int(state.loss_scale.skipped), say)
         owed = False  # a save put off because the steps before it were all skipped
         for it in range(start, end):
             if _kill_switch(tr.kill_switch_file):  # as Megatron: checked before each step, and no save

@@ -41,16 +41,8 @@ def header(plan, num_params: int) -> str:
     size = f"{num_params / 1e9:.1f}B" if num_params >= 1e9 else f"{num_params / 1e6:.1f}M"
     return (f"jax3d: {m.model_type} {m.num_layers}L d{m.hidden_size} ({size} params) on "
             f"(data, stage, model) = ({mesh.data}, {mesh.stage}, {mesh.model}), {plan.layout_note}{pipeline}; "
-            f"ZeRO-{par.zero_stage}, {cfg.precision.dtype}{fp8_note(cfg.precision)}, "
+            f"ZeRO-{par.zero_stage}, {plan.precision.describe()}, "
             f"global batch {tr.global_batch_size} x {m.seq_length} tokens")
-
-
-def fp8_note(precision) -> str:
-    """What the run header adds for FP8: the format and the delayed-scaling recipe."""
-    if not precision.fp8:
-        return ""
-    return (f" with FP8 GEMMs ({precision.fp8}, amax {precision.fp8_amax_compute_algo} of "
-            f"{precision.fp8_amax_history_len}, margin {precision.fp8_margin})")
 
 
 def _adopt(cfg: Config, options: RunOptions):
@@ -116,8 +108,7 @@ def run(cfg: Config, options: RunOptions = RunOptions(), *, on_plan: Callable | 
         print(header(plan, build_model(cfg.model).num_params()), file=sys.stderr)
         for note in notes:
             print(note, file=sys.stderr)
-        from jax3d.train.fp8 import autotuning_off_note
-        if note := autotuning_off_note(cfg.precision):
+        if note := plan.precision.autotuning_note:
             print(note, file=sys.stderr)
         if cfg.parallel.sequence_parallel and plan.mesh.model == 1:
             print("jax3d: --sequence-parallel shards activations over tensor parallelism, which is 1 here, so it "

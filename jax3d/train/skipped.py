@@ -14,6 +14,7 @@ import math
 import jax
 
 from jax3d.config import ConfigError
+from jax3d.parallel.precision import LossScaling
 
 DEFAULT_LIMIT = 50  # past fp16's 33 overflows from 2^32 to a scale of 1 (`overflows_to_floor`), with room to spare
 FLAG = "--exit-after-skipped-iters"
@@ -30,34 +31,29 @@ class SkippedStepsStop(Exception):
                          f"row, {FLAG} {limit}), so the run stops")
 
 
-def dynamic_fp16(precision) -> bool:
-    return precision.dtype == "float16" and not precision.loss_scale
-
-
-def overflows_to_floor(precision) -> int:
+def overflows_to_floor(scaling: LossScaling) -> int:
     """Overflows in a row that take fp16's dynamic loss scale from its first value down to --min-loss-scale (0
     without one): the first `hysteresis - 1` only spend the hysteresis, each after that halves the scale (33 from
     Megatron's 2^32 with hysteresis 2; 17 reach 2^16, about where fp16's range starts to hold gradients)."""
-    if not dynamic_fp16(precision):
+    if not scaling.dynamic:
         return 0
-    halvings = max(0, math.ceil(math.log2(precision.initial_loss_scale / precision.min_loss_scale)))
-    return precision.hysteresis - 1 + halvings
+    halvings = max(0, math.ceil(math.log2(scaling.initial / scaling.min_scale)))
+    return scaling.hysteresis - 1 + halvings
 
 
-def skip_limit(cfg) -> int:
-    """The run's `--exit-after-skipped-iters`; by default DEFAULT_LIMIT, or more where an fp16 loss scale needs
-    more room to come down."""
-    given = cfg.train.exit_after_skipped_iters
-    return given if given >= 0 else max(DEFAULT_LIMIT, overflows_to_floor(cfg.precision) + 10)
+def skip_limit(given: int, scaling: LossScaling) -> int:
+    """The run's `--exit-after-skipped-iters` (`given`, negative when not given); by default DEFAULT_LIMIT, or
+    more where an fp16 loss scale needs more room to come down."""
+    return given if given >= 0 else max(DEFAULT_LIMIT, overflows_to_floor(scaling) + 10)
 
 
-def check_limit(limit: int, precision) -> None:
+def check_limit(limit: int, scaling: LossScaling) -> None:
     """ConfigError where a given limit would stop an fp16 run before its loss scale could reach its floor."""
-    floor = overflows_to_floor(precision)
+    floor = overflows_to_floor(scaling)
     if 0 < limit <= floor:
         raise ConfigError(f"{FLAG} {limit} would stop an --fp16 run before its loss scale can come down: from "
-                          f"{_scale(precision.initial_loss_scale)} to --min-loss-scale {precision.min_loss_scale:g} "
-                          f"takes {floor} overflows in a row with --hysteresis {precision.hysteresis}; pass more than "
+                          f"{_scale(scaling.initial)} to --min-loss-scale {scaling.min_scale:g} "
+                          f"takes {floor} overflows in a row with --hysteresis {scaling.hysteresis}; pass more than "
                           f"{floor}, or 0 to never stop")
 
 
@@ -69,8 +65,8 @@ def _scale(s: float) -> str:
 class SkipWatch:
     """Follows the train step's `skipped` count (a running total) step by step, lazily."""
 
-    def __init__(self, precision, limit: int, skipped_before: int, say):
-        self.fp16, self.limit, self.total, self.say = dynamic_fp16(precision), limit, skipped_before, say
+    def __init__(self, scaling: LossScaling, limit: int, skipped_before: int, say):
+        self.fp16, self.limit, self.total, self.say = scaling.dynamic, limit, skipped_before, say
         self.unread = collections.deque()  # (step, metrics) not read yet
         self.first = 0  # the first step of the run of skipped steps that ends at the last one read
         self.streak = 0  # its length; 0 when the last step read applied its update

@@ -6,7 +6,6 @@ the pipeline when the mesh has more than one stage.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -25,14 +24,13 @@ from jax3d.models import build_model, fp8
 from jax3d.parallel import cast_for_compute, constrain_tree, named_shardings, state_specs, tree_specs, with_shardings
 from jax3d.parallel.mesh import MeshConfig, with_auto_axes
 from jax3d.parallel.plan import Plan
-from jax3d.train.fp8 import Recipe, compiler_options, history_specs
+from jax3d.parallel.precision import PrecisionPolicy
+from jax3d.train.fp8 import history_specs
 from jax3d.pipeline.layout import state_layout
 from jax3d.train.layer_order import LayerOrder
 from jax3d.train.optimizer import lr_schedule, make_optimizer
 from jax3d.train.pipelined import pipeline_grads_fn
 from jax3d.train.state import TrainState, initial_loss_scale, seed_keys, update_loss_scale
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def _where_tree(pred, a, b):
@@ -72,6 +70,7 @@ class Steps:
     _from_logical: Callable
     _params_from_logical: Callable
     plan: Plan  # the ZeRO plan and pipeline spec the step was built for
+    precision: PrecisionPolicy  # compute dtype, loss scaling, FP8 recipe, compiler options
 
     def batch_sharding(self):
         return NamedSharding(self.mesh, self.batch_spec)
@@ -97,7 +96,7 @@ class Steps:
     def new_run_parts(self) -> dict:
         """What a new run starts its step, loss scale and RNG at (`init_state` with `--seed`): a restore
         starts the parts it doesn't read (--finetune, --no-load-rng, ...) from these."""
-        return {"step": np.int32(0), "loss_scale": initial_loss_scale(self.cfg.precision),
+        return {"step": np.int32(0), "loss_scale": initial_loss_scale(self.precision.loss_scaling),
                 "rng": jax.random.key_data(seed_keys(self.cfg.train.seed)[1])}
 
     def state_from_logical(self, state: TrainState) -> TrainState:
@@ -164,20 +163,22 @@ def loss_metrics(obj, aux, norms) -> dict:
 
 def build_steps(plan: Plan, mesh=None) -> Steps:
     """Builds the model, the state shardings (ZeRO applied) and the jitted steps of `plan` (what
-    jax3d.parallel.plan.resolve returned), on `mesh` (default: the plan's mesh on the first devices)."""
-    cfg, mesh_cfg, rules = plan.cfg, plan.mesh, plan.rules
+    jax3d.parallel.plan.resolve returned), on `mesh` (default: the plan's mesh on the first devices), with the
+    plan's kernels and precision."""
+    cfg, mesh_cfg, rules, kernels = plan.cfg, plan.mesh, plan.rules, plan.kernels
     mesh = with_auto_axes(mesh if mesh is not None else mesh_cfg.build(jax.devices()[: mesh_cfg.size]))
     # The state's layer stack always divides over the stages: in logical order it has L rows, which an
     # even split divides, and an uneven or interleaved layout stores the stack padded in pipeline order.
-    model = build_model(cfg.model, rules)
+    model = build_model(cfg.model, rules, kernels=kernels)
     # With FP8 the train step runs its own copy of the model, whose GEMMs take scales; the state's parameters,
     # their init, evaluation and `loss_and_grads` are the plain model's.
-    recipe = Recipe.of(cfg.precision)
-    step_model = model if recipe is None else build_model(dataclasses.replace(cfg.model, fp8=recipe.format), rules)
+    precision = plan.precision
+    recipe = precision.fp8
+    step_model = model if recipe is None else build_model(cfg.model, rules, kernels=kernels, fp8=recipe.format)
     optimizer = make_optimizer(cfg.optim, cfg.train.train_iters)
     order = LayerOrder(state_layout(plan.pipeline, cfg.model.num_layers), optimizer)
     schedule = lr_schedule(cfg.optim, cfg.train.train_iters)
-    dtype = DTYPES[cfg.precision.dtype]
+    dtype = precision.compute_dtype
     accum = plan.pipeline.microbatches
 
     abstract_params = jax.eval_shape(lambda k: order.params_from_logical(model.init(k)), jax.random.key(0))
@@ -194,7 +195,7 @@ def build_steps(plan: Plan, mesh=None) -> Steps:
     opt_specs = optax.tree_utils.tree_map_params(
         optimizer, lambda _, spec: spec, abstract_opt, specs["opt"],
         transform_non_params=lambda _: P(), is_leaf=_is_spec)
-    ls_specs = jax.tree.map(lambda _: P(), initial_loss_scale(cfg.precision))
+    ls_specs = jax.tree.map(lambda _: P(), initial_loss_scale(precision.loss_scaling))
     state_spec = TrainState(step=P(), params=specs["params"], opt_state=opt_specs, rng=P(), loss_scale=ls_specs,
                             fp8=None if recipe is None else history_specs(scales_specs))
     state_shardings = named_shardings(mesh, state_spec)
@@ -206,7 +207,7 @@ def build_steps(plan: Plan, mesh=None) -> Steps:
         k_params, k_run = seed_keys(seed)
         params = order.params_from_logical(model.init(k_params))  # reordered once, here
         return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
-                          rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(cfg.precision),
+                          rng=jax.random.key_data(k_run), loss_scale=initial_loss_scale(precision.loss_scaling),
                           fp8=None if recipe is None else recipe.init(fp8_abstract))
 
     # Entries of the stack's padding rows (layer_order.py), whose gradients are zeros that no layer owns.
@@ -254,7 +255,7 @@ def build_steps(plan: Plan, mesh=None) -> Steps:
         new_params = _where_tree(finite, new_params, state.params)
         new_opt = _where_tree(finite, new_opt, state.opt_state)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt,
-                                  loss_scale=update_loss_scale(state.loss_scale, finite, cfg.precision))
+                                  loss_scale=update_loss_scale(state.loss_scale, finite, precision.loss_scaling))
         if recipe is not None:
             new_state = new_state.replace(fp8=_where_tree(finite, recipe.update(state.fp8, amaxes), state.fp8))
         metrics = {**loss_metrics(obj, aux, norms), "grad_norm": grad_norm,
@@ -296,7 +297,7 @@ def build_steps(plan: Plan, mesh=None) -> Steps:
     # Only the train step runs FP8 GEMMs (evaluation and loss_and_grads run the plain model).
     train_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                         out_shardings=(state_shardings, repl), donate_argnums=0,
-                        compiler_options=compiler_options(cfg.precision))
+                        compiler_options=precision.compiler_options)
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding), out_shardings=repl)
     grads_jit = jax.jit(loss_and_grads, out_shardings=(repl, jax.tree.map(
         lambda s: NamedSharding(mesh, s), order.moved_logical_specs(specs["grads"], abstract_params, mesh),
@@ -310,7 +311,7 @@ def build_steps(plan: Plan, mesh=None) -> Steps:
                  abstract_state, accum, _with_mesh(mesh, grads_jit), order=order,
                  logical_shardings=logical_shardings, abstract_logical_state=abstract_logical,
                  _to_logical=to_logical, _params_to_logical=params_to_logical, _from_logical=from_logical,
-                 _params_from_logical=params_from_logical, plan=plan)
+                 _params_from_logical=params_from_logical, plan=plan, precision=precision)
 
 
 def count_zeros(tree) -> jax.Array:
