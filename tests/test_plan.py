@@ -131,6 +131,29 @@ def test_a_plan_carries_the_facts_every_consumer_reads():
     assert not other.rules.splits("act_seq") and other.pipeline.microbatches == 2 and other.kernels == plan.kernels
 
 
+def test_the_plan_carries_the_precision_policy_and_a_changed_precision_derives_it_again(monkeypatch):
+    """resolve decides the PrecisionPolicy once, checked against JAX's devices (FP8 on a GPU without it is one
+    sentence); the plan of a config with other precision flags carries that config's policy."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from jax3d.config import PrecisionConfig
+    from jax3d.parallel.precision import PrecisionPolicy
+
+    cfg = _cfg().replace(precision={"dtype": "bfloat16", "fp8": "hybrid"})
+    plan = resolve(cfg, 8)
+    assert plan.precision == PrecisionPolicy.of(cfg.precision) and plan.precision.fp8.format == "hybrid"
+    assert Plan(plan.cfg, plan.mesh).precision == plan.precision
+    fp16 = plan.replace(cfg=plan.cfg.replace(precision={"dtype": "float16", "fp8": ""}))
+    assert fp16.precision == PrecisionPolicy.of(PrecisionConfig(dtype="float16")) and fp16.precision.fp8 is None
+    assert plan.replace(layout_note="x").precision is plan.precision
+    a100 = SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(jax, "devices", lambda *a: [a100] * 8)
+    with pytest.raises(ConfigError, match="--fp8-hybrid needs FP8 tensor cores"):
+        resolve(cfg, 8, platform="cpu")
+
+
 def test_the_plan_picks_the_schedule_a_run_leaves_open():
     assert resolve(_cfg(pipeline_parallel=2, pipeline_schedule=None), 2).cfg.parallel.pipeline_schedule == "1f1b"
     picked = resolve(_cfg(pipeline_parallel=2, pipeline_schedule=None, layers_per_virtual_stage=1), 2).cfg.parallel

@@ -174,12 +174,15 @@ def test_precision_flags_reach_the_policy(flags, dtype, mode, initial):
 
 
 def test_the_train_step_reads_the_policy():
-    """build_steps carries the policy it built its step with; the state starts at its loss scale."""
+    """build_steps carries the plan's policy, which it built its step with; the state starts at its loss scale."""
+    from jax3d.parallel.plan import Plan
     from jax3d.train.step import abstract_state, build_steps
     from tests.helpers import tiny_config
 
     cfg, mesh_cfg, mesh = tiny_config(model_kw={"num_layers": 1})
-    steps = build_steps(cfg.replace(precision={"dtype": "float16", "loss_scale": 512.0}), mesh_cfg, mesh)
+    plan = Plan(cfg.replace(precision={"dtype": "float16", "loss_scale": 512.0}), mesh_cfg)
+    steps = build_steps(plan, mesh)
+    assert steps.precision is plan.precision
     assert steps.precision == PrecisionPolicy.of(PrecisionConfig(dtype="float16", loss_scale=512.0))
     assert steps.precision.loss_scaling.mode == "static"
     assert float(steps.new_run_parts()["loss_scale"].scale) == 512.0
