@@ -39,7 +39,9 @@ def test_generate_speed_small_agrees_with_both_peers(capsys, shape, args, batche
         assert r["limit_tok_s"] == pytest.approx(r["batch"] / rows[0]["batch"] * rows[0]["limit_tok_s"], rel=1e-3)
         assert r["limit_with_cache_tok_s"] < r["limit_tok_s"]
         assert r["jax3d_trace"]["kernels_per_step"] > 0
-        assert sum(r["jax3d_step_ms"].values()) == pytest.approx(r["batch"] * 1e3 / r["jax3d_decode_tok_s"], abs=2e-3)
+        # (nan both sides where a tiny model's decode time is lost in the CPU's noise: generate_speed.decode_rate)
+        assert sum(r["jax3d_step_ms"].values()) == pytest.approx(r["batch"] * 1e3 / r["jax3d_decode_tok_s"], abs=2e-3,
+                                                                 nan_ok=True)
 
 
 def test_transformers_judges_its_own_greedy_tokens_first_and_other_tokens_below(tmp_path):
