@@ -19,13 +19,14 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.harness import emitter, LLAMA_SHAPES, ROOT, SHAPES, VOCAB, Run, child_env, is_bert, run_isolated
+from benchmarks.harness import (emitter, ROOT, SHAPES, VOCAB, Run, child_env, dims, is_bert, is_llama,
+                                run_isolated)
 
 
 def cli_flags(shape: str, micro: int) -> list[str]:
     """launch/train.py's flags for the harness's `shape` at micro-batch (= global batch) `micro`: the same model,
     precision and data type as `harness.config_for`, without dropout or evaluation."""
-    layers, d, heads, seq, _ = SHAPES[shape]
+    layers, d, heads, seq, _ = dims(shape)
     flags = ["--num-layers", layers, "--hidden-size", d, "--num-attention-heads", heads, "--seq-length", seq,
              "--max-position-embeddings", seq, "--micro-batch-size", micro, "--global-batch-size", micro,
              "--vocab-size", VOCAB, "--bf16", "--hidden-dropout", 0, "--attention-dropout", 0, "--eval-interval", 0,
@@ -77,7 +78,7 @@ def sweep_point(shape: str, micro: int) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    gpt = [s for s in SHAPES if s not in LLAMA_SHAPES and not is_bert(s)]
+    gpt = [s for s in SHAPES if not is_llama(s) and not is_bert(s)]
     p.add_argument("--shape", default="1.3b-b16", choices=gpt, help="a GPT shape of benchmarks.harness")
     p.add_argument("--match", type=int, default=0, metavar="N",
                    help="time the harness and the command line N times each, alternating (default: 0)")
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     emit = emitter(a.out)
 
     ok = True
-    batch = SHAPES[a.shape][4]
+    batch = SHAPES[a.shape].batch
     harness, cli = [], []
     for _ in range(a.match):
         h = run_isolated(Run(a.shape), a.steps)

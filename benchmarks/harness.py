@@ -1,5 +1,5 @@
-"""What the benchmarks share: the shapes, jax3d's real train step built for one of them (its Pallas kernels
-left out or set otherwise where a run says so), the peer, and a kernel timed alone.
+"""What the benchmarks share: the shapes (model presets at a sequence length and batch), jax3d's real train step
+built for one of them (its Pallas kernels left out or set otherwise where a run says so), and the peer.
 
 The step is `jax3d.train.step.build_steps` (what `launch/train.py` runs), on random tokens, so data
 loading stays out of the figure. FLOPs are counted as the PyTorch peer counts them
@@ -20,28 +20,39 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PEER = os.path.join(ROOT, ".peer", "torch_gpt_peer.py")
 
-# name: (layers, hidden, heads, seq, batch): the shapes the peer comparison is made at.
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A benchmark shape: a model preset (jax3d.models.presets) at a sequence length and batch size."""
+
+    preset: str
+    seq: int
+    batch: int
+    layers: int = 0  # 0: the preset's
+
+
+# The shapes the peer comparison is made at. The GPT peer (torch_gpt_peer.py) takes the preset's layers, width and
+# heads at VOCAB; a Llama's peer is torch_llama_peer.py (beside it), at the preset's published shape (`--shape`).
 SHAPES = {
-    "1.3b-b16": (24, 2048, 16, 2048, 16),
-    "1.3b-b8": (24, 2048, 16, 2048, 8),
-    "350m-b32": (24, 1024, 16, 1024, 32),
-    "125m-b32": (12, 768, 12, 1024, 32),
-    "2.7b-b8": (32, 2560, 32, 2048, 8),  # for the largest model that trains on one device
-    "6.7b-b2": (32, 4096, 32, 2048, 2),
+    "1.3b-b16": Shape("gpt-1.3b", 2048, 16),
+    "1.3b-b8": Shape("gpt-1.3b", 2048, 8),
+    "350m-b32": Shape("gpt-350m", 1024, 32),
+    "125m-b32": Shape("gpt-125m", 1024, 32),
+    "2.7b-b8": Shape("gpt-2.7b", 2048, 8),  # for the largest model that trains on one device
+    "6.7b-b2": Shape("gpt-6.7b", 2048, 2),
     # half of gpt-6.7b's layers: its GEMM shapes within an H100's memory (FP8 against bf16 where no H200 is had)
-    "6.7b-l16-b16": (16, 4096, 32, 2048, 16),
-    "tiny": (2, 128, 8, 128, 4),  # for trying the scripts on a CPU
+    "6.7b-l16-b16": Shape("gpt-6.7b", 2048, 16, layers=16),
+    "tiny": Shape("gpt-tiny", 128, 4),  # for trying the scripts on a CPU
     # BERT (Megatron's pre-LN BERT with its MLM and sentence-order heads); the peer is GPT only.
-    "bert-large-b32": (24, 1024, 16, 512, 32),
-    "bert-tiny": (2, 128, 8, 128, 4),
+    "bert-large-b32": Shape("bert-large", 512, 32),
+    "bert-tiny": Shape("bert-tiny", 128, 4),
+    "llama3.2-1b-b8": Shape("llama3.2-1b", 2048, 8),
+    "llama3.2-3b-b4": Shape("llama3.2-3b", 2048, 4),
+    "llama3-8b-b1": Shape("llama3-8b", 2048, 1),
+    "llama-tiny": Shape("llama-tiny", 128, 4),
 }
-# Llamas: name -> (jax3d preset, seq, batch); their peer is torch_llama_peer.py (beside the GPT peer), at the
-# preset's published shape (`--shape`).
-LLAMA_SHAPES = {"llama3.2-1b-b8": ("llama3.2-1b", 2048, 8), "llama3.2-3b-b4": ("llama3.2-3b", 2048, 4),
-                "llama3-8b-b1": ("llama3-8b", 2048, 1), "llama-tiny": ("llama-tiny", 128, 4)}
-SHAPES.update({name: (0, 0, 0, seq, batch) for name, (_, seq, batch) in LLAMA_SHAPES.items()})  # shape from the preset
-VOCAB = 50304
-BERT_VOCAB = 30592  # BERT's 30522 WordPiece ids, padded to a multiple of 128
+VOCAB = 50304  # the GPT peer's vocabulary
 # Batch keys whose values are 0 or 1 (masks, segment types, the sentence-order flag); the rest are token ids.
 _BINARY_KEYS = ("types", "loss_mask", "padding_mask", "is_random")
 
@@ -63,8 +74,32 @@ def error_line(e: BaseException) -> str:
 
 
 def is_bert(shape: str) -> bool:
-    """Whether a SHAPES entry is a BERT (the rest are GPTs, the peer's model)."""
-    return shape.startswith("bert")
+    """Whether a SHAPES entry is a BERT (the rest are GPTs, the peer's model, and Llamas)."""
+    return SHAPES[shape].preset.startswith("bert")
+
+
+def is_llama(shape: str) -> bool:
+    """Whether a SHAPES entry is a Llama (its peer is torch_llama_peer.py)."""
+    return SHAPES[shape].preset.startswith("llama")
+
+
+def model_config(shape: str, dropout: float = 0.0, recompute: str = "none"):
+    """The ModelConfig of a SHAPES entry: its preset at the shape's sequence length (and layers)."""
+    from jax3d.models import get_preset
+
+    s = SHAPES[shape]
+    fields = dict(seq_length=s.seq, hidden_dropout=dropout, attention_dropout=dropout, recompute=recompute)
+    if not is_llama(shape):  # a Llama keeps its preset's positions; a GPT or BERT has as many as its sequence
+        fields["max_position_embeddings"] = s.seq
+    if s.layers:
+        fields["num_layers"] = s.layers
+    return dataclasses.replace(get_preset(s.preset)[0], **fields)
+
+
+def dims(shape: str) -> tuple[int, int, int, int, int]:
+    """(layers, hidden, heads, seq, batch) of a SHAPES entry."""
+    m = model_config(shape)
+    return m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, SHAPES[shape].batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +129,7 @@ class Run:
         return cls(**json.loads(text))
 
     def dims(self):
-        layers, d, heads, seq, batch = SHAPES[self.shape]
+        layers, d, heads, seq, batch = dims(self.shape)
         return layers, d, heads, seq, self.batch or batch
 
     def label(self) -> str:
@@ -190,24 +225,11 @@ def kernel_policy(run: Run, platform: str, num_devices: int):
 
 
 def config_for(run: Run):
-    from jax3d.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
+    from jax3d.config import Config, ParallelConfig, PrecisionConfig, TrainConfig
 
-    layers, d, heads, seq, batch = run.dims()
-    if run.shape in LLAMA_SHAPES:
-        from jax3d.models import get_preset
-
-        model = dataclasses.replace(get_preset(LLAMA_SHAPES[run.shape][0])[0], seq_length=seq, hidden_dropout=run.dropout,
-                                    attention_dropout=run.dropout, recompute=run.recompute)
-        return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype, fp8=run.fp8),
-                      train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
-    if run.shape in ("tiny", "bert-tiny"):
-        vocab = 4096
-    else:
-        vocab = BERT_VOCAB if is_bert(run.shape) else VOCAB
-    model = ModelConfig(model_type="bert" if is_bert(run.shape) else "gpt", num_layers=layers, hidden_size=d,
-                        num_attention_heads=heads, seq_length=seq, vocab_size=vocab, hidden_dropout=run.dropout,
-                        attention_dropout=run.dropout, recompute=run.recompute)
-    return Config(model=model, parallel=ParallelConfig(), precision=PrecisionConfig(dtype=run.dtype, fp8=run.fp8),
+    batch = run.batch or SHAPES[run.shape].batch
+    return Config(model=model_config(run.shape, run.dropout, run.recompute), parallel=ParallelConfig(),
+                  precision=PrecisionConfig(dtype=run.dtype, fp8=run.fp8),
                   train=TrainConfig(micro_batch_size=batch, global_batch_size=batch, train_iters=1000))
 
 
@@ -385,10 +407,10 @@ def measure(run: Run, steps_timed: int = 10, warmup: int = 3) -> dict:
 
 
 def gemm_kinds(hlo: str) -> dict[str, int]:
-    """How the compiled step's GEMMs run, counted by kind (benchmarks.fp8_probe.gemm_lowering's labels: a cuBLASLt
+    """How the compiled step's GEMMs run, counted by kind (benchmarks.hlo_gemms.gemm_lowering's labels: a cuBLASLt
     FP8 call, a Triton GEMM whose dot takes f8 operands, a bf16 GEMM, ...), so an FP8 run shows what each of its
     GEMMs became, not only the cuBLASLt FP8 calls that `fp8_gemms` counts."""
-    from benchmarks.fp8_probe import gemm_lowering  # fp8_probe imports this module
+    from benchmarks.hlo_gemms import gemm_lowering
 
     return dict(gemm_lowering(hlo).most_common())
 
@@ -443,12 +465,12 @@ def run_isolated(run: Run, steps_timed: int) -> dict:
 
 def run_peer(shape: str, batch: int, steps_timed: int, script: str = DEFAULT_PEER) -> dict:
     """The PyTorch peer at the same shape, in its own process (a Llama's: torch_llama_peer.py beside `script`)."""
-    layers, d, heads, seq, b = SHAPES[shape]
+    layers, d, heads, seq, b = dims(shape)
     cmd = [sys.executable, script, "--layers", str(layers), "--d", str(d), "--heads", str(heads),
            "--seq", str(seq), "--batch", str(batch or b), "--steps", str(steps_timed), "--vocab", str(VOCAB)]
-    if shape in LLAMA_SHAPES:
+    if is_llama(shape):
         cmd = [sys.executable, os.path.join(os.path.dirname(script), "torch_llama_peer.py"), "--shape",
-               LLAMA_SHAPES[shape][0], "--seq", str(seq), "--batch", str(batch or b), "--steps", str(steps_timed)]
+               SHAPES[shape].preset, "--seq", str(seq), "--batch", str(batch or b), "--steps", str(steps_timed)]
     with GpuLog() as gpu:
         rec, printed_at = _child_at(cmd, dict(os.environ), f"peer {shape}", marker="")
     if "step_s" in rec:  # its timed steps: the last steps_timed * step_s seconds before it printed
@@ -478,36 +500,3 @@ def _child_at(cmd, env, label, marker="RESULT ") -> tuple[dict, float | None]:
         return json.loads(found[0][len(marker):]), found[1]
     tail = ("".join(err) or "".join(out)).strip().splitlines()[-3:]
     return {"run": label, "error": f"exit {proc.returncode}: " + " | ".join(tail)}, None
-
-
-# Applications of a kernel per timed call of `time_chained`.
-REPEAT = 20
-
-
-def time_chained(step, x, iters: int, unroll: bool = True) -> float:
-    """Seconds per application of `step` (a pytree -> a pytree of the same shapes and dtypes): the median
-    over `iters` calls of one jitted chain of REPEAT applications (each output the next input), so
-    dispatch costs no part of it.
-
-    The chain is unrolled with an optimization barrier between applications, so XLA cannot fuse one
-    into the next. A `fori_loop` chain (`unroll=False`) nearly doubled the GELU kernels' time on an H200
-    (570 against 301 us at [32768, 8192]) while moving XLA's fusions by under 5%: about the cost of one
-    copy of the array per call, which the train step does not have."""
-    import jax
-
-    if unroll:
-        def chain(x):
-            for _ in range(REPEAT):
-                x = jax.lax.optimization_barrier(step(x))
-            return x
-    else:
-        def chain(x):
-            return jax.lax.fori_loop(0, REPEAT, lambda i, x: step(x), x)
-    loop = jax.jit(chain)
-    jax.block_until_ready(loop(x))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(loop(x))
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2] / REPEAT

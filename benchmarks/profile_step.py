@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.harness import (DEFAULT_PEER, SHAPES, VOCAB, GpuLog, Run, _child, build, child_env, is_bert,
+from benchmarks.harness import (DEFAULT_PEER, SHAPES, VOCAB, GpuLog, Run, _child, build, child_env, dims, is_bert,
                                 step_host_shortfall)
 from jax3d.kernels import KERNELS
 
@@ -186,7 +186,7 @@ def profile_peer(shape: str, batch: int, steps: int, script: str) -> dict:
     spec = importlib.util.spec_from_file_location("torch_gpt_peer", script)
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
-    layers, d, heads, seq, b = SHAPES[shape]
+    layers, d, heads, seq, b = dims(shape)
     batch = batch or b
     torch.manual_seed(0)
     model = peer.GPT(VOCAB, seq, d, heads, layers).cuda()

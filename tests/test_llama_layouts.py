@@ -25,10 +25,13 @@ def llama_layout(data, stage, model, zero=0, **parallel):
     return cfg.replace(optim={"lr": 3e-3, "min_lr": 3e-4}, train={"train_iters": 20}), mesh_cfg, mesh
 
 
+# Each layout compiles its own step, so three cover what a Llama adds to each kind of parallelism (its KV heads
+# split over `model`, rotary positions on sequence-split activations, the untied head on the last stage); the
+# schedules themselves are checked on every mesh with the GPT (tests/test_pipeline_gpt.py, 1F1B among them).
 LAYOUTS = {
-    "222-1f1b-zero1": ((2, 2, 2, 1), {}),
-    "124-zbh1": ((1, 2, 4), dict(pipeline_schedule="zb-h1")),
-    "412-zero3-sp": ((4, 1, 2, 3), dict(sequence_parallel=True)),
+    "124-zbh1": ((1, 2, 4), dict(pipeline_schedule="zb-h1")),  # 4-way tensor parallelism (one KV head a device)
+    "412-zero3-sp": ((4, 1, 2, 3), dict(sequence_parallel=True)),  # ZeRO-3 with sequence parallelism
+    # data, pipeline and tensor parallelism with ZeRO-1, the layers kept in pipeline order
     "222-interleaved": ((2, 2, 2, 1), dict(pipeline_schedule="interleaved", layers_per_virtual_stage=1)),
 }
 

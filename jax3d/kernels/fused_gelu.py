@@ -30,8 +30,8 @@ _A = 0.044715
 class Tuning:
     """Block shapes and warps (powers of two). Forward programs take a (rows_fwd, cols_fwd) tile; backward
     programs walk rows_per_program rows of a cols_bwd-wide strip, rows_bwd at a time, summing the bias
-    gradient as they go. In the 1.3B step these defaults tied with the best of
-    `benchmarks/gelu_kernels.py --sweep` (docs/performance.md)."""
+    gradient as they go. In the 1.3B step these defaults tied with the best of a sweep
+    (docs/performance.md); `benchmarks.throughput --tune fused_gelu:FIELD=V` times others in the step."""
 
     cols_fwd: int = 1024
     rows_fwd: int = 4

@@ -28,8 +28,8 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Block shapes and warps. The defaults are the best of `benchmarks/norm_kernels.py --sweep`
-    (docs/performance.md, "Kernel notes")."""
+    """Block shapes and warps. The defaults are the best of a sweep of them (docs/performance.md,
+    "Kernel notes"); `benchmarks.throughput --tune fused_norm:FIELD=V` times others in the step."""
 
     rows_fwd: int = 2  # rows per forward program
     warps_fwd: int = 4

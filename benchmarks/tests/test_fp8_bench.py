@@ -72,11 +72,11 @@ def test_the_verdict_is_issue_33s_rules():
 @pytest.mark.slow
 def test_fp8_loss_writes_both_curves_and_the_plot_draws_them(tmp_path):
     out = tmp_path / "run"
-    assert fp8_loss.main(["--preset", "gpt-tiny", "--seq", "32", "--batch", "16", "--micro-batch", "1",
-                          "--steps", "6", "--eval-interval", "3", "--out", str(out)]) == 0
+    assert fp8_loss.main(["--preset", "gpt-tiny", "--seq", "32", "--batch", "8", "--micro-batch", "1",
+                          "--steps", "4", "--eval-interval", "2", "--out", str(out)]) == 0
     result = json.loads((out / "fp8_loss.json").read_text())
     for name in ("bf16", "fp8"):
-        assert len(result[name]["loss"]) == 6 and [s for s, _ in result[name]["val"]] == [3, 6]
+        assert len(result[name]["loss"]) == 4 and [s for s, _ in result[name]["val"]] == [2, 4]
     assert result["bf16"]["loss"][0] == pytest.approx(result["fp8"]["loss"][0], abs=1e-2)  # same model and data
     assert set(result["verdict"]) >= {"final_rel", "final_ok", "no_divergence"}
     svg = tmp_path / "loss.svg"

@@ -14,19 +14,21 @@ def _records(capsys) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
 
+# Each batch size compiles transformers' static-cache step (torch.compile) again: the GPT-2 runs two, to check that
+# the limits scale with the batch; the Llama, whose point is its family, one.
 @pytest.mark.slow
-@pytest.mark.parametrize("shape, args", [("small", ["--small", "--trace"]),
-                                         ("llama-tiny", ["--shape", "llama-tiny", "--prompt-len", "16", "--new", "32",
-                                                         "--eager-new", "16", "--trace"])],
+@pytest.mark.parametrize("shape, args, batches", [("small", ["--small", "--trace"], [1, 2]),
+                                                  ("llama-tiny", ["--shape", "llama-tiny", "--prompt-len", "16", "--new",
+                                                                  "32", "--eager-new", "16", "--trace"], [2])],
                          ids=["gpt2", "llama"])
-def test_generate_speed_small_agrees_with_both_peers(capsys, shape, args):
+def test_generate_speed_small_agrees_with_both_peers(capsys, shape, args, batches):
     """GPT-2, and a jax3d Llama preset as HF's LlamaForCausalLM (grouped-query heads, rotary positions)."""
     from benchmarks import generate_speed
 
-    assert generate_speed.main([*args, "--batch", "1", "2", "--repeats", "1"]) == 0
+    assert generate_speed.main([*args, "--batch", *map(str, batches), "--repeats", "1"]) == 0
     head, *rows = _records(capsys)
     assert head["shape"] == shape and head["weight_gb"] > 0 and head["copy_tb_s"] > 0
-    assert [r["batch"] for r in rows] == [1, 2]
+    assert [r["batch"] for r in rows] == batches
     for r in rows:
         assert r["jax3d_compiles"] == {"prefill": 1, "decode": 1}
         # the kernels it reports as run: none on a CPU (XLA's attention and blocks), as profile_decode says
@@ -34,10 +36,12 @@ def test_generate_speed_small_agrees_with_both_peers(capsys, shape, args):
         assert r["hf_static_compiled"] is True  # transformers' compiled path, not a silent eager fallback
         assert r["same_tokens_frac_static"] == 1.0 and r["same_tokens_frac_eager"] == 1.0  # fp32: token for token
         assert r["hf_top1_of_jax3d_frac"] == 1.0 and r["hf_max_logit_gap_of_jax3d"] == 0.0  # and transformers' picks
-        assert r["limit_tok_s"] == pytest.approx(r["batch"] * rows[0]["limit_tok_s"], rel=1e-3)
+        assert r["limit_tok_s"] == pytest.approx(r["batch"] / rows[0]["batch"] * rows[0]["limit_tok_s"], rel=1e-3)
         assert r["limit_with_cache_tok_s"] < r["limit_tok_s"]
         assert r["jax3d_trace"]["kernels_per_step"] > 0
-        assert sum(r["jax3d_step_ms"].values()) == pytest.approx(r["batch"] * 1e3 / r["jax3d_decode_tok_s"], abs=2e-3)
+        # (nan both sides where a tiny model's decode time is lost in the CPU's noise: generate_speed.decode_rate)
+        assert sum(r["jax3d_step_ms"].values()) == pytest.approx(r["batch"] * 1e3 / r["jax3d_decode_tok_s"], abs=2e-3,
+                                                                 nan_ok=True)
 
 
 def test_transformers_judges_its_own_greedy_tokens_first_and_other_tokens_below(tmp_path):
