@@ -50,7 +50,7 @@ def multiproc(port, pid, load, save, out):
 
     from jax3d.checkpoint.checkpointer import Checkpointer
     from jax3d.train.step import build_steps
-    from tests.test_checkpoint import layout, train
+    from tests.checkpoint.test_checkpoint import layout, train
 
     cfg, mesh_cfg, mesh = layout(2, 1, 4, zero=1)
     cfg = cfg.replace(train={"load": load, "ckpt_step": 10, "save": save, "save_interval": 10})

@@ -27,10 +27,10 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 # The longest files first. Two workers take whole files (`--dist loadfile`) as they free up, in collection order
 # (`--no-loadscope-reorder` in pyproject.toml: xdist would otherwise order files by their count of tests, which put
 # these few-but-long ones last, where the one a worker took last ran on after the other worker had finished).
-LONGEST_FIRST = ["tests/test_readme_commands.py", "benchmarks/tests/test_generate_bench.py", "tests/test_layer_order.py",
-                 "tests/test_pipeline_gpt.py", "tests/test_checkpoint.py", "tests/test_llama_layouts.py",
-                 "tests/test_bert.py", "tests/test_fp8.py", "tests/test_cli.py", "tests/test_megatron_scripts.py",
-                 "tests/test_generate_cli.py", "tests/test_hf_export.py", "tests/test_skipped.py",
+LONGEST_FIRST = ["tests/project/test_readme_commands.py", "benchmarks/tests/test_generate_bench.py", "tests/train/test_layer_order.py",
+                 "tests/pipeline/test_pipeline_gpt.py", "tests/checkpoint/test_checkpoint.py", "tests/train/test_llama_layouts.py",
+                 "tests/models/test_bert.py", "tests/train/test_fp8.py", "tests/cli/test_cli.py", "tests/cli/test_megatron_scripts.py",
+                 "tests/inference/test_generate_cli.py", "tests/hf/test_hf_export.py", "tests/train/test_skipped.py",
                  "benchmarks/tests/test_fp8_bench.py"]
 
 

@@ -1,6 +1,6 @@
 """The table of Megatron-DeepSpeed's flags that jax3d's own train flags don't already cover: one row per
 `add_argument` of Megatron-DeepSpeed's megatron/arguments.py (aliases in one row), each with its decision.
-jax3d.cli.megatron puts the rows on the train parser and applies them; tests/test_megatron_flags.py checks that
+jax3d.cli.megatron puts the rows on the train parser and applies them; tests/cli/test_megatron_flags.py checks that
 every flag upstream has a decision here or is one of train.py's own.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The model families, one module each (presets, Hugging Face mapping, command-line flags, model class), and the
 registry every consumer reads: `jax3d.models.presets`, `jax3d.models.build_model`, `jax3d.hf.mapping` and
-`jax3d.cli.train_flags`. Adding a family is a module and its line in `FAMILIES` (docs/families.md)."""
+`jax3d.cli.train_flags`. Adding a family is a module and its line in `FAMILIES` (docs/architecture.md, "Adding a model family")."""
 from __future__ import annotations
 
 from jax3d.config import ConfigError, ModelConfig

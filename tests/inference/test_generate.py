@@ -1,7 +1,7 @@
 """Generation with a KV cache against transformers' greedy `generate` on an imported tiny GPT-2, against
 jax3d's own forward pass without a cache, and with tensor parallelism; the device-side token loop against
 the tokens of one long run (chunks, token counts, end-of-document, per-row budgets, compiles, the cache
-updated in place); sampling against itself on other layouts. The command line: tests/test_generate_cli.py."""
+updated in place); sampling against itself on other layouts. The command line: tests/inference/test_generate_cli.py."""
 import re
 
 import jax

@@ -1,10 +1,10 @@
-"""Import-graph rules between the packages (tests/test_code_shape.py reads the graph from the source with
+"""Import-graph rules between the packages (tests/project/test_code_shape.py reads the graph from the source with
 `ast`, function-level imports included)."""
 import os
 
 import pytest
 
-from tests.test_code_shape import import_graph
+from tests.project.test_code_shape import import_graph
 
 # package -> the packages it must not import. The checkpoint schema and generation take what they need of the
 # train state from their caller (the layer-order conversion, the built steps), so they stay below train/.

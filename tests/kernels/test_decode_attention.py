@@ -1,6 +1,6 @@
 """jax3d.kernels.decode_attention (the decode step's attention kernel, which reads only the filled slots) in Pallas'
 interpreter, against a softmax over the whole cache under generation's mask. Inside generation, against
-transformers' greedy tokens: tests/test_generate.py."""
+transformers' greedy tokens: tests/inference/test_generate.py."""
 import math
 import re
 

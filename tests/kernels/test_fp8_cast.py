@@ -126,10 +126,10 @@ def test_a_train_step_on_the_kernel_gives_the_einsum_paths_losses(llama, recompu
     (Pallas' interpreter standing in for the GPU) give the losses of the einsum path: the same f8 codes, the
     dots summed in another order."""
     from jax3d.train.step import build_steps
-    from tests import test_checkpoint
+    from tests.checkpoint import test_checkpoint
     from tests.helpers import tiny_config
-    from tests.test_fp8 import FP8, GB
-    from tests.test_llama_layouts import LLAMA, counting_batch
+    from tests.train.test_fp8 import FP8, GB
+    from tests.train.test_llama_layouts import LLAMA, counting_batch
 
     monkeypatch.setattr(test_checkpoint, "host_batch", counting_batch)
     calls, cast = [], fp8_cast.cast_transpose

@@ -16,11 +16,11 @@ from jax3d.config import ConfigError, PrecisionConfig
 from jax3d.models import fp8
 from jax3d.parallel.precision import Recipe, fp8_device_error
 from jax3d.train.step import abstract_batch, abstract_state, build_steps
-from tests import test_checkpoint
+from tests.checkpoint import test_checkpoint
 from tests.helpers import tiny_config
-from tests.test_checkpoint import GB
-from tests.test_checkpoint import host_batch as random_batch
-from tests.test_llama_layouts import LLAMA, counting_batch
+from tests.checkpoint.test_checkpoint import GB
+from tests.checkpoint.test_checkpoint import host_batch as random_batch
+from tests.train.test_llama_layouts import LLAMA, counting_batch
 from jax3d.parallel.plan import Plan
 
 FP8 = {"fp8": "hybrid", "fp8_amax_history_len": 4, "fp8_amax_compute_algo": "max"}

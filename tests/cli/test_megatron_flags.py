@@ -1,4 +1,4 @@
-"""Every flag of Megatron-DeepSpeed's megatron/arguments.py (tests/data/megatron_ds_arguments.txt, written by the
+"""Every flag of Megatron-DeepSpeed's megatron/arguments.py (tests/fixtures/megatron_ds_arguments.txt, written by the
 script beside it) is known to train.py, as a flag of its own or as a row of jax3d.cli.megatron's table with one
 of the three decisions; and the rows that ACT do what they say."""
 import glob
@@ -16,7 +16,7 @@ from jax3d.train.metrics import tensorboard_scalars
 from jax3d.train.profile import StepTrace
 from tests.helpers import ROOT
 
-DATA = os.path.join(ROOT, "tests", "data")
+DATA = os.path.join(ROOT, "tests", "fixtures")
 LIST = os.path.join(DATA, "megatron_ds_arguments.txt")
 # Decided on other branches of issue 54 (each with its own tests); emptied when they merge.
 TINY = ["--preset", "gpt-tiny", "--num-layers", "2", "--seq-length", "32", "--eval-interval", "0", "--no-progress",

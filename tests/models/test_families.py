@@ -68,7 +68,7 @@ def test_presets_list_and_build_the_toy(toy):
 
 def test_the_command_line_takes_its_model_type_presets_and_flags(toy):
     from jax3d.cli.train_flags import build_parser, config_from_args
-    from tests.test_help import help_problems
+    from tests.cli.test_help import help_problems
 
     def cfg(*argv):
         return config_from_args(build_parser().parse_args(list(argv)))

@@ -62,7 +62,7 @@ def test_streamed_text_equals_the_batch_path_and_stops_at_the_stop_string(ckpt, 
                          ids=["kv-cache", "weights"])
 def test_fp8_flags_print_the_librarys_fp8_text(ckpt, flag, kwargs):
     """--kv-cache-dtype fp8 and --quantization fp8 stream what the library generates with a float8_e4m3fn cache
-    or fp8 GEMM weights (tests/test_generate.py and tests/test_quantized.py check those), with heads over 2
+    or fp8 GEMM weights (tests/inference/test_generate.py and tests/models/test_quantized.py check those), with heads over 2
     devices; an unknown type is refused by the parser."""
     want = generate_text(ckpt, [PROMPT], 16, **kwargs)[0]
     r = _run("--load", ckpt, "--prompt", PROMPT, "--greedy", "--max-new-tokens", "16", flag, "fp8",

@@ -140,7 +140,7 @@ def test_data_model_layouts_give_the_same_losses(layout_losses):
 def test_pipelined_layouts_give_the_same_losses(layout_losses):
     """The pipeline flags through the command line. GPipe, which the flags select like the others
     (test_virtual_stages_select_the_interleaved_schedule above), trains on every mesh in
-    tests/test_pipeline_loop.py."""
+    tests/pipeline/test_pipeline_loop.py."""
     ref = layout_losses(1)
     for tp, pp, schedule, zero in [(2, 2, "1f1b", 1), (1, 4, "zb-h1", 2), (4, 2, "interleaved", 3)]:
         np.testing.assert_allclose(layout_losses(tp, pp, schedule, zero), ref, atol=1e-3,

@@ -50,7 +50,7 @@ def test_reference_learns(reference):
 
 # BERT's own parts (segment types, the padding mask, the sentence-order head) under each kind of parallelism;
 # each layout compiles its own step, so few layouts cover them all: the schedules themselves are checked on every
-# mesh in tests/test_pipeline_gpt.py (GPipe among them), pure tensor parallelism in tests/test_tensor_parallel.py.
+# mesh in tests/pipeline/test_pipeline_gpt.py (GPipe among them), pure tensor parallelism in tests/parallel/test_tensor_parallel.py.
 # - (2, 2, 2) ZB-H1, ZeRO-3, sequence parallelism: data, pipeline and tensor parallelism at once, ZeRO-3's
 #   sharded parameters, sequence-split activations inside the pipeline;
 # - (1, 2, 1) interleaved: two virtual stages a device;

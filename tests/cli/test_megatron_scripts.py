@@ -1,4 +1,4 @@
-"""Megatron-DeepSpeed's example scripts on jax3d: their arguments (tests/data/megatron_ds_scripts, captured by
+"""Megatron-DeepSpeed's example scripts on jax3d: their arguments (tests/fixtures/megatron_ds_scripts, captured by
 capture.py) parse with no unknown flag, and each plan resolves or stops on the feature jax3d does not build;
 DeepSpeed's JSON, Megatron's sample- and token-counted schedules, the batch ramp, --exit-duration-in-mins,
 TensorBoard's flags and SentencePiece tokenizers act as in Megatron-DeepSpeed."""
@@ -17,7 +17,7 @@ from jax3d.config import ConfigError
 from jax3d.counts import BatchCounts, settle
 from tests.helpers import ROOT
 
-DATA = os.path.join(ROOT, "tests", "data", "megatron_ds_scripts")
+DATA = os.path.join(ROOT, "tests", "fixtures", "megatron_ds_scripts")
 SCRIPTS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(DATA, "*.json")))
 # The scripts that ask for a feature jax3d does not build, and the words of the sentence that stops them.
 REFUSED = {"ds_pretrain_gpt_1.3B_PR-MoE64or128": "mixture of experts", "ds_pretrain_gpt_125M_MoE64": "mixture of experts",

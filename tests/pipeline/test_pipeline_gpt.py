@@ -50,12 +50,12 @@ def sequential():
 
 # Each case compiles its own program, so the cases are the distinct ones. ZeRO-1 shards only the optimizer
 # state, which loss_and_grads never touches (and with one data shard every stage is ZeRO-0): one stage per
-# mesh. GPipe runs 1F1B's passes in another order, which tests/test_pipeline_loop.py checks on every mesh
+# mesh. GPipe runs 1F1B's passes in another order, which tests/pipeline/test_pipeline_loop.py checks on every mesh
 # with the toy model: one mesh here. ZeRO-3 (the stack gathered per chunk inside the loop, gradients
 # sharded) runs every schedule; ZeRO-2 (gradients sharded, the stack gathered before the loop) one. Each
 # schedule runs once without ZeRO's sharding beside a mesh axis of its own: GPipe and ZB-H1 on (1, 4, 1), 1F1B with
 # data and tensor parallelism on (2, 2, 2), interleaved with tensor parallelism on (1, 2, 4) (ZB-H1 with tensor
-# parallelism: tests/test_llama_layouts.py's (1, 2, 4) and tests/test_bert.py's (2, 2, 2) train steps).
+# parallelism: tests/train/test_llama_layouts.py's (1, 2, 4) and tests/models/test_bert.py's (2, 2, 2) train steps).
 CASES = [((1, 4, 1), "gpipe", 0), ((1, 4, 1), "zb-h1", 0), ((2, 2, 2), "1f1b", 1), ((1, 2, 4), "interleaved", 0)]
 CASES += [((4, 2, 1), "zb-h1", 2)] + [((4, 2, 1), sched, 3) for sched in ["1f1b", "interleaved", "zb-h1"]]
 FAST = {((2, 2, 2), "1f1b", 1), ((1, 4, 1), "zb-h1", 0), ((1, 2, 4), "interleaved", 0), ((1, 4, 1), "gpipe", 0),
@@ -99,7 +99,7 @@ def test_pipeline_dropout_matches_sequential(sequential, sequential_dropout, mes
 def test_sequence_parallel_pipeline_matches_sequential(sequential, mesh, schedule, zero):
     """Sequence parallelism inside the pipeline: each stage's input split over the sequence on `model`,
     the embedding and head inside branches only the end stages take (it once deadlocked there). With ZeRO-3:
-    tests/test_bert.py's (2, 2, 2) ZB-H1 train step."""
+    tests/models/test_bert.py's (2, 2, 2) ZB-H1 train step."""
     virtual = 2 if schedule == "interleaved" else 1
     _assert_close(*_loss_and_grads(*mesh, schedule, zero, virtual, sequence_parallel=True),
                   *sequential(_layers(mesh[1], virtual)))

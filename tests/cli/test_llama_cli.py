@@ -6,7 +6,7 @@ import pytest
 
 from jax3d.checkpoint.read import read_meta
 from jax3d.cli.train import main
-from tests.test_megatron_scripts import script_args
+from tests.cli.test_megatron_scripts import script_args
 
 GIB = 2**30
 

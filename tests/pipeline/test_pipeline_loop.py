@@ -47,7 +47,7 @@ def _check(shape, name, v=1, layers=None, layout=None, rng=None, m=None):
 
 
 # Every schedule on (2, 2, 2), GPipe on every mesh. 1F1B, ZB-H1 and interleaved on (1, 4, 1) and (1, 2, 4) are
-# cases of tests/test_pipeline_gpt.py, the real GPT through this loop against its sequential model.
+# cases of tests/pipeline/test_pipeline_gpt.py, the real GPT through this loop against its sequential model.
 @pytest.mark.parametrize("shape,name,v", [
     ((1, 4, 1), "gpipe", 1), ((2, 2, 2), "gpipe", 1), ((1, 2, 4), "gpipe", 1),
     ((2, 2, 2), "1f1b", 1), ((2, 2, 2), "zb-h1", 1), ((2, 2, 2), "interleaved", 2),

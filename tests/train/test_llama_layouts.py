@@ -6,9 +6,9 @@ import pytest
 
 from jax3d.config import Config, ConfigError, ParallelConfig, TrainConfig
 from jax3d.parallel.plan import resolve
-from tests import test_checkpoint
+from tests.checkpoint import test_checkpoint
 from tests.helpers import tiny_config, tiny_model
-from tests.test_checkpoint import GB, resume, uninterrupted
+from tests.checkpoint.test_checkpoint import GB, resume, uninterrupted
 from jax3d.parallel.plan import Plan
 
 LLAMA = dict(num_layers=4, normalization="rmsnorm", swiglu=True, num_key_value_heads=4, add_bias_linear=False,
@@ -19,7 +19,7 @@ RESUME_TOL = 1e-6
 
 def llama_layout(data, stage, model, zero=0, **parallel):
     """The tiny Llama on one (data, stage, model) layout, micro-batch 2 of a global batch of 16 (as
-    tests/test_checkpoint.py's), 20 steps at a learning rate that moves the loss."""
+    tests/checkpoint/test_checkpoint.py's), 20 steps at a learning rate that moves the loss."""
     cfg, mesh_cfg, mesh = tiny_config(data=data, stage=stage, model=model, zero=zero, micro=2, global_batch=16,
                                       model_kw=LLAMA, **parallel)
     return cfg.replace(optim={"lr": 3e-3, "min_lr": 3e-4}, train={"train_iters": 20}), mesh_cfg, mesh
@@ -27,7 +27,7 @@ def llama_layout(data, stage, model, zero=0, **parallel):
 
 # Each layout compiles its own step, so three cover what a Llama adds to each kind of parallelism (its KV heads
 # split over `model`, rotary positions on sequence-split activations, the untied head on the last stage); the
-# schedules themselves are checked on every mesh with the GPT (tests/test_pipeline_gpt.py, 1F1B among them).
+# schedules themselves are checked on every mesh with the GPT (tests/pipeline/test_pipeline_gpt.py, 1F1B among them).
 LAYOUTS = {
     "124-zbh1": ((1, 2, 4), dict(pipeline_schedule="zb-h1")),  # 4-way tensor parallelism (one KV head a device)
     "412-zero3-sp": ((4, 1, 2, 3), dict(sequence_parallel=True)),  # ZeRO-3 with sequence parallelism

@@ -302,3 +302,15 @@ def test_which_kernels_run_is_the_policys_alone():
                  "jax3d/models", "jax3d/kernels", "jax3d/inference/cached_attention.py",
                  "jax3d/inference/decode_rows.py", "jax3d/inference/one_row.py") == []
     assert [hit for hit in _grep(r"ShardingRules\(", "jax3d") if not hit.startswith("jax3d/parallel/")] == []
+
+
+def test_the_tests_mirror_the_packages():
+    """Each test file sits in tests/<package>/ for the jax3d package it tests (tests/project/ for rules over the
+    whole tree), and no test file is left at the top of tests/."""
+    tests = os.path.join(os.path.dirname(PKG), "tests")
+    packages = {d for d in os.listdir(PKG) if os.path.isdir(os.path.join(PKG, d)) and not d.startswith("_")}
+    folders = {d for d in os.listdir(tests) if os.path.isdir(os.path.join(tests, d)) and not d.startswith((".", "_"))}
+    top = sorted(f for f in os.listdir(tests) if f.startswith("test_") and f.endswith(".py"))
+    assert top == [], f"test files at the top of tests/: {top}"
+    with_tests = {d for d in folders if any(f.startswith("test_") for f in os.listdir(os.path.join(tests, d)))}
+    assert with_tests - packages - {"project"} == set(), "a tests/ folder that names no jax3d package"

@@ -51,7 +51,7 @@ def test_text_file_and_partial_last_batch(gpt_run, tmp_path):
 
 
 def test_fp8_weights_cost_a_little_loss_the_same_on_every_layout(gpt_run, capsys):
-    """--quantization fp8 evaluates the weights generation's fp8 holds (tests/test_quantized.py ties
+    """--quantization fp8 evaluates the weights generation's fp8 holds (tests/models/test_quantized.py ties
     quantized.rounded to the Generator's): one loss on one device and on a pipelined, tensor-parallel layout, near
     the checkpoint's own and not equal to it."""
     prefix, _ = default_corpus(kind="gpt")
