@@ -191,23 +191,24 @@ def main(argv=None) -> int:
     import torch
 
     from jax3d.hf import load_hf_params
-    from jax3d.inference.cached_attention import cache_dtype as kv_cache_dtype
     from jax3d.kernels.policy import KernelPolicy
-    from jax3d.models.quantized import weight_dtype
+    from jax3d.config import PrecisionConfig
+    from jax3d.parallel.precision import PrecisionPolicy, dtype_of_flags
 
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
     bf16 = on_gpu and not a.small
-    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    precision = PrecisionPolicy.of(PrecisionConfig(dtype=dtype_of_flags(bf16)), kv_cache_dtype=a.kv_cache_dtype,
+                                   quantization=a.quantization)
+    dtype = precision.compute_dtype
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         model = hf_model(a.shape, d, device, torch.bfloat16 if bf16 else torch.float32)
         cfg, params = load_hf_params(d)
         convert_s = time.perf_counter() - t0
     item = jnp.dtype(dtype).itemsize
-    cache_dtype = kv_cache_dtype(a.kv_cache_dtype, dtype)
+    cache_dtype, weights = precision.cache_dtype, precision.weight_dtype
     cache_item = cache_dtype.itemsize
-    weights = weight_dtype(a.quantization)
     weight_bytes = step_bytes(cfg, params, 1, 0, item, quantized_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
     print(json.dumps({"shape": a.shape, "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name,

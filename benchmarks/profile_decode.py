@@ -252,18 +252,18 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jax3d.inference.cached_attention import cache_dtype as kv_cache_dtype
     from jax3d.kernels import DECODE_KERNELS
     from jax3d.kernels.policy import KernelPolicy
     from jax3d.models import build_model
-    from jax3d.models.quantized import weight_dtype
+    from jax3d.config import PrecisionConfig
     from jax3d.parallel.mesh import MeshConfig
+    from jax3d.parallel.precision import PrecisionPolicy, dtype_of_flags
 
     on_gpu = jax.default_backend() == "gpu"
-    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    precision = PrecisionPolicy.of(PrecisionConfig(dtype=dtype_of_flags(on_gpu)), kv_cache_dtype=a.kv_cache_dtype,
+                                   quantization=a.quantization)
+    dtype, cache_dtype, weights = precision.compute_dtype, precision.cache_dtype, precision.weight_dtype
     item = jnp.dtype(dtype).itemsize
-    cache_dtype = kv_cache_dtype(a.kv_cache_dtype, dtype)
-    weights = weight_dtype(a.quantization)
     params = build_model(cfg).init(jax.random.key(0))
     weight_bytes = step_bytes(cfg, params, 1, 0, item, quantized_itemsize=jnp.dtype(weights or dtype).itemsize)[0]
     rate = copy_rate(dtype, 2.0 if on_gpu else 0.125)
