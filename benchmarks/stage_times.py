@@ -28,8 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import host_shortfall, median_seconds
+from jax3d.config import PrecisionConfig
 from jax3d.kernels.policy import KernelPolicy
 from jax3d.models import build_model, get_preset
+from jax3d.parallel.precision import PrecisionPolicy, dtype_of_flags
 from jax3d.pipeline import make_schedule, passes, pipeline_value_and_grad
 
 
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     layers = cfg.num_layers // a.stages
     # the kernels where the stage runs (no mesh: this process's devices)
     model = build_model(cfg, kernels=KernelPolicy.resolve(jax.default_backend(), jax.device_count()))
-    dtype = jnp.bfloat16 if a.bf16 else jnp.float32
+    dtype = PrecisionPolicy.of(PrecisionConfig(dtype=dtype_of_flags(a.bf16))).compute_dtype
     keys = jax.random.split(jax.random.key(0), layers)
 
     def make_blocks(keys):
