@@ -31,15 +31,6 @@ BASE_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def traced_platform() -> str:
-    """The platform ("cpu", "gpu", ...) of the computation being traced: that of the devices of the mesh
-    in context, or the default backend's when there is no mesh. A mesh of CPU devices on a GPU machine
-    is "cpu", so layers pick their CPU paths for it."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else mesh.abstract_device
-    return device.platform if device is not None else jax.default_backend()
-
-
 @dataclass(frozen=True)
 class ShardingRules:
     """A hashable logical-to-mesh table. `constrain` is a no-op when `active` is False (no mesh)."""
@@ -79,12 +70,6 @@ class ShardingRules:
                 used.add(axis)
             out.append(axis)
         return P(*out)
-
-    def single_device(self) -> bool:
-        """Whether the computation being traced runs on one device: a mesh of one in context, or no mesh
-        and one device. Kernels that are not partitioned over a mesh ask this."""
-        mesh = jax.sharding.get_abstract_mesh()
-        return jax.device_count() == 1 if mesh.empty else mesh.size == 1
 
     def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()

@@ -1,13 +1,10 @@
-"""Layers pick their GPU paths (Pallas kernels, cuDNN attention) by the platform of the mesh they are
-traced for, not by the machine's default backend: a mesh of CPU devices on a GPU machine runs the CPU
-paths."""
+"""Layers take their GPU paths (Pallas kernels, cuDNN attention) from the kernel policy of the devices their
+mesh holds, not from the machine's default backend: a mesh of CPU devices on a GPU machine runs the CPU paths."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax3d.kernels.policy import KernelPolicy
-from jax3d.parallel.rules import traced_platform
 from jax3d.train.step import build_steps
 from tests.helpers import random_text, tiny_config
 from jax3d.parallel.plan import Plan
@@ -21,29 +18,6 @@ def _platforms():
     except RuntimeError:
         pass
     return found
-
-
-def _traced_in(devices):
-    mesh = jax.make_mesh((1,), ("x",), devices=devices[:1], axis_types=(jax.sharding.AxisType.Auto,))
-    seen = []
-
-    def f(x):
-        seen.append(traced_platform())
-        return x
-
-    with jax.set_mesh(mesh):
-        jax.jit(f).lower(jnp.zeros(2))
-    return seen[0]
-
-
-@pytest.mark.parametrize("platform", _platforms())
-def test_traced_platform_is_the_mesh_devices_platform(platform):
-    devices = jax.devices(platform)
-    assert _traced_in(devices) == devices[0].platform
-
-
-def test_traced_platform_without_a_mesh_is_the_default_backend():
-    assert traced_platform() == jax.default_backend()
 
 
 @pytest.mark.skipif("gpu" not in _platforms(), reason="needs a GPU machine: a CPU mesh beside a GPU")
