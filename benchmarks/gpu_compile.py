@@ -74,24 +74,24 @@ def _options(pairs: list[str]) -> dict:
 
 def decode(a, topology) -> None:
     import jax
-    import jax.numpy as jnp
     from jax.experimental import topologies
 
     from benchmarks.profile_decode import decode_config
     from jax3d.inference import Generator
-    from jax3d.inference.cached_attention import cache_dtype
+    from jax3d.config import PrecisionConfig
     from jax3d.kernels.policy import KernelPolicy
     from jax3d.models import build_model
-    from jax3d.models.quantized import weight_dtype
+    from jax3d.parallel.precision import PrecisionPolicy
 
     cfg = decode_config(a.shape)
     params = jax.eval_shape(lambda: build_model(cfg).init(jax.random.key(0)))
     mesh = topologies.make_mesh(topology, (1, 1), ("data", "model"))
-    kernels = KernelPolicy.resolve("gpu", 1, tunings=a.tuned, off=a.off)
+    policy = KernelPolicy.resolve("gpu", 1, tunings=a.tuned, off=a.off)
+    precision = PrecisionPolicy.of(PrecisionConfig(dtype="bfloat16"), kv_cache_dtype=a.kv_cache_dtype,
+                                   quantization=a.quantization)
     for b in a.batch:
-        gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=jnp.bfloat16,
-                        cache_dtype=cache_dtype(a.kv_cache_dtype, jnp.bfloat16),
-                        weight_dtype=weight_dtype(a.quantization), kernels=kernels)
+        gen = Generator(cfg, params, mesh, batch=b, max_len=a.prompt_len + a.new, dtype=precision.compute_dtype,
+                        cache_dtype=precision.cache_dtype, weight_dtype=precision.weight_dtype, kernels=policy)
         # generation's own compiler options, and --opt's beside them
         hlo = gen.decode_hlo([[1] * a.prompt_len] * b, compiler_options=_options(a.opt) or None)
         print(json.dumps({"decode": a.shape, "batch": b, "kv_cache_dtype": gen.cache_dtype.name,
