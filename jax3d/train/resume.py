@@ -16,6 +16,7 @@ from jax3d.checkpoint.read import list_steps, read_meta, resolve_step
 from jax3d.checkpoint.record import file_fingerprint, idx_fingerprint
 from jax3d.config import (TOKENIZER_FILE_KEYS, Config, ConfigError, DataConfig, ModelConfig, OptimConfig, as_tuple,
                           config_from_dict, is_number)
+from jax3d.counts import uses_counts
 
 # The data flags a resumed run adopts or checks (argparse dests, which are DataConfig's field names). The path
 # flags go together: one given names the run's data, and none of the others is taken from the checkpoint.
@@ -131,7 +132,9 @@ def _unless_given(saved, fields: dict, given: set[str]) -> dict:
 def _adopt_optim(cfg: Config, saved: Config, meta: dict, given: set[str], notes: list[str]) -> OptimConfig:
     """The optimizer settings no flag gave, from the checkpoint; its learning-rate decay keeps its length
     when a longer --train-iters extends a finished run (Megatron keeps a checkpoint's schedule too)."""
-    kw = {f.name: getattr(saved.optim, f.name) for f in dataclasses.fields(OptimConfig) if f.name not in given}
+    # counted_batch is derived from the run's own batch sizes (jax3d.counts.settle, in the plan), never adopted
+    kw = {f.name: getattr(saved.optim, f.name) for f in dataclasses.fields(OptimConfig)
+          if f.name not in given and f.name != "counted_batch"}
     if "lr" in given and "min_lr" not in given:
         kw.pop("min_lr", None)  # the command line derived it from this run's --lr
     if given & {"lr_warmup_iters", "lr_warmup_samples"} and "lr_warmup_fraction" not in given:
@@ -145,8 +148,9 @@ def _adopt_optim(cfg: Config, saved: Config, meta: dict, given: set[str], notes:
         kw["weight_decay_incr_iters"] = saved.optim.weight_decay_incr_iters or saved.train.train_iters
     if "lr_decay_iters" not in given:
         kw["lr_decay_iters"] = saved.optim.lr_decay_iters or saved.train.train_iters
+        # (a run counted in samples decays over samples, and its --train-iters is the plan's to derive)
         if not saved.optim.lr_decay_iters and saved.train.train_iters != cfg.train.train_iters \
-                and saved.optim.lr_decay_style != "constant":
+                and saved.optim.lr_decay_style != "constant" and not (uses_counts(saved) or uses_counts(cfg)):
             notes.append(f"the learning rate keeps the checkpoint's {saved.optim.lr_decay_style} decay over "
                          f"{kw['lr_decay_iters']} iterations (its --train-iters); pass --lr-decay-iters to set another")
     return dataclasses.replace(cfg.optim, **kw)

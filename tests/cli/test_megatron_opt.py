@@ -281,3 +281,21 @@ def test_a_resumed_run_continues_the_weight_decay_schedule_exactly(tmp_path):
     got = [(r["loss"], r["params_norm"]) for r in _records(cut) if "loss" in r]
     np.testing.assert_allclose(got, runs["whole"], rtol=1e-6)
     assert runs["whole"][3][1] != pytest.approx(runs["constant"][3][1], rel=1e-4)
+
+
+def test_a_resumed_sample_counted_run_adopts_no_derived_counts_and_says_nothing_of_iterations():
+    """A run counted in samples resumed with its own flags: the plan derives its batch counts and steps again,
+    so adoption takes neither (no "--counted-batch" among the adopted settings) and says nothing of an
+    iteration-counted decay (the run decays over its samples)."""
+    from jax3d.cli.train_flags import given_flags
+    from jax3d.counts import settle
+    from jax3d.train.resume import adopt_saved_run
+
+    argv = [*BASE, "--train-samples", "64", "--lr-decay-style", "cosine", "--seed", "7"]
+    saved = settle(_cfg(*argv))  # what the checkpoint records: the plan's settled config
+    assert saved.train.train_iters == 4 and saved.optim.counted_batch
+    adopted = adopt_saved_run(_cfg(*argv), "ck", {"step": 2, "config": saved.to_dict()}, given_flags(argv))
+    assert not any("counted" in n or "iterations" in n for n in adopted.notes), adopted.notes
+    assert adopted.cfg.optim.counted_batch == ()  # left for the plan's settle
+    again = settle(adopted.cfg)
+    assert again.optim.counted_batch == saved.optim.counted_batch and again.train == saved.train
