@@ -213,12 +213,16 @@ def softmax_with_dropout(q, k, v, mask, causal, rate: float, rng):
 @dataclass(frozen=True)
 class Attend:
     """Training's attention: `core` over q, k and v, or the spelled-out softmax where attention dropout is on
-    (`rate`) and drawn this call; the context constrained to the heads' split. A cache passes through."""
+    (`rate`) and drawn this call; the context constrained to the heads' split. It keeps no cache: a block given
+    one needs the decode spec (jax3d.inference.cached_attention.decode_spec)."""
 
     core: Callable
     rate: float = 0.0
 
     def __call__(self, q, k, v, packed, mask, rng, deterministic, causal, cache, rules):
+        if cache is not None:
+            raise ValueError("a KV cache was passed to a block built with training's spec; build it with "
+                             "jax3d.inference.cached_attention.decode_spec to decode")
         if self.rate > 0 and not deterministic and rng is not None:
             ctx = softmax_with_dropout(q, k, v, mask, causal, self.rate, rng)
         else:

@@ -78,3 +78,23 @@ def test_a_block_with_the_cpus_parts_is_the_block_without_a_policy():
     v = Block(cfg).init(jax.random.key(0), x)
     np.testing.assert_array_equal(Block(cfg, spec=spec.block_spec(cfg, KernelPolicy.resolve("cpu", 8))).apply(v, x),
                                   Block(cfg).apply(v, x))
+
+
+def test_a_training_block_refuses_a_kv_cache_and_the_decode_spec_takes_it():
+    """A cache given to a block of training's spec is refused in a sentence (it would be ignored); the same
+    parameters under the decode spec write the step's keys and values into it."""
+    import pytest
+
+    from jax3d.inference.cached_attention import decode_spec
+    from jax3d.kernels.policy import KernelPolicy
+
+    cfg = tiny_model()
+    x = jax.random.normal(jax.random.key(1), (1, 1, cfg.hidden_size))
+    params = Block(cfg).init(jax.random.key(0), x)
+    k = jnp.zeros((1, cfg.kv_heads, 4, cfg.head_dim))
+    cache = {"k": k, "v": k, "index": jnp.int32(0)}
+    mask = jnp.ones((1, 1, 1, 4), bool)
+    with pytest.raises(ValueError, match="decode_spec"):
+        Block(cfg).apply(params, x, mask, None, True, cache)
+    _, written = Block(cfg, spec=decode_spec(cfg, KernelPolicy.none())).apply(params, x, mask, None, True, cache)
+    assert float(jnp.abs(written["k"][:, :, 0]).sum()) > 0 and float(jnp.abs(written["k"][:, :, 1:]).sum()) == 0
