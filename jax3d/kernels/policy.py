@@ -51,8 +51,12 @@ class KernelPolicy:
         return cls(tuple(sorted(chosen.items())), platform, attention)
 
     @classmethod
-    def none(cls, platform: str = "cpu") -> "KernelPolicy":
-        """No kernel: every layer's plain JAX function."""
+    def none(cls, platform: str | None = None) -> "KernelPolicy":
+        """No kernel: every layer's plain JAX function, with the attention of `platform` (default: JAX's default
+        backend's, for a model built without a plan)."""
+        if platform is None:
+            import jax
+            platform = jax.default_backend()
         return cls((), platform, "cudnn" if platform == "gpu" else "xla")
 
     def tuning(self, name: str):

@@ -8,7 +8,7 @@ from jax3d.models.presets import get_preset, preset_names
 from jax3d.models.transformer import TransformerLM
 
 
-def build_model(cfg: ModelConfig, rules=None, *, kernels: KernelPolicy = KernelPolicy.none(),
+def build_model(cfg: ModelConfig, rules=None, *, kernels: KernelPolicy | None = None,
                 fp8: str = "") -> TransformerLM:
     """The model class of `cfg.model_type`'s family (jax3d.models.families): GPT (Llama included) or BERT.
     `rules` (a ShardingRules) places its activations on the mesh in context; None: no constraints, plain

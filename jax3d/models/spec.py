@@ -329,8 +329,10 @@ def attention_core(cfg: ModelConfig, kernels: KernelPolicy) -> Callable:
     return F16InFP32(core) if kernels.platform == "cpu" else core
 
 
-def block_spec(cfg: ModelConfig, kernels: KernelPolicy = KernelPolicy.none(), fp8_format: str = "") -> BlockSpec:
-    """The parts of `cfg`'s blocks under the run's `kernels` and FP8 format (`fp8_format`, "" for none)."""
+def block_spec(cfg: ModelConfig, kernels: KernelPolicy | None = None, fp8_format: str = "") -> BlockSpec:
+    """The parts of `cfg`'s blocks under the run's `kernels` (None: no kernel, the default backend's attention)
+    and FP8 format (`fp8_format`, "" for none)."""
+    kernels = kernels if kernels is not None else KernelPolicy.none()
     biased = cfg.add_bias_linear
     rms = cfg.normalization == "rmsnorm"
     up_axes = (None, "mlp") if cfg.swiglu else ("mlp",)

@@ -62,11 +62,12 @@ class TransformerLM:
     causal = True
 
     def __init__(self, cfg: ModelConfig, rules: ShardingRules | None = None, *,
-                 kernels: KernelPolicy = KernelPolicy.none(), fp8: str = ""):
+                 kernels: KernelPolicy | None = None, fp8: str = ""):
         self.cfg = cfg
         self.rules = rules if rules is not None else ShardingRules.inactive()
-        self.kernels, self.fp8 = kernels, fp8
-        self.spec = block_spec(cfg, kernels, fp8)  # the blocks' parts, chosen once
+        self.kernels = kernels if kernels is not None else KernelPolicy.none()  # no plan: the default backend's
+        self.fp8 = fp8
+        self.spec = block_spec(cfg, self.kernels, fp8)  # the blocks' parts, chosen once
         self.block = Block(cfg, self.rules, self.spec, causal=self.causal)
 
     # ---- parameters -------------------------------------------------------------------------

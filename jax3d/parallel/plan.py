@@ -47,7 +47,9 @@ class Plan:
     runs, and the facts derived from them that the model, the train step, the state's shardings, the data
     loader and the pipeline loop read.
 
-    `resolve` builds it. `Plan(cfg, mesh)` of a pair it returned gives the same facts; `plan.replace(cfg=...)` is
+    `resolve` builds it. `Plan(cfg, mesh)` of a pair it returned gives the same facts but the kernels (none, and
+    the default backend's attention, unless `kernels=` names them) and the precision's device check;
+    `plan.replace(cfg=...)` is
     the plan of a changed config (its facts derived again, nothing settled or checked again).
     """
 
