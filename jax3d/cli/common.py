@@ -105,8 +105,8 @@ def add_model_parallel_flags(p, pipeline: bool = True) -> None:
 
 
 def add_decode_dtype_flags(p) -> None:
-    """Generation's KV cache type (jax3d.inference.cached_attention.cache_dtype) and weight type
-    (jax3d.models.quantized.weight_dtype), for generate and the decode benchmarks."""
+    """Generation's KV cache type and weight type (the precision policy's `cache_dtype`, `weight_dtype`:
+    jax3d.parallel.precision), for generate and the decode benchmarks."""
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="the KV cache's type: auto keeps the compute type; fp8 (e4m3, unscaled) halves a bf16 "
                         "cache's memory and the bytes each token reads of it (an fp32 cache's, quarters), at some "

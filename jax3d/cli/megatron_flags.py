@@ -199,7 +199,7 @@ FLAGS: tuple[Flag, ...] = (
               "--use-flash-attn-builder",
               "FlashAttention kernels", "--attention-impl auto already runs cuDNN's flash attention on GPUs in bf16 "
               "and fp16", _TORCH, **_ON),
-    # FP8: jax3d.models.fp8 (the GEMMs) and jax3d.train.fp8 (delayed scaling), on GPUs of compute capability 8.9+.
+    # FP8: jax3d.models.fp8 (the GEMMs) and jax3d.parallel.precision.Recipe (delayed scaling), on GPUs of compute capability 8.9+.
     _act("--fp8-hybrid", "FP8 GEMMs in the transformer blocks: e4m3 forward, e5m2 gradients (Ada or Hopper GPUs)",
          "QKV, attention-out and MLP GEMMs (SwiGLU's too) in FP8 with per-tensor delayed scaling, both backward "
          "GEMMs too; master weights, optimizer, LM head and attention itself stay as they were", _FP8, **_ON),

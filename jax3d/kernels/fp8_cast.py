@@ -74,7 +74,7 @@ def reference(a_tk, scale, f8):
 def _kernel(inverse_ref, a_ref, q_ref, qt_ref, amax_ref):
     a = a_ref[...]
     # Times the scale's inverse, not divided by the scale: Triton's fp32 division may be approximate, and the
-    # product is exact for a power-of-two scale (jax3d.train.fp8), so the codes are quantize's: a / scale is
+    # product is exact for a power-of-two scale (jax3d.parallel.precision.Recipe), so the codes are quantize's: a / scale is
     # exact in bf16 and fp32 alike, its rounding to f8 the same from either.
     q = to_f8(a.astype(jnp.float32) * inverse_ref[0], q_ref.dtype)
     q_ref[...] = q

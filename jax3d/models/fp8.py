@@ -10,11 +10,11 @@ step had no FP8 GEMM at all (docs/performance.md, FP8). The backward pass quanti
 way (e5m2 under `hybrid`, e4m3 under `e4m3`) and runs the two transposed dots on the stored f8 operands, so
 the residuals kept from forward to backward are f8, half of bf16's bytes.
 
-Scales are powers of two (jax3d.train.fp8), so quantizing divides exactly and the product of two scales is
+Scales are powers of two (jax3d.parallel.precision.Recipe), so quantizing divides exactly and the product of two scales is
 exact in bf16: scaling the bf16 output equals scaling inside the GEMM.
 
 Scales are a parameter of the layer, one (3,) leaf per GEMM named `<gemm>_fp8`: the dequantizing multipliers of
-x, w and g, computed by the train step from an amax history (jax3d.train.fp8). The "gradient" of that leaf is
+x, w and g, computed by the train step from an amax history (jax3d.parallel.precision.Recipe). The "gradient" of that leaf is
 not a gradient: it is the (3,) amaxes observed this call, |x|, |w| and |g| maxima. Summing it over micro-batches
 would be wrong, so every accumulation of gradients takes their maximum instead (`accumulate`, and the pipeline
 loop's `stats`).
